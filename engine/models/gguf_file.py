@@ -1,0 +1,184 @@
+"""Llama-architecture GGUF files: config, dequantized weights (HF names and layout), tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from .config import ModelConfig
+from .errors import ModelLoadError
+from .tokenizer import ModelTokenizer
+
+# Types the `gguf` package dequantizes and that we have checked; others are refused by name.
+SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
+
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    """The pre-tokenizer llama.cpp applies for a `tokenizer.ggml.pre` name."""
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("default", "gpt2", "gpt-2"):
+        return byte_level
+    if pre in ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva"):
+        # Digits are split one by one before the GPT-2 regex.
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    if pre in ("llama-bpe", "llama3", "smaug-bpe"):
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    raise ModelLoadError(f"unsupported GGUF pre-tokenizer {pre!r}")
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def _tokenizer(reader) -> ModelTokenizer:
+    kind = _field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ModelLoadError(
+            f"unsupported GGUF tokenizer model {kind!r} (only byte-level BPE, 'gpt2', is supported)"
+        )
+    tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
+    types = _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    tok.pre_tokenizer = _pre_tokenizer(_field(reader, "tokenizer.ggml.pre", "default"))
+    tok.decoder = decoders.ByteLevel()
+    # Control (3) and user-defined (4) tokens are matched whole, before BPE.
+    specials = [t for t, ty in zip(tokens, types, strict=True) if ty in (3, 4)]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+
+    def name(key: str) -> str | None:
+        i = _field(reader, key)
+        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+    return ModelTokenizer(
+        tokenizer=tok,
+        chat_template=_field(reader, "tokenizer.chat_template"),
+        bos_token=name("tokenizer.ggml.bos_token_id"),
+        eos_token=name("tokenizer.ggml.eos_token_id"),
+        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+    )
+
+
+def _config(reader, tokenizer: ModelTokenizer, has_output: bool) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ModelLoadError(f"unsupported GGUF architecture {arch!r} (supported: llama)")
+
+    def get(key: str, default=None):
+        v = _field(reader, f"llama.{key}", default)
+        if v is None:
+            raise ModelLoadError(f"GGUF metadata key llama.{key} is missing")
+        return v
+
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    eos = [tokenizer.token_id(tokenizer.eos_token)] if tokenizer.eos_token else []
+    # Chat models end a turn with their own token; stopping there is what users expect.
+    for end_of_turn in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>"):
+        i = tokenizer.token_id(end_of_turn)
+        if i is not None and i not in eos:
+            eos.append(i)
+    return ModelConfig(
+        arch="llama",
+        vocab_size=len(_field(reader, "tokenizer.ggml.tokens")),
+        hidden_size=hidden,
+        num_layers=int(get("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("rope.dimension_count", hidden // heads)),
+        ffn_size=int(get("feed_forward_length")),
+        max_context=int(get("context_length")),
+        norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        tie_embeddings=not has_output,
+        bos_token_id=tokenizer.token_id(tokenizer.bos_token) if tokenizer.bos_token else None,
+        eos_token_ids=tuple(eos),
+    )
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's converter, which interleaves each head's two RoPE halves."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _hf_name(gguf_name: str) -> str:
+    base, _, suffix = gguf_name.rpartition(".")
+    parts = base.split(".")
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    if base in _TOP_NAMES:
+        return f"{_TOP_NAMES[base]}.{suffix}"
+    raise ModelLoadError(f"unexpected tensor {gguf_name!r} in a llama GGUF file")
+
+
+def _open(path: Path):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises bare ValueError/IndexError on damaged files
+        raise ModelLoadError(f"cannot read GGUF file {path}: truncated or corrupt ({e})") from e
+
+
+def read_gguf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
+    reader = _open(path)
+    tokenizer = _tokenizer(reader)
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    return _config(reader, tokenizer, has_output), tokenizer
+
+
+def read_gguf_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """All tensors dequantized to fp32, named and laid out as in a Hugging Face checkpoint."""
+    import gguf
+
+    reader = _open(path)
+    weights = {}
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        if kind not in SUPPORTED_TYPES:
+            raise ModelLoadError(f"tensor {t.name} has unsupported type {kind} in {path}")
+        try:
+            w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        except Exception as e:
+            raise ModelLoadError(f"cannot dequantize tensor {t.name} ({kind}) in {path}: {e}") from e
+        expected = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
+        if w.size != int(np.prod(expected)):
+            raise ModelLoadError(f"tensor {t.name} in {path} is truncated")
+        w = w.reshape(expected)
+        if t.name.endswith("attn_q.weight"):
+            w = _unpermute(w, config.num_heads)
+        elif t.name.endswith("attn_k.weight"):
+            w = _unpermute(w, config.num_kv_heads)
+        weights[_hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(w))
+    return weights

@@ -1,0 +1,109 @@
+"""Hugging Face model directories: config.json, *.safetensors, tokenizer.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+
+from .config import ModelConfig
+from .errors import ModelLoadError
+from .tokenizer import ModelTokenizer
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "OPTForCausalLM")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text()) if path.exists() else {}
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path} is not valid JSON: {e}") from e
+
+
+def _token_text(tok) -> str | None:
+    return tok.get("content") if isinstance(tok, dict) else tok
+
+
+def read_hf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
+    cfg = _read_json(path / "config.json")
+    if not cfg:
+        raise ModelLoadError(f"{path} has no config.json")
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ModelLoadError(
+            f"{path}: unsupported architecture {archs or cfg.get('model_type')!r} "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    if not (path / "tokenizer.json").exists():
+        raise ModelLoadError(f"{path} has no tokenizer.json")
+    tok_cfg = _read_json(path / "tokenizer_config.json")
+    gen_cfg = _read_json(path / "generation_config.json")
+    template = tok_cfg.get("chat_template")
+    if template is None and (path / "chat_template.jinja").exists():
+        template = (path / "chat_template.jinja").read_text()
+    tokenizer = ModelTokenizer(
+        tokenizer=Tokenizer.from_file(str(path / "tokenizer.json")),
+        chat_template=template,
+        bos_token=_token_text(tok_cfg.get("bos_token")),
+        eos_token=_token_text(tok_cfg.get("eos_token")),
+        add_bos=bool(tok_cfg.get("add_bos_token", arch == "OPTForCausalLM")),
+    )
+    eos = gen_cfg.get("eos_token_id", cfg.get("eos_token_id"))
+    eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    common = dict(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        max_context=cfg.get("max_position_embeddings", 2048),
+    )
+    if arch == "LlamaForCausalLM":
+        if cfg.get("rope_scaling"):
+            raise ModelLoadError(f"{path}: rope_scaling is not supported")
+        config = ModelConfig(
+            arch="llama",
+            num_kv_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            ffn_size=cfg["intermediate_size"],
+            norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta", 10000.0),
+            tie_embeddings=cfg.get("tie_word_embeddings", False),
+            **common,
+        )
+    else:
+        if cfg.get("activation_function", "relu") != "relu":
+            raise ModelLoadError(f"{path}: OPT activation {cfg['activation_function']!r}")
+        config = ModelConfig(
+            arch="opt",
+            num_kv_heads=heads,
+            head_dim=hidden // heads,
+            ffn_size=cfg["ffn_dim"],
+            tie_embeddings=cfg.get("tie_word_embeddings", True),
+            position_offset=2,  # OPT's learned position table starts at index 2
+            word_embed_proj_dim=cfg.get("word_embed_proj_dim", hidden),
+            norm_before=cfg.get("do_layer_norm_before", True),
+            **common,
+        )
+    return config, tokenizer
+
+
+def read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} has no *.safetensors files")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            weights.update({k: v.float() for k, v in load_file(str(f)).items()})
+        except Exception as e:
+            raise ModelLoadError(f"cannot read {f}: {e}") from e
+    # Some OPT checkpoints drop the "model." prefix.
+    return {(k if k.startswith(("model.", "lm_head")) else f"model.{k}"): v
+            for k, v in weights.items()}

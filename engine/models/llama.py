@@ -1,0 +1,86 @@
+"""Llama-family decoder (GQA, RoPE, RMSNorm, SwiGLU) over a paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from llmdb.kernels.attention import AttentionBatch, write_kv
+from .config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype):
+        self.config = config
+        self.dtype = dtype
+        c = config
+
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(dtype).contiguous()
+
+        self.embed = w("model.embed_tokens.weight")
+        self.lm_head = self.embed if c.tie_embeddings else w("lm_head.weight")
+        self.norm = w("model.norm.weight")
+        self.layers = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            # One matmul for Q, K and V and one for gate and up: fewer, larger GEMMs.
+            qkv = torch.cat([weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+            gate_up = torch.cat([weights[p + "mlp.gate_proj.weight"],
+                                 weights[p + "mlp.up_proj.weight"]])
+            self.layers.append((
+                w(p + "input_layernorm.weight"),
+                qkv.to(dtype).contiguous(),
+                w(p + "self_attn.o_proj.weight"),
+                w(p + "post_attention_layernorm.weight"),
+                gate_up.to(dtype).contiguous(),
+                w(p + "mlp.down_proj.weight"),
+            ))
+        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2).double() / c.head_dim))
+        angles = torch.arange(c.max_context).double()[:, None] * inv_freq[None, :]
+        self.cos, self.sin = angles.cos().float(), angles.sin().float()
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate-half RoPE (Hugging Face layout), in fp32."""
+        xf = x.float()
+        x1, x2 = xf.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attention,
+    ) -> torch.Tensor:
+        """Final-norm hidden states [T, hidden] of the packed tokens."""
+        c = self.config
+        t = input_ids.shape[0]
+        hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        scale = d**-0.5
+        x = self.embed[input_ids]
+        for (ln1, qkv_w, o_w, ln2, gu_w, down_w), (k_cache, v_cache) in zip(
+            self.layers, kv_caches, strict=True
+        ):
+            h = rms_norm(x, ln1, c.norm_eps)
+            q, k, v = F.linear(h, qkv_w).split([hq * d, hk * d, hk * d], dim=-1)
+            q = self._rope(q.view(t, hq, d), cos, sin)
+            k = self._rope(k.view(t, hk, d), cos, sin)
+            write_kv(k_cache, v_cache, k, v.reshape(t, hk, d), batch.slot_mapping)
+            o = attention(q, k_cache, v_cache, batch, scale)
+            x = x + F.linear(o.reshape(t, hq * d), o_w)
+            h = rms_norm(x, ln2, c.norm_eps)
+            gate, up = F.linear(h, gu_w).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, down_w)
+        return rms_norm(x, self.norm, c.norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,90 @@
+"""OPT decoder (MHA, learned positions, LayerNorm, ReLU MLP) over a paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from llmdb.kernels.attention import AttentionBatch, write_kv
+
+from .config import ModelConfig
+
+
+class OPTModel:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype):
+        self.config = config
+        self.dtype = dtype
+        p = "model.decoder."
+
+        def w(name: str) -> torch.Tensor | None:
+            t = weights.get(p + name)
+            return None if t is None else t.to(dtype).contiguous()
+
+        self.embed = w("embed_tokens.weight")
+        self.positions = w("embed_positions.weight")
+        self.project_in = w("project_in.weight")
+        self.project_out = w("project_out.weight")
+        self.final_norm = (w("final_layer_norm.weight"), w("final_layer_norm.bias"))
+        lm = weights.get("lm_head.weight")
+        self.lm_head = self.embed if config.tie_embeddings or lm is None else lm.to(dtype)
+        self.layers = []
+        for i in range(config.num_layers):
+            q = f"layers.{i}."
+            qkv_w = torch.cat([weights[p + q + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+            qkv_b = torch.cat([weights[p + q + f"self_attn.{n}_proj.bias"] for n in "qkv"])
+            self.layers.append(tuple(
+                t.to(dtype).contiguous() if t is not None else None
+                for t in (
+                    weights[p + q + "self_attn_layer_norm.weight"],
+                    weights[p + q + "self_attn_layer_norm.bias"],
+                    qkv_w, qkv_b,
+                    weights[p + q + "self_attn.out_proj.weight"],
+                    weights[p + q + "self_attn.out_proj.bias"],
+                    weights[p + q + "final_layer_norm.weight"],
+                    weights[p + q + "final_layer_norm.bias"],
+                    weights[p + q + "fc1.weight"], weights[p + q + "fc1.bias"],
+                    weights[p + q + "fc2.weight"], weights[p + q + "fc2.bias"],
+                )
+            ))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attention,
+    ) -> torch.Tensor:
+        c = self.config
+        t, h, d = input_ids.shape[0], c.num_heads, c.head_dim
+        x = self.embed[input_ids]
+        if self.project_in is not None:
+            x = F.linear(x, self.project_in)
+        x = x + self.positions[positions + c.position_offset]
+        hs = (c.hidden_size,)
+        for (ln1_w, ln1_b, qkv_w, qkv_b, o_w, o_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b), (
+            k_cache, v_cache,
+        ) in zip(self.layers, kv_caches, strict=True):
+            res = x
+            if c.norm_before:
+                x = F.layer_norm(x, hs, ln1_w, ln1_b)
+            q, k, v = F.linear(x, qkv_w, qkv_b).split(c.hidden_size, dim=-1)
+            write_kv(k_cache, v_cache, k.reshape(t, h, d), v.reshape(t, h, d), batch.slot_mapping)
+            o = attention(q.reshape(t, h, d), k_cache, v_cache, batch, d**-0.5)
+            x = res + F.linear(o.reshape(t, h * d), o_w, o_b)
+            if not c.norm_before:
+                x = F.layer_norm(x, hs, ln1_w, ln1_b)
+            res = x
+            if c.norm_before:
+                x = F.layer_norm(x, hs, ln2_w, ln2_b)
+            x = res + F.linear(F.relu(F.linear(x, fc1_w, fc1_b)), fc2_w, fc2_b)
+            if not c.norm_before:
+                x = F.layer_norm(x, hs, ln2_w, ln2_b)
+        if self.final_norm[0] is not None:
+            x = F.layer_norm(x, hs, *self.final_norm)
+        if self.project_out is not None:
+            x = F.linear(x, self.project_out)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,33 @@
+"""What the engine hands back: final results with usage, and streamed tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    generated_tokens: int
+    cached_tokens: int = 0
+    ttft_s: float | None = None  # submit -> first generated token
+    total_s: float | None = None  # submit -> finish
+
+
+@dataclass
+class RequestResult:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop", "length", "abort" or "error"
+    usage: Usage
+    # Per generated token: (its log-probability, {token id: log-probability} of the top k).
+    logprobs: list[tuple[float, dict[int, float]]] | None = None
+    # Scoring requests: log-probability of each continuation token after the prompt.
+    continuation_logprobs: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def score(self) -> float:
+        """Total log-likelihood of the continuation (scoring requests)."""
+        return float(sum(self.continuation_logprobs))

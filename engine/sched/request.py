@@ -1,0 +1,57 @@
+"""A request's state as the engine and the scheduler see it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.perf_counter)
+    # Generation stops after max_tokens; scoring requests generate nothing (generate=False).
+    generate: bool = True
+    # Positions p >= logits_from have the logits predicting token p + 1 returned (scoring).
+    logits_from: int | None = None
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    error: str | None = None
+    generator: torch.Generator | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
+    # Scoring: log-probability of each token after logits_from; or the raw rows (keep_logits).
+    keep_logits: bool = False
+    target_logprobs: list[float] = field(default_factory=list)
+    logit_rows: list[torch.Tensor] = field(default_factory=list)
+    callbacks: list = field(default_factory=list)  # called with each new token id
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,1 @@
+"""llmdb: run language models over database rows."""
