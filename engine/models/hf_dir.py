@@ -45,12 +45,21 @@ def read_hf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
     template = tok_cfg.get("chat_template")
     if template is None and (path / "chat_template.jinja").exists():
         template = (path / "chat_template.jinja").read_text()
+    hf_tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    bos_token = _token_text(tok_cfg.get("bos_token"))
+    add_bos = tok_cfg.get("add_bos_token")
+    if add_bos is None:
+        # No explicit setting (e.g. Llama 3): do what tokenizer.json's post-processor does.
+        bos_id = hf_tok.token_to_id(bos_token) if bos_token else None
+        add_bos = arch == "OPTForCausalLM" or (
+            bos_id is not None and hf_tok.encode("a").ids[:1] == [bos_id]
+        )
     tokenizer = ModelTokenizer(
-        tokenizer=Tokenizer.from_file(str(path / "tokenizer.json")),
+        tokenizer=hf_tok,
         chat_template=template,
-        bos_token=_token_text(tok_cfg.get("bos_token")),
+        bos_token=bos_token,
         eos_token=_token_text(tok_cfg.get("eos_token")),
-        add_bos=bool(tok_cfg.get("add_bos_token", arch == "OPTForCausalLM")),
+        add_bos=bool(add_bos),
     )
     eos = gen_cfg.get("eos_token_id", cfg.get("eos_token_id"))
     eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
@@ -65,7 +74,10 @@ def read_hf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
         max_context=cfg.get("max_position_embeddings", 2048),
     )
     if arch == "LlamaForCausalLM":
-        if cfg.get("rope_scaling"):
+        # transformers >= 5 writes RoPE settings as rope_parameters = {rope_type, rope_theta,
+        # ...}; older configs have top-level rope_theta and rope_scaling.
+        rope = cfg.get("rope_parameters") or {}
+        if cfg.get("rope_scaling") or rope.get("rope_type", "default") != "default":
             raise ModelLoadError(f"{path}: rope_scaling is not supported")
         config = ModelConfig(
             arch="llama",
@@ -73,7 +85,7 @@ def read_hf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
             head_dim=cfg.get("head_dim") or hidden // heads,
             ffn_size=cfg["intermediate_size"],
             norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", 10000.0),
+            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
             tie_embeddings=cfg.get("tie_word_embeddings", False),
             **common,
         )

@@ -1,0 +1,20 @@
+import pytest
+
+from llmdb.engine.engine import LLMEngine
+
+
+@pytest.fixture(scope="session")
+def engine_fp32() -> LLMEngine:
+    """The bundled SmolLM2-135M in fp32, where batch and chunking must not change tokens."""
+    return LLMEngine("smollm2-135m", dtype="fp32", kv_cache_bytes=512 << 20)
+
+
+@pytest.fixture
+def engine(engine_fp32: LLMEngine):
+    """The shared fp32 engine, with its scheduler limits restored and its pool checked."""
+    sched = engine_fp32.scheduler
+    saved = sched.max_num_batched_tokens, sched.max_num_seqs
+    yield engine_fp32
+    sched.max_num_batched_tokens, sched.max_num_seqs = saved
+    assert not engine_fp32.has_unfinished
+    assert engine_fp32.pool.num_free == engine_fp32.pool.num_blocks, "blocks leaked"

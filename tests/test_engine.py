@@ -1,0 +1,224 @@
+"""The engine on the bundled model: batching, chunking and preemption never change tokens."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from llmdb.engine.engine import LLMEngine
+from llmdb.engine.sampling import SamplingParams
+
+from .helpers import CHAT_QUESTIONS, assert_same_tokens, chat
+
+
+def _mixed_prompts(engine: LLMEngine, n: int = 32) -> list[list[int]]:
+    """n chat prompts of varied lengths (about 30 to 200 tokens)."""
+    prompts = []
+    for i in range(n):
+        q = CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)]
+        q = (q + " Please answer carefully. ") * (1 + i % 5)
+        prompts.append(engine.encode_prompt(chat(q)))
+    return prompts
+
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def alone(engine_fp32: LLMEngine) -> dict[int, list[int]]:
+    """Reference: each of the first 4 prompts generated on its own."""
+    prompts = _mixed_prompts(engine_fp32)
+    return {i: engine_fp32.generate([prompts[i]], GREEDY)[0].token_ids for i in range(4)}
+
+
+@pytest.mark.parametrize("budget", [1, 7, 64, 1024])
+def test_batch_and_budget_do_not_change_tokens(engine, alone, budget):
+    engine.scheduler.max_num_batched_tokens = budget
+    prompts = _mixed_prompts(engine)
+    results = engine.generate(prompts if budget >= 64 else prompts[:6], GREEDY)
+    for i, ref in alone.items():
+        assert_same_tokens(engine, prompts[i], ref, results[i].token_ids)
+    assert all(r.usage.generated_tokens == 12 for r in results)
+
+
+def test_forced_preemption_recomputes_the_same_tokens(engine, alone):
+    prompts = _mixed_prompts(engine)[:4]
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    for _ in range(6):
+        engine.step()
+    with engine._cond:  # preempt the newest two mid-generation, as a full pool would
+        for _ in range(2):
+            engine.scheduler._preempt(engine.scheduler.running.pop())
+    results = [engine.wait(i) for i in ids]
+    for i, r in enumerate(results):
+        assert_same_tokens(engine, prompts[i], alone[i], r.token_ids)
+
+
+def test_small_pool_preempts_and_never_overflows():
+    eng = LLMEngine("smollm2-135m", dtype="fp32", kv_cache_bytes=40 * 16 * 46080)  # 40 blocks
+    prompts = _mixed_prompts(eng, 8)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    ref = {i: eng.generate([prompts[i]], params)[0].token_ids for i in (0, 5)}
+    preempted = []
+    ids = [eng.add_request(p, params) for p in prompts]
+    while eng.has_unfinished:
+        eng.step()
+        assert eng.pool.num_free >= 0
+        preempted.extend(r.request_id for r in eng.scheduler.running if r.num_preemptions)
+    results = [eng.wait(i) for i in ids]
+    assert preempted, "the workload was meant to overflow the pool"
+    for i, r in ref.items():
+        assert_same_tokens(eng, prompts[i], r, results[i].token_ids)
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_paged_logits_equal_reference_attention(engine):
+    ids = engine.encode_prompt(chat(CHAT_QUESTIONS[2]))
+    fast = engine.logits(ids)
+    engine.runner.attention, saved = __import__(
+        "llmdb.kernels.attention", fromlist=["x"]).paged_attention_reference, engine.runner.attention
+    try:
+        ref = engine.logits(ids)
+    finally:
+        engine.runner.attention = saved
+    assert fast.shape == (len(ids), engine.config.vocab_size) and fast.dtype == torch.float32
+    torch.testing.assert_close(fast, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_logits_match_generation(engine):
+    """Greedy tokens are the argmax of the teacher-forced logits."""
+    ids = engine.encode_prompt(chat(CHAT_QUESTIONS[0]))
+    out = engine.generate([ids], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+    logits = engine.logits(ids + out[:-1])
+    assert logits[len(ids) - 1 :].argmax(-1).tolist() == out
+
+
+def test_seeded_sampling_is_reproducible_across_batches(engine):
+    prompts = _mixed_prompts(engine, 6)
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=123)
+    alone = engine.generate([prompts[0]], params)[0].token_ids
+    again = engine.generate([prompts[0]], params)[0].token_ids
+    others = [SamplingParams(max_tokens=16, temperature=1.0, seed=s) for s in range(5)]
+    batched = engine.generate(prompts, [params, *others])[0].token_ids
+    assert alone == again
+    assert_same_tokens(engine, prompts[0], alone, batched)
+    other_seed = engine.generate([prompts[0]], SamplingParams(
+        max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=124))[0].token_ids
+    assert other_seed != alone
+
+
+def test_stop_strings_and_stop_tokens(engine):
+    ids = engine.encode_prompt(chat("Count from 1 to 20, separated by commas."))
+    free = engine.generate([ids], SamplingParams(max_tokens=40))[0]
+    assert "5" in free.text
+    r = engine.generate([ids], SamplingParams(max_tokens=40, stop=["5"]))[0]
+    assert r.finish_reason == "stop" and "5" not in r.text and free.text.startswith(r.text)
+    tok = free.token_ids[3]
+    r = engine.generate([ids], SamplingParams(max_tokens=40, stop_token_ids=[tok]))[0]
+    first = free.token_ids.index(tok)
+    assert r.finish_reason == "stop" and r.token_ids == free.token_ids[: first + 1]
+
+
+def test_eos_and_length_finish_reasons(engine):
+    ids = engine.encode_prompt(chat(CHAT_QUESTIONS[0]))
+    r = engine.generate([ids], SamplingParams(max_tokens=64))[0]
+    assert r.finish_reason == "stop" and r.token_ids[-1] in engine.config.eos_token_ids
+    assert "Paris" in r.text and "<|im_end|>" not in r.text
+    r = engine.generate([ids], SamplingParams(max_tokens=3))[0]
+    assert r.finish_reason == "length" and len(r.token_ids) == 3
+    assert r.usage.prompt_tokens == len(ids) and r.usage.ttft_s <= r.usage.total_s
+
+
+def test_logprobs(engine):
+    ids = engine.encode_prompt(chat(CHAT_QUESTIONS[0]))
+    r = engine.generate([ids], SamplingParams(max_tokens=4, logprobs=3, ignore_eos=True))[0]
+    assert len(r.logprobs) == 4
+    for tok, (lp, top) in zip(r.token_ids, r.logprobs, strict=True):
+        assert len(top) == 3 and max(top, key=top.get) == tok  # greedy picks the top one
+        assert lp == pytest.approx(top[tok]) and lp <= 0
+
+
+def test_score_continuations(engine):
+    prompt = chat("Is the sky blue on a clear day? Answer yes or no.")
+    ids = engine.encode_prompt(prompt)
+    yes, no = engine.tokenizer.encode("Yes"), engine.tokenizer.encode("No")
+    scores = engine.score(prompt, [yes, no])
+    lp = engine.logits(ids)[-1].log_softmax(-1)
+    assert scores[0] == pytest.approx(float(lp[yes[0]]), abs=1e-4)
+    assert scores[1] == pytest.approx(float(lp[no[0]]), abs=1e-4)
+    assert scores[0] > scores[1]
+    # A multi-token continuation sums its tokens' log-probabilities.
+    cont = engine.tokenizer.encode("Yes, it is.")
+    full = engine.logits(ids + cont).log_softmax(-1)
+    expected = sum(float(full[len(ids) - 1 + k, t]) for k, t in enumerate(cont))
+    assert engine.score(prompt, [cont])[0] == pytest.approx(expected, abs=1e-3)
+
+
+def test_stream_yields_the_generated_tokens(engine):
+    ids = engine.encode_prompt(chat(CHAT_QUESTIONS[1]))
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    assert list(engine.stream(ids, params)) == engine.generate([ids], params)[0].token_ids
+
+
+def test_abort_frees_blocks_and_engine_keeps_serving(engine):
+    ids = engine.encode_prompt(chat(CHAT_QUESTIONS[3]))
+    rid = engine.add_request(ids, SamplingParams(max_tokens=50, ignore_eos=True))
+    keep = engine.add_request(ids, SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.step()
+    engine.step()
+    engine.abort(rid)
+    r = engine.wait(rid)
+    assert r.finish_reason == "abort"
+    assert engine.wait(keep).usage.generated_tokens == 5
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ("", SamplingParams(), "empty prompt"),
+        ([], SamplingParams(), "empty prompt"),
+        ("hi", SamplingParams(max_tokens=0), "max_tokens must be positive"),
+        ("hi", SamplingParams(max_tokens=-3), "max_tokens must be positive"),
+        ("hi", SamplingParams(temperature=-1), "temperature"),
+        ([10**6], SamplingParams(), "outside the vocabulary"),
+    ],
+)
+def test_bad_requests_are_rejected_clearly(engine, prompt, params, message):
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(prompt, params)
+    assert engine.generate(["Hello"], SamplingParams(max_tokens=2))[0].usage.generated_tokens
+
+
+def test_prompt_longer_than_context_names_both_lengths(engine):
+    with pytest.raises(ValueError, match=r"9,000 tokens.*context of 8,192"):
+        engine.add_request([5] * 9000, SamplingParams(max_tokens=1))
+
+
+def test_request_that_never_fits_the_pool_is_rejected():
+    eng = LLMEngine("smollm2-135m", dtype="fp32", kv_cache_bytes=4 * 16 * 46080)  # 64 tokens
+    with pytest.raises(ValueError, match="whole pool holds 64"):
+        eng.add_request([5] * 50, SamplingParams(max_tokens=30))
+
+
+def test_background_loop_serves_many_threads(engine):
+    engine.start_background_loop()
+    try:
+        prompts = _mixed_prompts(engine, 8)
+        results: dict[int, list[int]] = {}
+
+        def worker(i: int) -> None:
+            rid = engine.add_request(prompts[i], SamplingParams(max_tokens=6, ignore_eos=True))
+            while (r := engine.wait(rid, timeout=0.1)) is None:
+                pass
+            results[i] = r.token_ids
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(results) == list(range(8)) and all(len(v) == 6 for v in results.values())
+    finally:
+        engine.stop_background_loop()
