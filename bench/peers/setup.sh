@@ -27,12 +27,29 @@ LLAMA_CPP_SPEC="llama-cpp-python"
 # llama.cpp's native (-march=native) build segfaults on this CPU; the portable one runs.
 LLAMA_CPP_CMAKE_ARGS="-DGGML_NATIVE=OFF"
 
+PEERS=(llama_cpp transformers vllm)
+
+# One line per peer: installed, or why not.
+report() {
+    local peer
+    for peer in "${PEERS[@]}"; do
+        if [[ -f "$VENV/ok-$peer" ]]; then
+            echo "  $peer: ok" >&2
+        elif [[ -f "$VENV/fail-$peer" ]]; then
+            echo "  $peer: $(cat "$VENV/fail-$peer")" >&2
+        else
+            echo "  $peer: not installed" >&2
+        fi
+    done
+}
+
 SELF_HASH="$(sha256sum "${BASH_SOURCE[0]}" | cut -d' ' -f1)"
 RETRY=0
 [[ "${1:-}" == "--retry" ]] && RETRY=1
 
 if [[ $RETRY -eq 0 && -f "$STAMP" && "$(cat "$STAMP")" == "$SELF_HASH" ]]; then
-    echo "peers venv up to date ($VENV): $(cd "$VENV" && ls ok-* 2>/dev/null | tr '\n' ' ')" >&2
+    echo "peers venv up to date ($VENV):" >&2
+    report
     exit 0
 fi
 
@@ -78,10 +95,19 @@ step pip "pip>=25" "import pip" "${PIP[@]}" --upgrade "pip>=25"
 # torch first, on its own: both the transformers and the vLLM peers need it.
 step torch "$TORCH_SPEC" "import torch; assert torch.__version__ == '2.13.0+cpu', torch.__version__" \
     "${PIP[@]}" "$TORCH_SPEC"
-step vllm "$VLLM_SPEC" "from vllm import LLM, SamplingParams" "${PIP[@]}" "$VLLM_SPEC"
-# vLLM pulls torchvision in, but PyPI's torchvision does not load beside the CPU torch
-# ('operator torchvision::nms does not exist') and transformers' model imports then fail.
-"$PY" -m pip --disable-pip-version-check uninstall -y -q torchvision >/dev/null 2>&1 || true
+# vLLM pulls in torchvision, torchaudio and torchcodec, and none of them loads beside the
+# CPU torch: PyPI's torchvision fails with 'operator torchvision::nms does not exist', the
+# newest torchaudio (2.11) and torchcodec were built for other torch builds. transformers
+# and vLLM import them whenever they are installed (vLLM's audio module only catches
+# ImportError, not the OSError torchcodec raises), so both peers' imports fail.
+# No text model needs them.
+drop_media_packages() {
+    "$PY" -m pip --disable-pip-version-check uninstall -y torchvision torchaudio torchcodec
+}
+install_vllm() {
+    "${PIP[@]}" "$VLLM_SPEC" && drop_media_packages
+}
+step vllm "$VLLM_SPEC" "from vllm import LLM, SamplingParams" install_vllm
 step transformers "$TRANSFORMERS_SPEC psutil" \
     "import psutil; from transformers import AutoModelForCausalLM" \
     "${PIP[@]}" "$TRANSFORMERS_SPEC" psutil
@@ -91,6 +117,9 @@ step llama_cpp "$LLAMA_CPP_SPEC $LLAMA_CPP_CMAKE_ARGS" "import llama_cpp" \
     env CMAKE_ARGS="$LLAMA_CPP_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
     "${PIP[@]}" --no-binary llama-cpp-python --no-cache-dir "$LLAMA_CPP_SPEC"
 
+# Again at the end, in case a later step brought them back.
+drop_media_packages >/dev/null 2>&1 || true
+
 # The CPU torch must have survived every step: a CUDA build here means a dependency
 # replaced it, and the figures would not be comparable.
 torch_version="$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null)"
@@ -99,6 +128,6 @@ if [[ "$torch_version" != "2.13.0+cpu" ]]; then
 fi
 
 echo "$SELF_HASH" >"$STAMP"
-echo "peers installed: $(cd "$VENV" && ls ok-* 2>/dev/null | tr '\n' ' ')" >&2
-echo "peers failed:    $(cd "$VENV" && ls fail-* 2>/dev/null | tr '\n' ' ')" >&2
+echo "peers venv ($VENV):" >&2
+report
 exit 0

@@ -171,7 +171,7 @@ def read_gguf_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor
         try:
             w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         except Exception as e:
-            raise ModelLoadError(f"cannot dequantize tensor {t.name} ({kind}) in {path}: {e}") from e
+            raise ModelLoadError(f"cannot dequantize {t.name} ({kind}) in {path}: {e}") from e
         expected = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
         if w.size != int(np.prod(expected)):
             raise ModelLoadError(f"tensor {t.name} in {path} is truncated")
@@ -180,5 +180,5 @@ def read_gguf_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor
             w = _unpermute(w, config.num_heads)
         elif t.name.endswith("attn_k.weight"):
             w = _unpermute(w, config.num_kv_heads)
-        weights[_hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(w))
+        weights[_hf_name(t.name)] = torch.from_numpy(np.require(w, requirements=["C", "W"]))
     return weights

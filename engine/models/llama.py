@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from llmdb.kernels.attention import AttentionBatch, write_kv
+
 from .config import ModelConfig
 
 

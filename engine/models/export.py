@@ -1,0 +1,56 @@
+"""Write a loaded model as a Hugging Face directory (bf16 safetensors), so that peers such as
+transformers and vLLM run exactly the weights our GGUF loader produced."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .loader import LoadedModel
+
+
+def export_hf(model: LoadedModel, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    c, tok = model.config, model.tokenizer
+    if c.arch != "llama":
+        raise ValueError(f"export supports llama models, not {c.arch}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.to(dtype).contiguous() for k, v in model.weights.items()}
+    if c.tie_embeddings:
+        weights.pop("lm_head.weight", None)  # vLLM expects no lm_head for tied embeddings
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.ffn_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "max_position_embeddings": c.max_context,
+        "rms_norm_eps": c.norm_eps,
+        "rope_theta": c.rope_theta,
+        "tie_word_embeddings": c.tie_embeddings,
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": list(c.eos_token_ids),
+        "hidden_act": "silu",
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": c.bos_token_id, "eos_token_id": list(c.eos_token_ids)}, indent=2))
+    tok.tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": tok.bos_token,
+        "eos_token": tok.eos_token,
+        "add_bos_token": tok.add_bos,
+        "chat_template": tok.chat_template,
+        "model_max_length": c.max_context,
+    }, indent=2))
+    return out

@@ -1,0 +1,84 @@
+"""Builds and loads the C++ CPU kernels in csrc/ with ctypes.
+
+Why not a torch C++ extension: including torch's headers makes every build take about a
+minute; these kernels only need raw pointers, so a plain shared library builds in a second,
+at first use, for this machine's own instruction set, and is cached by source and CPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
+
+
+def _build_dir() -> Path:
+    base = os.environ.get("LLMDB_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "llmdb"
+    )
+    return Path(base) / "kernels"
+
+
+def _cpu_key() -> str:
+    try:
+        flags = next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return flags
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None where no C++ compiler is available."""
+    if os.environ.get("LLMDB_NO_CPP_KERNELS"):
+        return None
+    compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+    if compiler is None:
+        return None
+    key = hashlib.sha256(SOURCE.read_bytes() + _cpu_key().encode()).hexdigest()[:16]
+    lib_path = _build_dir() / f"llmdb_kernels_{key}.so"
+    if not lib_path.exists():
+        lib_path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
+            out = Path(tmp) / lib_path.name
+            cmd = [compiler, "-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared",
+                   "-fPIC", "-std=c++17", str(SOURCE), "-o", str(out)]
+            try:
+                subprocess.run(cmd, check=True, capture_output=True, text=True)
+            except subprocess.CalledProcessError as e:
+                raise RuntimeError(f"building {SOURCE.name} failed:\n{e.stderr}") from e
+            os.replace(out, lib_path)  # atomic: concurrent builders never see half a file
+    lib = ctypes.CDLL(str(lib_path))
+    args = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p]
+    for name in ("llmdb_decode_attention_f32", "llmdb_decode_attention_bf16"):
+        getattr(lib, name).argtypes = args
+        getattr(lib, name).restype = None
+    return lib
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, scale: float,
+    out: torch.Tensor,
+) -> None:
+    """out[s] = softmax(q[s] K_s^T * scale) V_s for single-query sequences, in place.
+
+    q, out [S, H, D] contiguous; caches [slots, KVH, D]; block_tables [S, max_blocks] int64;
+    context_lens [S] int64."""
+    lib = load_library()
+    fn = {torch.float32: lib.llmdb_decode_attention_f32,
+          torch.bfloat16: lib.llmdb_decode_attention_bf16}[q.dtype]
+    s, h, d = q.shape
+    fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+       context_lens.data_ptr(), s, h, k_cache.shape[1], d, block_size, block_tables.shape[1],
+       scale, out.data_ptr())
