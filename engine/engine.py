@@ -47,6 +47,7 @@ class LLMEngine:
         max_num_seqs: int = 256,
         attention: str = "fast",
         threads: int | None = None,
+        enable_prefix_caching: bool = True,
     ):
         torch.set_num_threads(threads or os.cpu_count() or 1)
         t0 = time.perf_counter()
@@ -59,7 +60,7 @@ class LLMEngine:
         self.model = model_cls(self.config, loaded.weights, self.dtype)
         del loaded
         num_blocks = kv_cache_bytes // KVCache.bytes_per_block(self.config, block_size, self.dtype)
-        self.pool = BlockPool(num_blocks, block_size)
+        self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
         self.kv_cache = KVCache(self.config, num_blocks, block_size, self.dtype)
         self.scheduler = Scheduler(self.pool, max_num_batched_tokens, max_num_seqs)
         self.runner = ModelRunner(self.model, self.kv_cache, block_size, attention)
@@ -173,6 +174,7 @@ class LLMEngine:
                     continue
                 start = req.num_computed
                 req.num_computed += n
+                self.scheduler.register_computed(req)
                 rows = logits.get(req.request_id)
                 if req.logits_from is not None and rows is not None:
                     self._collect_scores(req, start, rows)
@@ -255,6 +257,7 @@ class LLMEngine:
             usage=Usage(
                 prompt_tokens=len(req.prompt_ids),
                 generated_tokens=len(out),
+                cached_tokens=req.num_cached_tokens or 0,
                 ttft_s=req.first_token_time - req.arrival if req.first_token_time else None,
                 total_s=req.finish_time - req.arrival,
             ),

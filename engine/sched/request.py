@@ -30,6 +30,11 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     block_ids: list[int] = field(default_factory=list)
+    # Prefix caching: chained hashes of the full blocks of token_ids (grown as needed), how
+    # many of this request's blocks are published, and the prompt tokens served from cache.
+    block_hashes: list[int] = field(default_factory=list)
+    num_registered: int = 0
+    num_cached_tokens: int | None = None
     status: Status = Status.WAITING
     finish_reason: str | None = None
     error: str | None = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..cache.block_pool import BlockPool
+from ..cache.block_pool import BlockPool, block_hash
 from .request import Request, Status
 
 
@@ -47,11 +47,53 @@ class Scheduler:
     def _allocate(self, req: Request, n: int) -> None:
         req.block_ids.extend(self.pool.allocate(self._blocks_needed(req, n)))
 
+    def _block_tokens(self, req: Request, i: int) -> tuple[int, ...]:
+        bs = self.pool.block_size
+        return tuple(req.token_ids[i * bs : (i + 1) * bs])
+
+    def _hashes(self, req: Request, num_blocks: int) -> list[int]:
+        """Chained hashes of the request's first num_blocks full blocks."""
+        while len(req.block_hashes) < num_blocks:
+            i = len(req.block_hashes)
+            parent = req.block_hashes[-1] if i else None
+            req.block_hashes.append(block_hash(parent, self._block_tokens(req, i)))
+        return req.block_hashes
+
+    def _prefix_hit(self, req: Request) -> list[int]:
+        """Cached blocks holding a prefix of a request that has computed nothing yet.
+
+        At least one token is left to compute (its logits are needed), and a scoring request
+        computes every position whose logits it asked for."""
+        if not self.pool.enable_prefix_caching or req.num_computed:
+            return []
+        limit = req.num_tokens - 1
+        if req.logits_from is not None:
+            limit = min(limit, req.logits_from)
+        num_blocks = limit // self.pool.block_size
+        hits: list[int] = []
+        for i, h in enumerate(self._hashes(req, num_blocks)[:num_blocks]):
+            b = self.pool.lookup(h, self._block_tokens(req, i))
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def register_computed(self, req: Request) -> None:
+        """Publish the request's newly completed full blocks for reuse by others."""
+        full = req.num_computed // self.pool.block_size
+        if full <= req.num_registered:
+            return
+        hashes = self._hashes(req, full)
+        for i in range(req.num_registered, full):
+            self.pool.register(req.block_ids[i], hashes[i], self._block_tokens(req, i))
+        req.num_registered = full
+
     def _preempt(self, req: Request) -> None:
         """Recompute later: free its blocks; its prompt and outputs so far are kept."""
         self.pool.free(req.block_ids)
         req.block_ids = []
         req.num_computed = 0
+        req.num_registered = 0
         req.num_preemptions += 1
         req.target_logprobs.clear()
         req.logit_rows.clear()
@@ -79,11 +121,22 @@ class Scheduler:
         if out.preempted:
             return out  # memory is short: admit nobody new this step
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed, budget)
-            if self._blocks_needed(req, n) > self.pool.num_free:
+            req = self.waiting[0]  # waiting requests hold no blocks and have computed nothing
+            hits = self._prefix_hit(req)
+            cached = len(hits) * self.pool.block_size
+            n = min(req.num_tokens - cached, budget)
+            # Reviving an unreferenced cached block takes it off the free list too.
+            revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)
+            new_blocks = self.pool.blocks_for(cached + n) - len(hits)
+            if new_blocks + revived > self.pool.num_free:
                 break
             self.waiting.popleft()
+            if hits:
+                for b in hits:
+                    self.pool.touch(b)
+                req.block_ids, req.num_computed, req.num_registered = hits, cached, len(hits)
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = cached
             self._allocate(req, n)
             req.status = Status.RUNNING
             self.running.append(req)
