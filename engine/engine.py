@@ -160,7 +160,7 @@ class LLMEngine:
         if not out.scheduled:
             return []
         try:
-            logits = self.runner.execute(out.scheduled)
+            logits, spans = self.runner.execute(out.scheduled)
         except Exception as e:  # a failed step fails its requests, not the engine
             with self._cond:
                 for req, _ in out.scheduled:
@@ -168,30 +168,30 @@ class LLMEngine:
             return [req.request_id for req, _ in out.scheduled]
         finished = []
         with self._cond:
-            to_sample = []
+            to_sample, sample_rows = [], []
             for req, n in out.scheduled:
                 if req.is_finished:  # aborted while the model ran
                     continue
                 start = req.num_computed
                 req.num_computed += n
                 self.scheduler.register_computed(req)
-                rows = logits.get(req.request_id)
-                if req.logits_from is not None and rows is not None:
-                    self._collect_scores(req, start, rows)
+                first, count = spans.get(req.request_id, (0, 0))
+                if req.logits_from is not None and count:
+                    self._collect_scores(req, start, logits[first : first + count].float())
                 if req.num_computed == req.num_tokens:
                     if req.generate:
-                        to_sample.append((req, rows[-1]))
+                        to_sample.append(req)
+                        sample_rows.append(first + count - 1)
                     else:
                         self._finish(req, "stop")
                         finished.append(req.request_id)
             if to_sample:
-                tokens = sample(
-                    torch.stack([r for _, r in to_sample]),
-                    [req.params for req, _ in to_sample],
-                    [req.generator or self._default_generator for req, _ in to_sample],
-                )
-                for (req, row), token in zip(to_sample, tokens, strict=True):
-                    if self._append_token(req, token, row):
+                rows = logits if sample_rows == list(range(logits.shape[0])) else logits[
+                    torch.tensor(sample_rows)]
+                tokens = sample(rows, [r.params for r in to_sample],
+                                [r.generator or self._default_generator for r in to_sample])
+                for i, (req, token) in enumerate(zip(to_sample, tokens, strict=True)):
+                    if self._append_token(req, token, rows[i]):
                         finished.append(req.request_id)
         return finished
 

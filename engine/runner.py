@@ -20,13 +20,16 @@ class ModelRunner:
         ]
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Request, int]]) -> dict[str, torch.Tensor]:
-        """Runs one step; returns fp32 logits rows per request id, for the positions it needs:
-        the last position when a generating request's tokens are all computed (to sample), and
-        every position >= logits_from for scoring requests."""
-        # Decodes (one token) first: the attention kernel batches them together.
-        scheduled = sorted(scheduled, key=lambda rn: rn[1] != 1)
-        ids, positions, rows, owners = [], [], [], []
+    def execute(
+        self, scheduled: list[tuple[Request, int]]
+    ) -> tuple[torch.Tensor | None, dict[str, tuple[int, int]]]:
+        """Runs one step. Returns logits (model dtype) for the positions requests need: the
+        last one when a generating request's tokens are all computed (to sample), and every
+        position >= logits_from for scoring requests; and per request id its (first row,
+        row count) in them."""
+        # Shortest chunks first: the attention kernel takes decodes and short chunks together.
+        scheduled = sorted(scheduled, key=lambda rn: rn[1])
+        ids, positions, rows, spans = [], [], [], {}
         for req, n in scheduled:
             start = req.num_computed
             tokens = req.token_ids
@@ -41,8 +44,8 @@ class ModelRunner:
             else:
                 wanted = range(0)
             if len(wanted):
+                spans[req.request_id] = (len(rows), len(wanted))
                 rows.extend(base + j for j in wanted)
-                owners.append((req.request_id, len(wanted)))
         batch = AttentionBatch.build(
             query_lens=[n for _, n in scheduled],
             context_lens=[req.num_computed + n for req, n in scheduled],
@@ -57,11 +60,6 @@ class ModelRunner:
             self.attention,
         )
         if not rows:
-            return {}
+            return None, spans
         # The vocabulary projection is the largest matmul: only on the rows that need it.
-        logits = self.model.logits(hidden[torch.tensor(rows, dtype=torch.long)])
-        out, pos = {}, 0
-        for rid, k in owners:
-            out[rid] = logits[pos : pos + k]
-            pos += k
-        return out
+        return self.model.logits(hidden[torch.tensor(rows, dtype=torch.long)]), spans

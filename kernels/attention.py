@@ -1,13 +1,14 @@
 """Paged attention over a slot-indexed KV cache.
 
 The cache of one layer is a pair of tensors [num_slots, kv_heads, head_dim]; slot = block *
-block_size + offset. A step's queries are packed: decodes (one query each) first, then
-prefill chunks. Two implementations of the same contract:
+block_size + offset. A step's queries are packed sequence by sequence, shortest chunks
+first. Two implementations of the same contract:
 - `paged_attention_reference`: per sequence, gather K/V, expand GQA heads, fp32 softmax.
-- `paged_attention`: the CPU fast path: all decodes in one call of the C++ kernel that reads
-  K/V in place from the blocks (csrc/decode_attention.cpp; where no compiler exists, one
-  batched SDPA call over a padded gather), each prefill chunk in one SDPA call (torch's fused
-  CPU kernel).
+- `paged_attention`: the CPU fast path. Decodes and short prefill chunks go through the C++
+  kernel (csrc/decode_attention.cpp), which treats every query as its own row with its own
+  causal length and reads K/V in place from the blocks; long chunks go through torch's
+  fused SDPA, one call per chunk, where GEMMs beat per-query dot products. Without a C++
+  compiler every sequence takes the SDPA route.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ import torch.nn.functional as F
 
 from .cpu_ext import decode_attention, load_library
 
+# Chunks up to this many queries run per query in the C++ kernel; longer ones use SDPA.
+PER_QUERY_MAX_CHUNK = 32
+
 
 @dataclass
 class AttentionBatch:
@@ -28,11 +32,13 @@ class AttentionBatch:
     query_starts: list[int]  # per sequence, offset of its first query in the packed batch
     query_lens: list[int]
     context_lens: list[int]  # tokens in the cache after this step, including the new ones
-    context_slots: list[torch.Tensor]  # per sequence [context_len] slot indices
-    num_decodes: int  # the first num_decodes sequences have exactly one query each
-    block_size: int = 16
-    decode_block_tables: torch.Tensor | None = None  # [D, max_blocks] int64, padded
-    decode_context_lens: torch.Tensor | None = None  # [D] int64
+    block_tables: list[list[int]]
+    block_size: int
+    # The first num_row_seqs sequences (num_row_queries queries) take the per-query kernel:
+    num_row_seqs: int = 0
+    num_row_queries: int = 0
+    row_block_tables: torch.Tensor | None = None  # [Q, max_blocks] int64, padded
+    row_context_lens: torch.Tensor | None = None  # [Q] int64: keys each query may see
 
     @classmethod
     def build(
@@ -42,44 +48,43 @@ class AttentionBatch:
         block_tables: list[list[int]],
         block_size: int,
     ) -> AttentionBatch:
-        starts, slots, new_slots, pos = [], [], [], 0
+        """Sequences must come shortest chunk first (decodes, then prefill chunks)."""
+        starts, new_slots, pos = [], [], 0
         for qlen, ctx, table in zip(query_lens, context_lens, block_tables, strict=True):
             starts.append(pos)
             pos += qlen
-            blocks = torch.tensor(table, dtype=torch.long)
-            seq_slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:ctx]
-            slots.append(seq_slots)
-            new_slots.append(seq_slots[ctx - qlen :])
-        num_decodes = 0
-        while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
-            num_decodes += 1
+            new_slots.extend(table[p // block_size] * block_size + p % block_size
+                             for p in range(ctx - qlen, ctx))
+        num_rows = 0
+        while num_rows < len(query_lens) and query_lens[num_rows] <= PER_QUERY_MAX_CHUNK:
+            num_rows += 1
         batch = cls(
-            slot_mapping=torch.cat(new_slots) if new_slots else torch.empty(0, dtype=torch.long),
+            slot_mapping=torch.tensor(new_slots, dtype=torch.long),
             query_starts=starts,
             query_lens=query_lens,
             context_lens=context_lens,
-            context_slots=slots,
-            num_decodes=num_decodes,
+            block_tables=block_tables,
             block_size=block_size,
+            num_row_seqs=num_rows,
         )
-        if num_decodes:
-            width = max(len(t) for t in block_tables[:num_decodes])
-            batch.decode_block_tables = torch.tensor(
-                [t + [0] * (width - len(t)) for t in block_tables[:num_decodes]], dtype=torch.long
-            )
-            batch.decode_context_lens = torch.tensor(context_lens[:num_decodes], dtype=torch.long)
+        if num_rows:
+            width = max(len(t) for t in block_tables[:num_rows])
+            tables, lens = [], []
+            for qlen, ctx, table in zip(query_lens[:num_rows], context_lens[:num_rows],
+                                        block_tables[:num_rows], strict=True):
+                padded = table + [0] * (width - len(table))
+                tables.extend([padded] * qlen)
+                lens.extend(range(ctx - qlen + 1, ctx + 1))  # causal: query i sees i + 1 keys
+            batch.num_row_queries = len(lens)
+            batch.row_block_tables = torch.tensor(tables, dtype=torch.long)
+            batch.row_context_lens = torch.tensor(lens, dtype=torch.long)
         return batch
 
-    def decode_gather_index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """[D, Lmax] padded slot indices of the decodes and a [D, 1, 1, Lmax] validity mask."""
-        lens = self.context_lens[: self.num_decodes]
-        lmax = max(lens)
-        padded = torch.zeros(self.num_decodes, lmax, dtype=torch.long)
-        mask = torch.zeros(self.num_decodes, lmax, dtype=torch.bool)
-        for i, n in enumerate(lens):
-            padded[i, :n] = self.context_slots[i]
-            mask[i, :n] = True
-        return padded, mask[:, None, None, :]
+    def context_slots(self, i: int) -> torch.Tensor:
+        """[context_len] slot indices of sequence i, in token order."""
+        blocks = torch.tensor(self.block_tables[i], dtype=torch.long)
+        slots = blocks[:, None] * self.block_size + torch.arange(self.block_size)
+        return slots.flatten()[: self.context_lens[i]]
 
 
 def write_kv(
@@ -101,12 +106,12 @@ def paged_attention_reference(
     scale: float,
 ) -> torch.Tensor:
     """q [T, H, D] -> [T, H, D]; the readable definition every fast path is tested against."""
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype)
     heads, kv_heads = q.shape[1], k_cache.shape[1]
-    for start, qlen, ctx, slots in zip(
-        batch.query_starts, batch.query_lens, batch.context_lens, batch.context_slots,
-        strict=True,
+    for i, (start, qlen, ctx) in enumerate(
+        zip(batch.query_starts, batch.query_lens, batch.context_lens, strict=True)
     ):
+        slots = batch.context_slots(i)
         qs = q[start : start + qlen].float().transpose(0, 1)  # [H, q, D]
         k = k_cache[slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
         v = v_cache[slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
@@ -116,41 +121,33 @@ def paged_attention_reference(
     return out
 
 
+def _sdpa_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                slots: torch.Tensor, qlen: int, ctx: int, scale: float) -> torch.Tensor:
+    k = k_cache.index_select(0, slots).transpose(0, 1)[None]
+    v = v_cache.index_select(0, slots).transpose(0, 1)[None]
+    qs = q.transpose(0, 1)[None]
+    mask = None if ctx == qlen else _causal_mask(qlen, ctx)
+    o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, is_causal=mask is None,
+                                       scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
     scale: float,
 ) -> torch.Tensor:
     """The CPU fast path: same contract as `paged_attention_reference`."""
-    out = torch.empty_like(q)
-    nd = batch.num_decodes
-    if nd and load_library() is not None:
-        decode_attention(q[:nd].contiguous(), k_cache, v_cache, batch.decode_block_tables,
-                         batch.decode_context_lens, batch.block_size, scale, out[:nd])
-    elif nd:
-        idx, mask = batch.decode_gather_index()
-        lmax = idx.shape[1]
-        k = k_cache.index_select(0, idx.flatten()).view(nd, lmax, *k_cache.shape[1:])
-        v = v_cache.index_select(0, idx.flatten()).view(nd, lmax, *v_cache.shape[1:])
-        o = F.scaled_dot_product_attention(
-            q[:nd, :, None, :],  # [D, H, 1, d]
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=True,
+    out = torch.empty(q.shape, dtype=q.dtype)
+    first_sdpa = 0
+    if batch.num_row_queries and load_library() is not None:
+        n = batch.num_row_queries
+        decode_attention(q[:n].contiguous(), k_cache, v_cache, batch.row_block_tables,
+                         batch.row_context_lens, batch.block_size, scale, out[:n])
+        first_sdpa = batch.num_row_seqs
+    for i in range(first_sdpa, len(batch.query_lens)):
+        start, qlen = batch.query_starts[i], batch.query_lens[i]
+        out[start : start + qlen] = _sdpa_chunk(
+            q[start : start + qlen], k_cache, v_cache, batch.context_slots(i), qlen,
+            batch.context_lens[i], scale,
         )
-        out[:nd] = o[:, :, 0, :]
-    for i in range(nd, len(batch.query_lens)):
-        start, qlen, ctx = batch.query_starts[i], batch.query_lens[i], batch.context_lens[i]
-        slots = batch.context_slots[i]
-        k = k_cache.index_select(0, slots).transpose(0, 1)[None]
-        v = v_cache.index_select(0, slots).transpose(0, 1)[None]
-        qs = q[start : start + qlen].transpose(0, 1)[None]
-        if ctx == qlen:
-            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale,
-                                               enable_gqa=True)
-        else:
-            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=_causal_mask(qlen, ctx),
-                                               scale=scale, enable_gqa=True)
-        out[start : start + qlen] = o[0].transpose(0, 1)
     return out

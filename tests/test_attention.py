@@ -16,19 +16,22 @@ BLOCK = 16
 def _random_batch(seed: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype):
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    num_blocks = 64
+    num_blocks = 128
     k_cache = torch.randn(num_blocks * BLOCK, kv_heads, dim).to(dtype)
     v_cache = torch.randn(num_blocks * BLOCK, kv_heads, dim).to(dtype)
     free = list(range(num_blocks))
     rng.shuffle(free)  # blocks of a sequence are scattered over the pool
     qlens, ctxs, tables = [], [], []
-    for i in range(7):
-        qlen = 1 if i < 4 else rng.randint(2, 40)
-        ctx = qlen + rng.randint(0 if i >= 4 else 0, 60)
+    for i in range(8):
+        # Decodes, short chunks (the per-query kernel) and long ones (SDPA), shortest first.
+        qlen = 1 if i < 3 else rng.randint(2, 30) if i < 6 else rng.randint(40, 90)
+        ctx = qlen + rng.randint(0, 60)
         need = -(-ctx // BLOCK)
         tables.append([free.pop() for _ in range(need)])
         qlens.append(qlen)
         ctxs.append(ctx)
+    order = sorted(range(len(qlens)), key=lambda j: qlens[j])
+    qlens, ctxs, tables = ([xs[j] for j in order] for xs in (qlens, ctxs, tables))
     batch = AttentionBatch.build(qlens, ctxs, tables, BLOCK)
     q = torch.randn(sum(qlens), heads, dim).to(dtype)
     return q, k_cache, v_cache, batch
@@ -62,7 +65,7 @@ def test_reference_equals_dense_causal_attention():
     table = [5, 9, 2]
     batch = AttentionBatch.build([ctx], [ctx], [table], BLOCK)
     q = torch.randn(ctx, 4, 32)
-    keys, values = k[batch.context_slots[0]], v[batch.context_slots[0]]
+    keys, values = k[batch.context_slots(0)], v[batch.context_slots(0)]
     dense = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1), keys.repeat_interleave(2, 1).transpose(0, 1),
         values.repeat_interleave(2, 1).transpose(0, 1), is_causal=True,

@@ -47,11 +47,16 @@ class LlamaModel:
         angles = torch.arange(c.max_context).double()[:, None] * inv_freq[None, :]
         self.cos, self.sin = angles.cos().float(), angles.sin().float()
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate-half RoPE (Hugging Face layout), in fp32."""
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate-half RoPE (Hugging Face layout) in fp32, written into one output buffer."""
         xf = x.float()
-        x1, x2 = xf.chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        half = xf.shape[-1] // 2
+        x1, x2 = xf[..., :half], xf[..., half:]
+        out = torch.empty_like(xf)
+        torch.mul(x1, cos, out=out[..., :half]).addcmul_(x2, sin, value=-1.0)
+        torch.mul(x2, cos, out=out[..., half:]).addcmul_(x1, sin)
+        return out.to(x.dtype)
 
     def forward(
         self,
@@ -72,9 +77,9 @@ class LlamaModel:
             self.layers, kv_caches, strict=True
         ):
             h = rms_norm(x, ln1, c.norm_eps)
-            q, k, v = F.linear(h, qkv_w).split([hq * d, hk * d, hk * d], dim=-1)
-            q = self._rope(q.view(t, hq, d), cos, sin)
-            k = self._rope(k.view(t, hk, d), cos, sin)
+            qk, v = F.linear(h, qkv_w).split([(hq + hk) * d, hk * d], dim=-1)
+            # Q and K heads rotate together: one pass over both.
+            q, k = self._rope(qk.view(t, hq + hk, d), cos, sin).split([hq, hk], dim=1)
             write_kv(k_cache, v_cache, k, v.reshape(t, hk, d), batch.slot_mapping)
             o = attention(q, k_cache, v_cache, batch, scale)
             x = x + F.linear(o.reshape(t, hq * d), o_w)
@@ -84,4 +89,5 @@ class LlamaModel:
         return rms_norm(x, self.norm, c.norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        """In the model dtype: greedy argmax needs no fp32 copy of [rows, vocab]."""
+        return F.linear(hidden, self.lm_head)

@@ -87,4 +87,5 @@ class OPTModel:
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        """In the model dtype: greedy argmax needs no fp32 copy of [rows, vocab]."""
+        return F.linear(hidden, self.lm_head)

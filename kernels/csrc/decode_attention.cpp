@@ -27,12 +27,100 @@ inline void from_float(float x, uint16_t* out) {
 constexpr int kMaxGroup = 16;
 constexpr int kMaxDim = 256;
 
+// One (sequence, kv head): the `group` query heads that share it, over the sequence's
+// blocks. DIM and GROUP are compile-time for the common shapes (so the inner loops unroll
+// into vector code) and 0 for the generic version.
+template <typename T, int DIM, int GROUP>
+void attend_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
+                int64_t ctx, int64_t h, int64_t heads, int64_t kv_heads, int64_t dim_rt,
+                int64_t group_rt, int64_t block_size, float scale, T* out, float* scores) {
+  const int64_t dim = DIM ? DIM : dim_rt;
+  const int64_t group = GROUP ? GROUP : group_rt;
+  float qf[kMaxGroup][kMaxDim];
+  float acc[kMaxGroup][kMaxDim];
+  float row[kMaxDim];
+  float mx[kMaxGroup];
+  for (int64_t g = 0; g < group; ++g) {
+    const T* qs = q + (h * group + g) * dim;
+    for (int64_t d = 0; d < dim; ++d) qf[g][d] = to_float(qs[d]) * scale;
+    for (int64_t d = 0; d < dim; ++d) acc[g][d] = 0.f;
+    mx[g] = -INFINITY;
+  }
+  const int64_t stride = kv_heads * dim;
+  for (int64_t start = 0, blk = 0; start < ctx; start += block_size, ++blk) {
+    const int64_t n = ctx - start < block_size ? ctx - start : block_size;
+    const T* kb = k_cache + (table[blk] * block_size * kv_heads + h) * dim;
+    for (int64_t o = 0; o < n; ++o) {
+      const T* kr = kb + o * stride;
+      for (int64_t d = 0; d < dim; ++d) row[d] = to_float(kr[d]);
+      for (int64_t g = 0; g < group; ++g) {
+        float dot = 0.f;
+        for (int64_t d = 0; d < dim; ++d) dot += qf[g][d] * row[d];
+        scores[g * ctx + start + o] = dot;
+        mx[g] = dot > mx[g] ? dot : mx[g];
+      }
+    }
+  }
+  float inv[kMaxGroup];
+  for (int64_t g = 0; g < group; ++g) {
+    float total = 0.f;
+    float* sg = scores + g * ctx;
+    for (int64_t t = 0; t < ctx; ++t) {
+      sg[t] = std::exp(sg[t] - mx[g]);
+      total += sg[t];
+    }
+    inv[g] = 1.f / total;
+  }
+  for (int64_t start = 0, blk = 0; start < ctx; start += block_size, ++blk) {
+    const int64_t n = ctx - start < block_size ? ctx - start : block_size;
+    const T* vb = v_cache + (table[blk] * block_size * kv_heads + h) * dim;
+    for (int64_t o = 0; o < n; ++o) {
+      const T* vr = vb + o * stride;
+      for (int64_t d = 0; d < dim; ++d) row[d] = to_float(vr[d]);
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = scores[g * ctx + start + o];
+        for (int64_t d = 0; d < dim; ++d) acc[g][d] += p * row[d];
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    T* o = out + (h * group + g) * dim;
+    for (int64_t d = 0; d < dim; ++d) from_float(acc[g][d] * inv[g], &o[d]);
+  }
+}
+
+template <typename T>
+using AttendFn = void (*)(const T*, const T*, const T*, const int64_t*, int64_t, int64_t,
+                          int64_t, int64_t, int64_t, int64_t, int64_t, float, T*, float*);
+
+template <typename T>
+AttendFn<T> pick(int64_t dim, int64_t group) {
+  if (dim == 64) {
+    switch (group) {
+      case 1: return attend_one<T, 64, 1>;
+      case 2: return attend_one<T, 64, 2>;
+      case 3: return attend_one<T, 64, 3>;
+      case 4: return attend_one<T, 64, 4>;
+      case 8: return attend_one<T, 64, 8>;
+    }
+  }
+  if (dim == 128) {
+    switch (group) {
+      case 1: return attend_one<T, 128, 1>;
+      case 4: return attend_one<T, 128, 4>;
+      case 8: return attend_one<T, 128, 8>;
+    }
+  }
+  return attend_one<T, 0, 0>;
+}
+
 template <typename T>
 void decode_attention(const T* q, const T* k_cache, const T* v_cache,
                       const int64_t* block_tables, const int64_t* context_lens,
                       int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t dim,
                       int64_t block_size, int64_t max_blocks, float scale, T* out) {
   const int64_t group = heads / kv_heads;
+  const AttendFn<T> attend = pick<T>(dim, group);
 #pragma omp parallel
   {
     std::vector<float> scores;
@@ -40,53 +128,10 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache,
     for (int64_t s = 0; s < num_seqs; ++s) {
       for (int64_t h = 0; h < kv_heads; ++h) {
         const int64_t ctx = context_lens[s];
-        const int64_t* table = block_tables + s * max_blocks;
-        float qf[kMaxGroup][kMaxDim];
-        float acc[kMaxGroup][kMaxDim];
-        float row[kMaxDim];
-        for (int64_t g = 0; g < group; ++g) {
-          const T* qs = q + (s * heads + h * group + g) * dim;
-          for (int64_t d = 0; d < dim; ++d) qf[g][d] = to_float(qs[d]) * scale;
-          for (int64_t d = 0; d < dim; ++d) acc[g][d] = 0.f;
-        }
-        scores.resize(static_cast<size_t>(group * ctx));
-        float mx[kMaxGroup];
-        for (int64_t g = 0; g < group; ++g) mx[g] = -INFINITY;
-        for (int64_t t = 0; t < ctx; ++t) {
-          const int64_t slot = table[t / block_size] * block_size + t % block_size;
-          const T* kr = k_cache + (slot * kv_heads + h) * dim;
-          for (int64_t d = 0; d < dim; ++d) row[d] = to_float(kr[d]);
-          for (int64_t g = 0; g < group; ++g) {
-            float dot = 0.f;
-            for (int64_t d = 0; d < dim; ++d) dot += qf[g][d] * row[d];
-            scores[g * ctx + t] = dot;
-            mx[g] = dot > mx[g] ? dot : mx[g];
-          }
-        }
-        float sum[kMaxGroup];
-        for (int64_t g = 0; g < group; ++g) {
-          float total = 0.f;
-          float* sg = scores.data() + g * ctx;
-          for (int64_t t = 0; t < ctx; ++t) {
-            sg[t] = std::exp(sg[t] - mx[g]);
-            total += sg[t];
-          }
-          sum[g] = total;
-        }
-        for (int64_t t = 0; t < ctx; ++t) {
-          const int64_t slot = table[t / block_size] * block_size + t % block_size;
-          const T* vr = v_cache + (slot * kv_heads + h) * dim;
-          for (int64_t d = 0; d < dim; ++d) row[d] = to_float(vr[d]);
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * ctx + t];
-            for (int64_t d = 0; d < dim; ++d) acc[g][d] += p * row[d];
-          }
-        }
-        for (int64_t g = 0; g < group; ++g) {
-          T* o = out + (s * heads + h * group + g) * dim;
-          const float inv = 1.f / sum[g];
-          for (int64_t d = 0; d < dim; ++d) from_float(acc[g][d] * inv, &o[d]);
-        }
+        if (scores.size() < static_cast<size_t>(group * ctx)) scores.resize(group * ctx);
+        attend(q + s * heads * dim, k_cache, v_cache, block_tables + s * max_blocks, ctx, h,
+               heads, kv_heads, dim, group, block_size, scale, out + s * heads * dim,
+               scores.data());
       }
     }
   }
