@@ -244,3 +244,18 @@ def test_prefix_cache_hits_and_keeps_outputs(engine_fp32):
     assert again.token_ids == first.token_ids
     pool = engine_fp32.pool
     assert pool.num_free == pool.num_blocks and pool.num_cached > 0
+
+
+def test_one_shared_engine_per_model_and_clear_conflicts():
+    from llmdb.engine.shared import shared_engine, shutdown_engines
+
+    try:
+        a = shared_engine("smollm2-135m", dtype="fp32", kv_cache_bytes=32 << 20)
+        assert shared_engine("smollm2-135m") is a
+        assert shared_engine("smollm2-135m", dtype="float32") is a
+        with pytest.raises(ValueError, match="already runs with dtype=torch.float32"):
+            shared_engine("smollm2-135m", dtype="bf16")
+        r = a.wait(a.add_request("Hello", SamplingParams(max_tokens=3, ignore_eos=True)))
+        assert r.usage.generated_tokens == 3
+    finally:
+        shutdown_engines()

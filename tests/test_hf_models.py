@@ -344,3 +344,14 @@ def test_rope_scaling_is_refused(hf_dirs, tmp_path, where):
                      lambda cfg: cfg.update({where: scaled}))
     with pytest.raises(ModelLoadError, match="rope_scaling"):
         load_model(d)
+
+
+def test_generation_stops_at_the_context_length(engines):
+    """A request that reaches the model's context finishes with reason `length`."""
+    engine = engines("llama-gqa", "fast")
+    ctx = engine.config.max_context
+    prompt = [5 + i % 20 for i in range(ctx - 10)]
+    r = engine.generate([prompt], SamplingParams(max_tokens=50, ignore_eos=True))[0]
+    assert r.finish_reason == "length"
+    assert len(prompt) + len(r.token_ids) == ctx  # prompt plus output fill the context
+    assert engine.pool.num_free == engine.pool.num_blocks
