@@ -31,7 +31,10 @@ test: $(VENV)/.test-done
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
+# Peers live in .venv-peers (their pins clash with ours); a peer that fails to install is
+# skipped by the benchmark with a message.
 bench: setup
+	bash bench/peers/setup.sh || true
 	$(PY) bench/throughput.py --peer llama_cpp --peer transformers --peer vllm
 
 lint: $(VENV)/.test-done

@@ -16,6 +16,10 @@ from .tokenizer import ModelTokenizer
 SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# llama.cpp's splits for "default" (and a missing pre key): each regex splits every piece the
+# previous one left, keeping matches and the text between them as separate pieces.
+_DEFAULT_SPLITS = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]")
+_LLAMA3_PRES = ("llama-bpe", "llama3", "llama-v3")
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -25,14 +29,19 @@ _LLAMA3_SPLIT = (
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     """The pre-tokenizer llama.cpp applies for a `tokenizer.ggml.pre` name."""
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in ("default", "gpt2", "gpt-2"):
+    if pre == "default":
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _DEFAULT_SPLITS]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+    if pre in ("gpt2", "gpt-2"):
         return byte_level
     if pre in ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva"):
         # Digits are split one by one before the GPT-2 regex.
         return pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), byte_level]
         )
-    if pre in ("llama-bpe", "llama3", "smaug-bpe"):
+    if pre in (*_LLAMA3_PRES, "smaug-bpe"):
         return pre_tokenizers.Sequence(
             [
                 pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
@@ -56,12 +65,18 @@ def _tokenizer(reader) -> ModelTokenizer:
     tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
     merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
     types = _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-    tok.pre_tokenizer = _pre_tokenizer(_field(reader, "tokenizer.ggml.pre", "default"))
+    pre = _field(reader, "tokenizer.ggml.pre", "default")
+    # llama.cpp looks a Llama-3 piece up whole before merging (as tiktoken does).
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                               ignore_merges=pre in _LLAMA3_PRES))
+    tok.pre_tokenizer = _pre_tokenizer(pre)
     tok.decoder = decoders.ByteLevel()
-    # Control (3) and user-defined (4) tokens are matched whole, before BPE.
-    specials = [t for t, ty in zip(tokens, types, strict=True) if ty in (3, 4)]
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    # Control (3) and user-defined (4) tokens are matched whole, before BPE. Only control
+    # tokens are special (dropped by decode): llama.cpp prints user-defined ones, e.g. <think>.
+    pairs = list(zip(tokens, types, strict=True))
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, ty in pairs if ty == 3])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in pairs if ty == 4])
 
     def name(key: str) -> str | None:
         i = _field(reader, key)
@@ -76,11 +91,13 @@ def _tokenizer(reader) -> ModelTokenizer:
     )
 
 
-def _config(reader, tokenizer: ModelTokenizer, has_output: bool) -> ModelConfig:
+def _check_architecture(reader) -> None:
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ModelLoadError(f"unsupported GGUF architecture {arch!r} (supported: llama)")
 
+
+def _config(reader, tokenizer: ModelTokenizer, has_output: bool) -> ModelConfig:
     def get(key: str, default=None):
         v = _field(reader, f"llama.{key}", default)
         if v is None:
@@ -88,6 +105,14 @@ def _config(reader, tokenizer: ModelTokenizer, has_output: bool) -> ModelConfig:
         return v
 
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    # llama.cpp scales RoPE by these (a factor alone means linear); we implement no scaling.
+    scaling = _field(reader, "llama.rope.scaling.type", "none")
+    factor = _field(reader, "llama.rope.scaling.factor", _field(reader, "llama.rope.scale_linear"))
+    if scaling not in ("none", "linear") or factor not in (None, 0.0, 1.0):
+        raise ModelLoadError(
+            f"GGUF RoPE scaling is not supported (llama.rope.scaling.type={scaling!r}, "
+            f"factor={factor})"
+        )
     eos = [tokenizer.token_id(tokenizer.eos_token)] if tokenizer.eos_token else []
     # Chat models end a turn with their own token; stopping there is what users expect.
     for end_of_turn in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>"):
@@ -153,6 +178,7 @@ def _open(path: Path):
 
 def read_gguf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
     reader = _open(path)
+    _check_architecture(reader)  # first: a non-llama file fails on that, not on its tokenizer
     tokenizer = _tokenizer(reader)
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     return _config(reader, tokenizer, has_output), tokenizer
