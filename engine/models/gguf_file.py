@@ -115,7 +115,7 @@ def _config(reader, tokenizer: ModelTokenizer, has_output: bool) -> ModelConfig:
         )
     eos = [tokenizer.token_id(tokenizer.eos_token)] if tokenizer.eos_token else []
     # Chat models end a turn with their own token; stopping there is what users expect.
-    for end_of_turn in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>"):
+    for end_of_turn in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>"):
         i = tokenizer.token_id(end_of_turn)
         if i is not None and i not in eos:
             eos.append(i)
