@@ -357,7 +357,8 @@ def test_metadata_becomes_model_config(name, hf_models, f32_files):
     assert cfg.rope_theta == hf.rope_parameters["rope_theta"]
     assert cfg.norm_eps == pytest.approx(hf.rms_norm_eps)  # stored as f32 in GGUF
     assert cfg.bos_token_id == EOT
-    assert cfg.eos_token_ids == (IM_END,)  # eos is <|im_end|> itself: listed once
+    # eos is <|im_end|> itself (listed once); <|endoftext|> also ends generation, as in llama.cpp
+    assert cfg.eos_token_ids == (IM_END, EOT)
 
 
 def test_weights_are_hf_named_and_survive_the_cache(f32_files, hf_models):
