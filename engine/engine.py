@@ -44,7 +44,7 @@ class LLMEngine:
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         block_size: int = 16,
         max_num_batched_tokens: int = 1024,
-        max_num_seqs: int = 256,
+        max_num_seqs: int = 512,
         attention: str = "fast",
         threads: int | None = None,
         enable_prefix_caching: bool = True,

@@ -16,6 +16,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+# Measured here: the [rows, vocab] GEMM runs ~15% slower per row above 256 rows (its output
+# no longer fits the caches), so larger batches are projected in slices.
+_VOCAB_SLICE_ROWS = 256
+
+
+def vocab_projection(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if hidden.shape[0] <= _VOCAB_SLICE_ROWS:
+        return F.linear(hidden, weight)
+    out = torch.empty(hidden.shape[0], weight.shape[0], dtype=hidden.dtype)
+    for i in range(0, hidden.shape[0], _VOCAB_SLICE_ROWS):
+        torch.nn.functional.linear(hidden[i : i + _VOCAB_SLICE_ROWS], weight,
+                                   out=out[i : i + _VOCAB_SLICE_ROWS])
+    return out
+
+
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype):
         self.config = config
@@ -90,4 +105,4 @@ class LlamaModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """In the model dtype: greedy argmax needs no fp32 copy of [rows, vocab]."""
-        return F.linear(hidden, self.lm_head)
+        return vocab_projection(hidden, self.lm_head)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from llmdb.kernels.attention import AttentionBatch, write_kv
 
 from .config import ModelConfig
+from .llama import vocab_projection
 
 
 class OPTModel:
@@ -88,4 +89,4 @@ class OPTModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """In the model dtype: greedy argmax needs no fp32 copy of [rows, vocab]."""
-        return F.linear(hidden, self.lm_head)
+        return vocab_projection(hidden, self.lm_head)
