@@ -1,12 +1,15 @@
 """Open a model (GGUF file or HF directory) into config, fp32 weights and tokenizer.
 
-Dequantizing a GGUF takes seconds; the result is cached on disk as safetensors, keyed by
-the file's content hash, so later starts only map the cached file.
+Dequantizing a GGUF and parsing its tokenizer metadata take seconds; both are cached on
+disk (safetensors and JSON), keyed by the file's content hash, so later starts only read
+the cached files.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +17,7 @@ from pathlib import Path
 import platformdirs
 import torch
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
 
 from .config import ModelConfig
 from .errors import ModelLoadError
@@ -53,17 +57,50 @@ def load_model(path: str | Path) -> LoadedModel:
         files = sorted(path.glob("*.safetensors"))
         weights = read_hf_weights(path)
         return LoadedModel(path, config, tokenizer, weights, _fingerprint(files))
-    config, tokenizer = read_gguf_metadata(path)
     fingerprint = _fingerprint([path])
     cached = cache_dir() / "weights" / f"{fingerprint}.safetensors"
-    if cached.exists():
+    meta = cached.with_suffix(".json")
+    if cached.exists() and meta.exists():
         try:
+            config, tokenizer = _read_meta(meta)
             return LoadedModel(path, config, tokenizer, load_file(str(cached)), fingerprint)
-        except Exception:
-            cached.unlink(missing_ok=True)  # a damaged cache entry is rebuilt, not fatal
+        except Exception:  # a damaged cache entry is rebuilt, not fatal
+            cached.unlink(missing_ok=True)
+    config, tokenizer = read_gguf_metadata(path)
     weights = read_gguf_weights(path, config)
     cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-    save_file(weights, str(tmp))
-    os.replace(tmp, cached)  # atomic: concurrent starts never see half a file
+    # Weights first, metadata last: a half-written entry is never taken for a whole one.
+    _atomic_write(cached, lambda tmp: save_file(weights, str(tmp)))
+    _atomic_write(meta, lambda tmp: tmp.write_text(_meta_json(config, tokenizer)))
     return LoadedModel(path, config, tokenizer, weights, fingerprint)
+
+
+def _atomic_write(target: Path, write) -> None:
+    tmp = target.with_suffix(f".{os.getpid()}.tmp")
+    write(tmp)
+    os.replace(tmp, target)  # atomic: concurrent starts never see half a file
+
+
+def _meta_json(config: ModelConfig, tokenizer: ModelTokenizer) -> str:
+    return json.dumps({
+        "config": dataclasses.asdict(config),
+        "tokenizer": tokenizer.tokenizer.to_str(),
+        "chat_template": tokenizer.chat_template,
+        "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token,
+        "add_bos": tokenizer.add_bos,
+    })
+
+
+def _read_meta(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
+    meta = json.loads(path.read_text())
+    cfg = meta["config"]
+    cfg["eos_token_ids"] = tuple(cfg["eos_token_ids"])
+    tokenizer = ModelTokenizer(
+        tokenizer=Tokenizer.from_str(meta["tokenizer"]),
+        chat_template=meta["chat_template"],
+        bos_token=meta["bos_token"],
+        eos_token=meta["eos_token"],
+        add_bos=meta["add_bos"],
+    )
+    return ModelConfig(**cfg), tokenizer
