@@ -59,7 +59,8 @@ def load_library() -> ctypes.CDLL | None:
                 raise RuntimeError(f"building {SOURCE.name} failed:\n{e.stderr}") from e
             os.replace(out, lib_path)  # atomic: concurrent builders never see half a file
     lib = ctypes.CDLL(str(lib_path))
-    args = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p]
+    args = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [
+        ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
     for name in ("llmdb_decode_attention_f32", "llmdb_decode_attention_bf16"):
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = None
@@ -81,4 +82,4 @@ def decode_attention(
     s, h, d = q.shape
     fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
        context_lens.data_ptr(), s, h, k_cache.shape[1], d, block_size, block_tables.shape[1],
-       scale, out.data_ptr())
+       scale, torch.get_num_threads(), out.data_ptr())
