@@ -696,3 +696,27 @@ def test_unscaled_rope_metadata_is_accepted(hf_models, bpe, tmp_path):
 
     path = _write_gguf(tmp_path / "unscaled.gguf", hf_models["untied"], bpe, extra=none)
     assert load_model(path).config.rope_theta == 50000.0
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_exported_hf_directory_runs_in_transformers(name, f32_files, tmp_path):
+    """The benchmark's peers run our export: transformers must read the same model from it."""
+    from safetensors import safe_open
+
+    from llmdb.engine.models.export import export_hf
+
+    loaded = load_model(f32_files[name])
+    out = export_hf(loaded, tmp_path / "hf", dtype=torch.float32)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        # vLLM wants no lm_head when the embeddings are tied.
+        assert ("lm_head.weight" in f.keys()) != loaded.config.tie_embeddings
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float32, attn_implementation="eager").eval()
+    engine = _engine(f32_files[name])
+    for ids in _sequences(engine.config.vocab_size, seed=3)[:3]:
+        err = _max_err(engine.logits(ids), _ref_logits(model, ids))
+        assert err <= LOGIT_RTOL, f"{name} len {len(ids)}: relative error {err:.3g}"
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    text = "<|im_start|>user\nhello 42<|im_end|>\n"
+    assert hf_tok(text, add_special_tokens=False)["input_ids"] == loaded.tokenizer.encode(text)
