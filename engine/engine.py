@@ -36,6 +36,12 @@ DEFAULT_KV_CACHE_BYTES = 2 << 30
 
 
 class LLMEngine:
+    """The in-process engine for one model.
+
+    kv_cache_bytes sizes the block pool; max_num_batched_tokens is the per-step token budget
+    (decodes plus prefill chunks), max_num_seqs the most requests running at once. dtype
+    None picks bf16 where the CPU has native bf16 and fp32 elsewhere."""
+
     def __init__(
         self,
         model: str = "smollm2-135m",
@@ -68,6 +74,7 @@ class LLMEngine:
         self.startup_s = time.perf_counter() - t0
         self._ids = itertools.count()
         self._cond = threading.Condition(threading.RLock())
+        self._step_lock = threading.Lock()
         self._requests: dict[str, Request] = {}
         self._results: dict[str, RequestResult] = {}
         self._loop: threading.Thread | None = None
@@ -155,6 +162,10 @@ class LLMEngine:
 
     def step(self) -> list[str]:
         """One scheduler iteration; returns the ids of requests that finished in it."""
+        with self._step_lock:  # threads that drive the engine themselves take turns
+            return self._step()
+
+    def _step(self) -> list[str]:
         with self._cond:
             out = self.scheduler.schedule()
         if not out.scheduled:
