@@ -43,7 +43,8 @@ def main() -> None:
     results = engine.generate(messages, SamplingParams(max_tokens=args.max_tokens))
     elapsed = time.perf_counter() - t0
     for task, r in zip(tasks, results, strict=True):
-        first = next((ln for ln in r.text.splitlines() if ln.strip()), "")
+        first = next((ln for ln in r.text.splitlines()
+                      if ln.strip() and not ln.startswith("```")), "")
         print(f"{task['task_id']:<14} {r.usage.generated_tokens:>3} tok  {first[:90]}")
     generated = sum(r.usage.generated_tokens for r in results)
     print(f"# {len(results)} tasks, {generated} tokens generated in {elapsed:.1f} s "
