@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / n for n in ("decode_attention.cpp", "elementwise.cpp")]
 
 
 def _build_dir() -> Path:
@@ -45,18 +45,19 @@ def load_library() -> ctypes.CDLL | None:
     compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
     if compiler is None:
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + _cpu_key().encode()).hexdigest()[:16]
+    source_bytes = b"".join(s.read_bytes() for s in SOURCES)
+    key = hashlib.sha256(source_bytes + _cpu_key().encode()).hexdigest()[:16]
     lib_path = _build_dir() / f"llmdb_kernels_{key}.so"
     if not lib_path.exists():
         lib_path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
             out = Path(tmp) / lib_path.name
             cmd = [compiler, "-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared",
-                   "-fPIC", "-std=c++17", str(SOURCE), "-o", str(out)]
+                   "-fPIC", "-std=c++17", *map(str, SOURCES), "-o", str(out)]
             try:
                 subprocess.run(cmd, check=True, capture_output=True, text=True)
             except subprocess.CalledProcessError as e:
-                raise RuntimeError(f"building {SOURCE.name} failed:\n{e.stderr}") from e
+                raise RuntimeError(f"building the C++ kernels failed:\n{e.stderr}") from e
             os.replace(out, lib_path)  # atomic: concurrent builders never see half a file
     lib = ctypes.CDLL(str(lib_path))
     args = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [
@@ -64,6 +65,10 @@ def load_library() -> ctypes.CDLL | None:
     for name in ("llmdb_decode_attention_f32", "llmdb_decode_attention_bf16"):
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = None
+    lib.llmdb_rms_norm_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [
+        ctypes.c_float, ctypes.c_int]
+    lib.llmdb_silu_mul_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [
+        ctypes.c_int]
     return lib
 
 
@@ -83,3 +88,20 @@ def decode_attention(
     fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
        context_lens.data_ptr(), s, h, k_cache.shape[1], d, block_size, block_tables.shape[1],
        scale, torch.get_num_threads(), out.data_ptr())
+
+
+def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Contiguous bf16 x [rows, dim] -> bf16 [rows, dim]; see csrc/elementwise.cpp."""
+    out = torch.empty_like(x)
+    load_library().llmdb_rms_norm_bf16(x.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                                       x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    return out
+
+
+def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:
+    """Contiguous bf16 [rows, 2 * ffn] -> bf16 silu(gate) * up [rows, ffn]."""
+    rows, ffn = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, ffn, dtype=gate_up.dtype)
+    load_library().llmdb_silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), rows, ffn,
+                                       torch.get_num_threads())
+    return out

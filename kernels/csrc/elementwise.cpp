@@ -1,0 +1,63 @@
+// Fused element-wise ops for bf16 activations: one pass over memory instead of the five to
+// eight torch ops (each with its own temporary) they replace. Same rounding points as the
+// torch reference in kernels/elementwise.py: fp32 math, bf16 where torch rounds.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+inline float bf16_to_float(uint16_t x) {
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  bits += 0x7FFF + ((bits >> 16) & 1);  // round to nearest even
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+}  // namespace
+
+extern "C" {
+
+// out = w * bf16(x * rsqrt(mean(x^2) + eps)), row by row.
+void llmdb_rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t rows,
+                         int64_t dim, float eps, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* xr = x + r * dim;
+    uint16_t* o = out + r * dim;
+    float sum = 0.f;
+    for (int64_t d = 0; d < dim; ++d) {
+      const float v = bf16_to_float(xr[d]);
+      sum += v * v;
+    }
+    const float inv = 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
+    for (int64_t d = 0; d < dim; ++d) {
+      const float normed = bf16_to_float(float_to_bf16(bf16_to_float(xr[d]) * inv));
+      o[d] = float_to_bf16(bf16_to_float(w[d]) * normed);
+    }
+  }
+}
+
+// gate_up [rows, 2 * ffn] -> out [rows, ffn] = bf16(silu(gate)) * up.
+void llmdb_silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t ffn,
+                         int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* g = gate_up + r * 2 * ffn;
+    const uint16_t* u = g + ffn;
+    uint16_t* o = out + r * ffn;
+    for (int64_t d = 0; d < ffn; ++d) {
+      const float gv = bf16_to_float(g[d]);
+      const float s = bf16_to_float(float_to_bf16(gv / (1.f + std::exp(-gv))));
+      o[d] = float_to_bf16(s * bf16_to_float(u[d]));
+    }
+  }
+}
+}

@@ -1,0 +1,33 @@
+"""RMSNorm and SwiGLU's silu(gate) * up: torch references and fused bf16 fast paths."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .cpu_ext import load_library, rms_norm_bf16, silu_mul_bf16
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's LlamaRMSNorm: normalize in fp32, round to x's dtype, then scale."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _fast(*tensors: torch.Tensor) -> bool:
+    return (all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in tensors)
+            and tensors[0].dim() == 2 and load_library() is not None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return rms_norm_bf16(x, weight, eps) if _fast(x, weight) else rms_norm_reference(x, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return silu_mul_bf16(gate_up) if _fast(gate_up) else silu_mul_reference(gate_up)
