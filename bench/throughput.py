@@ -35,6 +35,7 @@ def commit() -> str:
 
 def run_llmdb(prompts_file: str, max_tokens: int, dtype: str | None, threads: int | None) -> dict:
     t_start = time.perf_counter()
+    from llmdb.engine.cache.block_pool import KVCache
     from llmdb.engine.engine import LLMEngine
     from llmdb.engine.sampling import SamplingParams
 
@@ -59,6 +60,11 @@ def run_llmdb(prompts_file: str, max_tokens: int, dtype: str | None, threads: in
         "generated_tokens": gen,
         "dtype": str(engine.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
+        "prefix_caching": engine.pool.enable_prefix_caching,
+        "max_num_seqs": engine.scheduler.max_num_seqs,
+        "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
+        "kv_cache_mb": engine.pool.num_blocks * KVCache.bytes_per_block(
+            engine.config, engine.pool.block_size, engine.dtype) >> 20,
     }
 
 
