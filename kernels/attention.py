@@ -13,7 +13,7 @@ first. Two implementations of the same contract:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,7 @@ class AttentionBatch:
     num_row_queries: int = 0
     row_block_tables: torch.Tensor | None = None  # [Q, max_blocks] int64, padded
     row_context_lens: torch.Tensor | None = None  # [Q] int64: keys each query may see
+    _slots: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(
@@ -81,10 +82,13 @@ class AttentionBatch:
         return batch
 
     def context_slots(self, i: int) -> torch.Tensor:
-        """[context_len] slot indices of sequence i, in token order."""
-        blocks = torch.tensor(self.block_tables[i], dtype=torch.long)
-        slots = blocks[:, None] * self.block_size + torch.arange(self.block_size)
-        return slots.flatten()[: self.context_lens[i]]
+        """[context_len] slot indices of sequence i, in token order (computed once a step,
+        not once a layer)."""
+        if i not in self._slots:
+            blocks = torch.tensor(self.block_tables[i], dtype=torch.long)
+            slots = blocks[:, None] * self.block_size + torch.arange(self.block_size)
+            self._slots[i] = slots.flatten()[: self.context_lens[i]]
+        return self._slots[i]
 
 
 def write_kv(
