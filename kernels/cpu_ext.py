@@ -43,7 +43,7 @@ def load_library() -> ctypes.CDLL | None:
     if os.environ.get("LLMDB_NO_CPP_KERNELS"):
         return None
     compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
-    if compiler is None:
+    if compiler is None or not all(s.exists() for s in SOURCES):
         return None
     source_bytes = b"".join(s.read_bytes() for s in SOURCES)
     key = hashlib.sha256(source_bytes + _cpu_key().encode()).hexdigest()[:16]
