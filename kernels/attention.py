@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .cpu_ext import decode_attention, load_library
+from .cpu_ext import decode_attention, supports_shape
 
 # Chunks up to this many queries run per query in the C++ kernel; longer ones use SDPA.
 PER_QUERY_MAX_CHUNK = 32
@@ -143,7 +143,7 @@ def paged_attention(
     """The CPU fast path: same contract as `paged_attention_reference`."""
     out = torch.empty(q.shape, dtype=q.dtype)
     first_sdpa = 0
-    if batch.num_row_queries and load_library() is not None:
+    if batch.num_row_queries and supports_shape(q.shape[1], k_cache.shape[1], q.shape[2]):
         n = batch.num_row_queries
         decode_attention(q[:n].contiguous(), k_cache, v_cache, batch.row_block_tables,
                          batch.row_context_lens, batch.block_size, scale, out[:n])

@@ -72,6 +72,14 @@ def load_library() -> ctypes.CDLL | None:
     return lib
 
 
+@functools.cache
+def supports_shape(heads: int, kv_heads: int, dim: int) -> bool:
+    """The kernel keeps a query group and a head in fixed-size stack arrays."""
+    lib = load_library()
+    return (lib is not None and heads % kv_heads == 0
+            and heads // kv_heads <= lib.llmdb_max_group() and dim <= lib.llmdb_max_dim())
+
+
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, scale: float,

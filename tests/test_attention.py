@@ -41,8 +41,8 @@ def _random_batch(seed: int, heads: int, kv_heads: int, dim: int, dtype: torch.d
 @pytest.mark.parametrize("cpp", [True, False])
 def test_fast_path_equals_reference_fp32(monkeypatch, heads, kv_heads, dim, cpp):
     if not cpp:
-        monkeypatch.setattr(attention, "load_library", lambda: None)
-    elif attention.load_library() is None:
+        monkeypatch.setattr(attention, "supports_shape", lambda *shape: False)
+    elif not attention.supports_shape(heads, kv_heads, dim):
         pytest.skip("no C++ compiler")
     for seed in range(3):
         q, k, v, batch = _random_batch(seed, heads, kv_heads, dim, torch.float32)
@@ -71,4 +71,14 @@ def test_reference_equals_dense_causal_attention():
         values.repeat_interleave(2, 1).transpose(0, 1), is_causal=True,
     ).transpose(0, 1)
     torch.testing.assert_close(paged_attention_reference(q, k, v, batch, 32**-0.5), dense,
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_shapes_beyond_the_kernel_take_the_sdpa_path():
+    """Head dims or query groups larger than the kernel's stack arrays must not reach it."""
+    assert not attention.supports_shape(32, 1, 64)  # a group of 32 query heads
+    assert not attention.supports_shape(4, 4, 512)
+    q, k, v, batch = _random_batch(5, 4, 4, 512, torch.float32)
+    torch.testing.assert_close(paged_attention(q, k, v, batch, 512**-0.5),
+                               paged_attention_reference(q, k, v, batch, 512**-0.5),
                                atol=1e-5, rtol=1e-5)
