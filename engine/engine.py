@@ -12,7 +12,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -122,9 +122,11 @@ class LLMEngine:
 
     def add_request(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-        on_token=None,
+        on_token: Callable[[int | None], None] | None = None,
+        on_finish: Callable[[str], None] | None = None,
     ) -> str:
-        """Queue a generation; `on_token(token_id | None)` streams tokens, None at the end."""
+        """Queue a generation; `on_token(token_id | None)` streams tokens, None at the end;
+        `on_finish(request_id)` is called once its result can be collected with wait()."""
         params = params or SamplingParams()
         params.validate()
         ids = self.encode_prompt(prompt)
@@ -140,11 +142,13 @@ class LLMEngine:
         req = Request(
             request_id if request_id is not None else f"req-{next(self._ids)}",
             ids, params, generator=gen, callbacks=[on_token] if on_token else [],
+            on_finish=on_finish,
         )
         return self._submit(req)
 
     def add_score_request(self, prompt: Prompt, continuation: str | list[int],
-                          request_id: str | None = None) -> str:
+                          request_id: str | None = None,
+                          on_finish: Callable[[str], None] | None = None) -> str:
         """Queue the log-likelihood of `continuation` after `prompt`; no token is generated."""
         ids = self.encode_prompt(prompt)
         cont = (self.tokenizer.encode(continuation) if isinstance(continuation, str)
@@ -155,6 +159,23 @@ class LLMEngine:
         req = Request(
             request_id if request_id is not None else f"score-{next(self._ids)}",
             ids + cont, SamplingParams(max_tokens=1), generate=False, logits_from=len(ids) - 1,
+            on_finish=on_finish,
+        )
+        return self._submit(req)
+
+    def add_choice_request(self, prompt: Prompt, candidate_ids: list[int],
+                           request_id: str | None = None,
+                           on_finish: Callable[[str], None] | None = None) -> str:
+        """Queue the next-token log-probabilities of `candidate_ids` after `prompt`."""
+        ids = self.encode_prompt(prompt)
+        self._check_fits(len(ids), "prompt")
+        bad = [t for t in candidate_ids if not 0 <= t < self.config.vocab_size]
+        if not candidate_ids or bad:
+            raise ValueError(f"candidate token ids must be non-empty and in the vocabulary: {bad}")
+        req = Request(
+            request_id if request_id is not None else f"choice-{next(self._ids)}",
+            ids, SamplingParams(max_tokens=1), generate=False, logits_from=len(ids) - 1,
+            candidate_ids=list(candidate_ids), on_finish=on_finish,
         )
         return self._submit(req)
 
@@ -211,6 +232,10 @@ class LLMEngine:
         if req.keep_logits:
             req.logit_rows.append(rows)
             return
+        if req.candidate_ids is not None:  # only the last prompt position is asked for
+            lp = rows[-1].log_softmax(-1)
+            req.target_logprobs = lp[torch.tensor(req.candidate_ids)].tolist()
+            return
         tokens = req.token_ids
         positions = range(first, first + rows.shape[0])
         targets = [tokens[p + 1] for p in positions if p + 1 < len(tokens)]
@@ -247,6 +272,8 @@ class LLMEngine:
         del self._requests[req.request_id]
         for cb in req.callbacks:
             cb(None)
+        if req.on_finish is not None:
+            req.on_finish(req.request_id)
         self._cond.notify_all()
 
     def _result(self, req: Request) -> RequestResult:
@@ -273,7 +300,8 @@ class LLMEngine:
                 total_s=req.finish_time - req.arrival,
             ),
             logprobs=req.logprobs if p.logprobs is not None else None,
-            continuation_logprobs=req.target_logprobs,
+            continuation_logprobs=req.target_logprobs if req.candidate_ids is None else [],
+            candidate_logprobs=req.target_logprobs if req.candidate_ids is not None else [],
             error=req.error,
         )
 

@@ -25,6 +25,8 @@ class RequestResult:
     logprobs: list[tuple[float, dict[int, float]]] | None = None
     # Scoring requests: log-probability of each continuation token after the prompt.
     continuation_logprobs: list[float] = field(default_factory=list)
+    # Choice requests: log-probability of each candidate as the next token after the prompt.
+    candidate_logprobs: list[float] = field(default_factory=list)
     error: str | None = None
 
     @property

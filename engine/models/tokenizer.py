@@ -46,6 +46,15 @@ class ModelTokenizer:
     def token_id(self, token: str) -> int | None:
         return self.tokenizer.token_to_id(token)
 
+    def single_token_variants(self, word: str) -> list[int]:
+        """Ids of the one-token spellings of `word` (yes, Yes, " yes", ...) in this vocabulary.
+
+        Multi-token spellings are left out: their first token also starts other words."""
+        forms = {word, word.lower(), word.capitalize(), word.upper()}
+        ids = {self.encode(p + f)[0] for f in forms for p in ("", " ")
+               if len(self.encode(p + f)) == 1}
+        return sorted(ids)
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> str:

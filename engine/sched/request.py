@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +49,10 @@ class Request:
     target_logprobs: list[float] = field(default_factory=list)
     logit_rows: list[torch.Tensor] = field(default_factory=list)
     callbacks: list = field(default_factory=list)  # called with each new token id
+    # Called with the request id once the result is ready (any finish reason).
+    on_finish: Callable[[str], None] | None = None
+    # Choice requests: next-token log-probabilities of these ids after the prompt.
+    candidate_ids: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,110 @@
+"""The in-process engine as a backend: one shared engine per model per process."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from llmdb.engine.engine import LLMEngine
+from llmdb.engine.shared import shared_engine
+
+from .base import BackendResult, ChoiceRequest, GenerationRequest, ModelRequest, ScoreRequest
+
+
+class LocalBackend:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.name = engine.model_name
+        tok = engine.tokenizer
+        self._end_of_turn = tok.token_id(tok.eos_token) if tok.eos_token else None
+        if self._end_of_turn is None:
+            self._end_of_turn = engine.config.eos_token_ids[0]
+        self._word_ids: dict[str, list[int]] = {}
+        self._choices: dict[str, list[list[int]]] = {}  # handle -> token ids per word
+        self._lock = threading.Lock()
+        template = tok.chat_template or ""
+        self._identity = {
+            "model": self.name,
+            "fingerprint": engine.fingerprint,
+            "dtype": str(engine.dtype).removeprefix("torch."),
+            "engine_version": engine.version,
+            "chat_template": hashlib.sha256(template.encode()).hexdigest()[:16],
+        }
+
+    def identity(self) -> dict[str, Any]:
+        return dict(self._identity)
+
+    def render_chat(self, user: str, system: str | None) -> str:
+        messages = [{"role": "user", "content": user}]
+        if system is not None:
+            messages.insert(0, {"role": "system", "content": system})
+        return self.engine.tokenizer.apply_chat_template(messages)
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.engine.tokenizer.encode(text))
+
+    def _variants(self, word: str) -> list[int]:
+        if word not in self._word_ids:
+            ids = self.engine.tokenizer.single_token_variants(word)
+            if not ids:
+                raise ValueError(f"the vocabulary has no one-token spelling of {word!r}")
+            self._word_ids[word] = ids
+        return self._word_ids[word]
+
+    def submit(self, request: ModelRequest, on_finish: Callable[[], None]) -> str:
+        done = lambda _rid: on_finish()  # noqa: E731
+        eng = self.engine
+        if isinstance(request, GenerationRequest):
+            return eng.add_request(request.prompt, request.params, on_finish=done)
+        if isinstance(request, ScoreRequest):
+            cont = [*eng.tokenizer.encode(request.continuation), self._end_of_turn]
+            return eng.add_score_request(request.prompt, cont, on_finish=done)
+        if isinstance(request, ChoiceRequest):
+            groups = [self._variants(w) for w in request.words]
+            with self._lock:  # the callback may fire before add_choice_request returns
+                handle = eng.add_choice_request(
+                    request.prompt, [t for g in groups for t in g], on_finish=done)
+                self._choices[handle] = groups
+            return handle
+        raise TypeError(f"unknown request type {type(request).__name__}")
+
+    def collect(self, handle: str) -> BackendResult:
+        r = self.engine.wait(handle, timeout=0)
+        if r is None:
+            raise RuntimeError(f"request {handle} has not finished")
+        with self._lock:
+            groups = self._choices.pop(handle, None)
+        out = BackendResult(
+            text=r.text, finish_reason=r.finish_reason, logprob=r.score,
+            prompt_tokens=r.usage.prompt_tokens, generated_tokens=r.usage.generated_tokens,
+            cached_tokens=r.usage.cached_tokens, error=r.error,
+        )
+        if groups is not None and r.finish_reason != "error":
+            lps = iter(r.candidate_logprobs)
+            out.word_probs = tuple(sum(math.exp(next(lps)) for _ in g) for g in groups)
+        return out
+
+    def abort(self, handle: str) -> None:
+        self.engine.abort(handle)
+        with self._lock:
+            self._choices.pop(handle, None)
+        try:  # drop the aborted result so that nothing accumulates in the engine
+            self.engine.wait(handle, timeout=0)
+        except KeyError:
+            pass
+
+
+_backends: dict[str, LocalBackend] = {}
+_backends_lock = threading.Lock()
+
+
+def local_backend(model: str, **engine_options: Any) -> LocalBackend:
+    """The backend over this process's shared engine for `model`."""
+    engine = shared_engine(model, **engine_options)
+    with _backends_lock:
+        if model not in _backends or _backends[model].engine is not engine:
+            _backends[model] = LocalBackend(engine)
+        return _backends[model]

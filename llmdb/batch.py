@@ -1,0 +1,218 @@
+"""Run one batch of row calls: dedup, result cache, in-flight sharing, submission, waiting.
+
+A Call is one row's work for an LLM function: one or more model requests (llm_classify asks
+one per label) whose results `combine` into the row's value. Rows with the same key are
+computed once: within the batch, across batches through the result cache, and across threads
+and connections through the in-flight table (a second caller waits for the first). The
+caller's thread waits in slices of at most 100 ms so that a cancelled query stops promptly.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .backends import Backend, BackendResult, ModelRequest
+from .session import QueryCancelled, Session, Stats
+
+WAIT_SLICE_S = 0.1
+
+
+class LLMError(ValueError):
+    """A row's call failed and the query asked for errors to be raised."""
+
+
+@dataclass
+class Call:
+    requests: list[ModelRequest]
+    key: str | None  # None: never shared or cached (sampling without a seed)
+    row: str  # the user's prompt, to name the row in errors
+    on_error: str = "raise"
+
+
+@dataclass
+class Outcome:
+    value: Any = None
+    error: str | None = None
+
+
+@dataclass
+class _Pending:
+    """A key being computed by some caller; others wait on `done`."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    outcome: Outcome | None = None  # None after done: the owner gave up (cancelled)
+
+
+_inflight: dict[str, _Pending] = {}
+_inflight_lock = threading.Lock()
+
+
+def describe_row(function: str, row: str, cause: str) -> str:
+    prefix = row if len(row) <= 60 else row[:57] + "..."
+    return f"{function} failed on the row with prompt {prefix!r}: {cause}"
+
+
+class _Batch:
+    def __init__(self, session: Session, backend: Backend, function: str, calls: list[Call],
+                 combine: Callable[[Call, list[BackendResult]], Any]):
+        self.session, self.backend, self.function = session, backend, function
+        self.calls, self.combine = calls, combine
+        self.outcomes: list[Outcome | None] = [None] * len(calls)
+        self.stats = Stats(rows=len(calls))
+        self.cache = session.cache()
+        self.done_q: queue.SimpleQueue = queue.SimpleQueue()
+        self.handles: dict[int, list[str]] = {}  # call -> its backend handles
+        self.parts: dict[int, list[BackendResult | None]] = {}
+        self.owned: dict[int, _Pending] = {}  # keyed calls this batch computes for others
+        self.foreign: dict[int, _Pending] = {}  # keyed calls another caller computes
+
+    # ---- planning ------------------------------------------------------------------------
+
+    def plan(self) -> tuple[list[int], dict[int, int]]:
+        """Which calls to compute here; the rest are copies of an identical call."""
+        first: dict[str, int] = {}
+        copies: dict[int, int] = {}
+        for i, c in enumerate(self.calls):
+            if c.key is not None and c.key in first:
+                copies[i] = first[c.key]
+            elif c.key is not None:
+                first[c.key] = i
+        self.stats.dedup_hits += len(copies)
+        hits = self.cache.get_many(list(first)) if self.cache is not None and first else {}
+        todo = []
+        for i, c in enumerate(self.calls):
+            if i in copies:
+                continue
+            if c.key in hits:
+                self.outcomes[i] = Outcome(hits[c.key])
+                self.stats.cache_hits += 1
+                continue
+            if c.key is not None:
+                with _inflight_lock:
+                    pending = _inflight.get(c.key)
+                    if pending is None:
+                        self.owned[i] = _inflight[c.key] = _Pending()
+                if pending is not None:
+                    self.foreign[i] = pending
+                    continue
+            todo.append(i)
+        return todo, copies
+
+    # ---- computing -----------------------------------------------------------------------
+
+    def submit(self, i: int) -> None:
+        call = self.calls[i]
+        self.handles[i], self.parts[i] = [], [None] * len(call.requests)
+        for j, req in enumerate(call.requests):
+            try:
+                h = self.backend.submit(req, lambda i=i, j=j: self.done_q.put((i, j)))
+            except ValueError as e:
+                self.fail(i, str(e))
+                return
+            self.handles[i].append(h)
+            self.stats.calls += 1
+
+    def fail(self, i: int, cause: str) -> None:
+        for h in self.handles.pop(i, []):
+            self.backend.abort(h)
+        self.parts.pop(i, None)
+        self.session.progress_done()
+        self.settle(i, Outcome(error=describe_row(self.function, self.calls[i].row, cause)))
+
+    def settle(self, i: int, outcome: Outcome) -> None:
+        self.outcomes[i] = outcome
+        call = self.calls[i]
+        if outcome.error is None and self.cache is not None and call.key is not None:
+            self.cache.put(call.key, outcome.value)  # now, not at the end of the batch
+        self.release(i, outcome)
+        if outcome.error is not None:
+            self.stats.errors += 1
+            if call.on_error == "raise":
+                raise LLMError(outcome.error)
+            self.session.record_error(self.function, call.row, outcome.error)
+
+    def release(self, i: int, outcome: Outcome | None) -> None:
+        pending = self.owned.pop(i, None)
+        if pending is not None:
+            with _inflight_lock:
+                del _inflight[self.calls[i].key]
+            pending.outcome = outcome
+            pending.done.set()
+
+    def on_part_done(self, i: int, j: int) -> None:
+        if i not in self.parts:  # the call already failed
+            return
+        res = self.backend.collect(self.handles[i][j])
+        self.parts[i][j] = res
+        self.stats.prompt_tokens += res.prompt_tokens
+        self.stats.generated_tokens += res.generated_tokens
+        self.stats.cached_tokens += res.cached_tokens
+        if res.finish_reason in ("error", "abort"):
+            self.fail(i, res.error or "the request was aborted")
+            return
+        if all(p is not None for p in self.parts[i]):
+            parts = self.parts.pop(i)
+            del self.handles[i]
+            self.session.progress_done()
+            self.settle(i, Outcome(self.combine(self.calls[i], parts)))
+
+    def check_foreign(self) -> None:
+        for i, pending in list(self.foreign.items()):
+            if not pending.done.is_set():
+                continue
+            del self.foreign[i]
+            if pending.outcome is None:  # its owner was cancelled: compute it here
+                self.session.progress_add(1)
+                self.submit(i)
+            elif pending.outcome.error is not None:
+                self.settle(i, pending.outcome)
+            else:
+                self.outcomes[i] = pending.outcome
+                self.stats.dedup_hits += 1
+
+    def abort_all(self) -> None:
+        for i in list(self.handles):
+            for h in self.handles.pop(i):
+                self.backend.abort(h)
+        for i in list(self.owned):
+            self.release(i, None)
+
+    def run(self) -> list[Outcome]:
+        t0 = time.perf_counter()
+        try:
+            todo, copies = self.plan()
+            self.session.progress_add(len(todo))
+            for i in todo:
+                self.submit(i)
+            while self.handles or self.foreign:
+                if self.session.cancel.is_set():
+                    raise QueryCancelled("the query was cancelled")
+                try:
+                    i, j = self.done_q.get(timeout=WAIT_SLICE_S)
+                except queue.Empty:
+                    self.check_foreign()
+                    continue
+                self.on_part_done(i, j)
+                self.check_foreign()
+        finally:
+            self.abort_all()  # a no-op unless the batch is being left early
+            self.stats.engine_s += time.perf_counter() - t0
+            self.session.record(self.stats)
+        for i, src in copies.items():
+            self.outcomes[i] = self.outcomes[src]
+            if self.outcomes[i].error is not None and self.calls[i].on_error == "raise":
+                raise LLMError(self.outcomes[i].error)
+        return self.outcomes
+
+
+def run_calls(session: Session, backend: Backend, function: str, calls: list[Call],
+              combine: Callable[[Call, list[BackendResult]], Any]) -> list[Outcome]:
+    """Each call's value, or its error when its on_error is 'null' (else LLMError)."""
+    if not calls:
+        return []
+    return _Batch(session, backend, function, calls, combine).run()

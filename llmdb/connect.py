@@ -1,0 +1,138 @@
+"""llmdb.connect() -> Connection: a DuckDB connection whose queries go through the planner.
+
+DuckDB runs Python UDFs on worker threads and on the thread that called execute or fetch
+(results stream: later vectors are computed while fetching), where a KeyboardInterrupt cannot
+reach a UDF stuck waiting for the model. So execute and the fetch methods run DuckDB on a
+helper thread and wait on it; Ctrl-C (or interrupt()) sets the query's cancel token, which
+the UDFs check every 100 ms, and interrupts DuckDB. The query's model requests are aborted
+and their blocks freed; rows that completed stay in the result cache.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import duckdb
+
+from . import functions, samples
+from .planner import plan
+from .session import Options, Session
+
+
+class Connection:
+    """A DuckDB connection with the llm_* functions; other methods pass through to DuckDB."""
+
+    def __init__(self, database: str = ":memory:", model: str = "smollm2-135m", *,
+                 read_only: bool = False, config: dict | None = None, **options: Any):
+        self.session = Session(Options.from_kwargs(model=model, **options))
+        self._con = duckdb.connect(database, read_only=read_only, config=config or {})
+        functions.register(self._con, self.session)
+        if self.session.options.engine:
+            self.session.backend()  # start now: contradicting options fail at connect
+
+    # ---- queries -------------------------------------------------------------------------
+
+    def _prepare(self, query: str) -> str:
+        names = samples.referenced(query)
+        if names:
+            samples.attach(self._con, names, self.session.options.sample_rows)
+        return plan(query)
+
+    def execute(self, query: str, parameters: Any = None) -> Connection:
+        sql = self._prepare(query)
+        self.session.begin_query()
+        self._run(lambda: self._con.execute(sql, parameters))
+        return self
+
+    def sql(self, query: str, **kwargs: Any) -> duckdb.DuckDBPyRelation | None:
+        """A lazy DuckDB relation; it runs when fetched (Ctrl-C then reaches DuckDB only)."""
+        return self._con.sql(self._prepare(query), **kwargs)
+
+    query = sql
+
+    def _run(self, work: Any) -> Any:
+        result: list[Any] = []
+        failure: list[BaseException] = []
+
+        def target() -> None:
+            try:
+                result.append(work())
+            except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+                failure.append(e)
+
+        worker = threading.Thread(target=target, name="llmdb-query", daemon=True)
+        worker.start()
+        try:
+            while worker.is_alive():
+                worker.join(0.1)
+        except KeyboardInterrupt:
+            self.interrupt()
+            worker.join()
+            raise
+        finally:
+            self.session.end_query()
+        if failure:
+            raise failure[0]
+        return result[0]
+
+    def interrupt(self) -> None:
+        """Cancel the running query: abort its model requests and interrupt DuckDB."""
+        self.session.cancel.set()
+        self._con.interrupt()
+
+    # ---- results and the rest of DuckDB's API --------------------------------------------
+
+    def _fetch(name: str) -> Any:  # noqa: N805 - builds methods
+        def method(self: Connection, *args: Any, **kwargs: Any) -> Any:
+            return self._run(lambda: getattr(self._con, name)(*args, **kwargs))
+        method.__name__ = name
+        method.__doc__ = f"DuckDB's {name}, cancellable with Ctrl-C."
+        return method
+
+    fetchall = _fetch("fetchall")
+    fetchone = _fetch("fetchone")
+    fetchmany = _fetch("fetchmany")
+    fetchdf = _fetch("fetchdf")
+    df = _fetch("df")
+    fetchnumpy = _fetch("fetchnumpy")
+    fetch_arrow_table = _fetch("fetch_arrow_table")
+    arrow = _fetch("arrow")
+    pl = _fetch("pl")
+    del _fetch
+
+    def stats(self) -> dict[str, Any]:
+        return self.session.stats()
+
+    def close(self) -> None:
+        self._con.close()
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._con, name)
+
+
+def connect(database: str = ":memory:", model: str = "smollm2-135m", **options: Any) -> Connection:
+    """A DuckDB connection with the llm_* functions on `model` (a registered name).
+
+    Options: on_error ('raise' | 'null'), cache (bool), cache_path, cache_max_bytes,
+    progress (None = when stderr is a terminal), priority ('RT' | 'BE'), sample_rows, and
+    engine options (dtype, kv_cache_bytes, max_num_batched_tokens, max_num_seqs, threads,
+    enable_prefix_caching). All connections of a process share one engine per model."""
+    return Connection(database, model, **options)
+
+
+def register(con: duckdb.DuckDBPyConnection, model: str = "smollm2-135m",
+             **options: Any) -> Session:
+    """Add the llm_* functions to an existing DuckDB connection (no query rewriting).
+
+    Returns the session that holds the connection's stats and errors. Without the wrapper
+    there are no query boundaries: llm_stats()'s last_query then covers every call so far."""
+    session = Session(Options.from_kwargs(model=model, **options))
+    functions.register(con, session)
+    return session

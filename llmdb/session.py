@@ -1,0 +1,172 @@
+"""What a connection (or a DataFrame call) carries: options, counters, errors, the current
+query's cancel token and progress bar.
+
+Stats have two scopes: the whole session, and the last query that reached an LLM function.
+A query scope begins at Connection.execute; its counters reset on the first LLM work in it,
+so `SELECT llm_stats()` reports the query before it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm import tqdm
+
+from .backends import Backend, local_backend
+from .cache import DEFAULT_MAX_BYTES, ResultCache, open_cache
+
+ENGINE_OPTIONS = ("dtype", "kv_cache_bytes", "block_size", "max_num_batched_tokens",
+                  "max_num_seqs", "attention", "threads", "enable_prefix_caching")
+ON_ERROR = ("raise", "null")
+PROGRESS_MIN_ROWS = 32  # smaller jobs finish before a bar would be worth reading
+MAX_KEPT_ERRORS = 10_000
+
+
+@dataclass
+class Options:
+    model: str = "smollm2-135m"
+    on_error: str = "raise"  # raise: fail the query naming the row; null: NULL + llm_errors
+    cache: bool = True
+    cache_path: str | None = None  # None: the user cache dir (LLMDB_CACHE_DIR overrides)
+    cache_max_bytes: int = DEFAULT_MAX_BYTES
+    progress: bool | None = None  # None: a bar when stderr is a terminal
+    priority: str | None = None  # RT or BE for every call; None: chosen per query
+    sample_rows: int | None = None  # cap on the rows of samples.* tables (tests, demos)
+    engine: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> Options:
+        names = {f.name for f in dataclasses.fields(cls)} - {"engine"}
+        engine = {k: kwargs.pop(k) for k in list(kwargs) if k in ENGINE_OPTIONS}
+        unknown = set(kwargs) - names
+        if unknown:
+            raise TypeError(f"unknown llmdb option(s): {', '.join(sorted(unknown))}; engine "
+                            f"options are {', '.join(ENGINE_OPTIONS)}")
+        opts = cls(**kwargs, engine=engine)
+        if opts.on_error not in ON_ERROR:
+            raise ValueError(f"on_error must be one of {ON_ERROR}, got {opts.on_error!r}")
+        if opts.priority not in (None, "RT", "BE"):
+            raise ValueError(f"priority must be 'RT', 'BE' or None, got {opts.priority!r}")
+        return opts
+
+
+@dataclass
+class Stats:
+    rows: int = 0  # non-NULL rows that reached an LLM function
+    calls: int = 0  # model requests sent to the backend
+    cache_hits: int = 0  # rows answered by the result cache
+    dedup_hits: int = 0  # rows answered by an identical row of the query or in flight
+    errors: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served by the engine's prefix cache
+    engine_s: float = 0.0  # wall time spent waiting for the model
+
+    def add(self, other: Stats) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+@dataclass
+class RowError:
+    query_id: int
+    function: str
+    prompt: str  # the start of the row's prompt, to find the row
+    error: str
+
+
+class QueryCancelled(Exception):
+    pass
+
+
+class Session:
+    def __init__(self, options: Options | None = None):
+        self.options = options or Options()
+        self.total = Stats()
+        self.last = Stats()
+        self.errors: deque[RowError] = deque(maxlen=MAX_KEPT_ERRORS)
+        self.query_id = 0
+        self.cancel = threading.Event()
+        self._fresh_query = False
+        self._lock = threading.Lock()
+        self._bar: tqdm | None = None
+        self._bar_total = 0
+        self._bar_done = 0
+
+    # ---- resources -----------------------------------------------------------------------
+
+    def backend(self, model: str | None = None) -> Backend:
+        """The backend for a registered model name (SQL never opens arbitrary paths)."""
+        from llmdb.engine.registry import registered_models
+
+        name = model or self.options.model
+        if name not in registered_models():
+            raise ValueError(f"unknown model {name!r}; registered models: "
+                             f"{', '.join(sorted(registered_models()))}")
+        return local_backend(name, **self.options.engine)
+
+    def cache(self) -> ResultCache | None:
+        if not self.options.cache:
+            return None
+        return open_cache(self.options.cache_path, self.options.cache_max_bytes)
+
+    # ---- query scope ---------------------------------------------------------------------
+
+    def begin_query(self) -> None:
+        with self._lock:
+            self.query_id += 1
+            self._fresh_query = True
+            self.cancel.clear()
+
+    def end_query(self) -> None:
+        with self._lock:
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
+
+    def record(self, delta: Stats) -> None:
+        with self._lock:
+            if self._fresh_query:
+                self.last, self._fresh_query = Stats(), False
+            self.last.add(delta)
+            self.total.add(delta)
+
+    def record_error(self, function: str, prompt: str, error: str) -> None:
+        with self._lock:
+            self.errors.append(RowError(self.query_id, function, prompt[:200], error))
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"last_query": dataclasses.asdict(self.last),
+                    "total": dataclasses.asdict(self.total)}
+
+    # ---- progress ------------------------------------------------------------------------
+
+    def progress_add(self, rows: int) -> None:
+        """`rows` more model calls are on their way (the bar appears past a few dozen)."""
+        with self._lock:
+            self._bar_total += rows
+            show = self.options.progress
+            if show is None:
+                show = sys.stderr.isatty()
+            if self._bar is None and show and self._bar_total - self._bar_done > \
+                    PROGRESS_MIN_ROWS:
+                self._bar = tqdm(total=self._bar_total, initial=self._bar_done, unit="row",
+                                 desc="llm", file=sys.stderr, leave=False)
+            elif self._bar is not None:
+                self._bar.total = self._bar_total
+                self._bar.refresh()
+
+    def progress_done(self, rows: int = 1) -> None:
+        with self._lock:
+            self._bar_done += rows
+            if self._bar is not None:
+                self._bar.update(rows)
+                if self._bar_done >= self._bar_total:
+                    self._bar.close()
+                    self._bar = None
