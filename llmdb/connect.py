@@ -94,11 +94,10 @@ class Connection:
     fetchone = _fetch("fetchone")
     fetchmany = _fetch("fetchmany")
     fetchdf = _fetch("fetchdf")
+    fetch_df = _fetch("fetch_df")
     df = _fetch("df")
     fetchnumpy = _fetch("fetchnumpy")
-    fetch_arrow_table = _fetch("fetch_arrow_table")
-    arrow = _fetch("arrow")
-    pl = _fetch("pl")
+    to_arrow_table = _fetch("to_arrow_table")
     del _fetch
 
     def stats(self) -> dict[str, Any]:
