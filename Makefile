@@ -25,7 +25,7 @@ $(VENV)/.test-done: $(VENV)/.setup-done
 	touch $@
 
 run: setup
-	$(PY) -m llmdb.main_job
+	$(VENV)/bin/llmdb sql -f sql_examples/humaneval_complete.sql
 
 test: $(VENV)/.test-done
 	$(PY) -m ruff check .

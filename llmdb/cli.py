@@ -1,12 +1,20 @@
-"""The `llmdb` command."""
+"""The `llmdb` command: run SQL with the llm_* functions, manage models."""
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
+import warnings
+from pathlib import Path
+
+import duckdb
 
 from llmdb.engine.models import ModelLoadError
 from llmdb.engine.registry import register_model, registered_models
+
+# Statement types whose rows are the answer; the others (CREATE, COPY, ...) report a count.
+_RESULT_TYPES = {"SELECT", "EXPLAIN", "PRAGMA", "CALL", "RELATION"}
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -19,9 +27,66 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_table(con, max_rows: int) -> None:
+    with warnings.catch_warnings():  # the copy it warns about is what printing needs
+        warnings.simplefilter("ignore")
+        table = con.to_arrow_table()
+    view = duckdb.connect()
+    try:
+        view.from_arrow(table).show(max_rows=max_rows,
+                                    max_width=shutil.get_terminal_size((120, 40)).columns)
+    finally:
+        view.close()
+
+
+def _sql(args: argparse.Namespace) -> int:
+    import llmdb
+
+    if args.file:
+        text = Path(args.file).read_text()
+    elif args.query:
+        text = args.query
+    else:
+        text = sys.stdin.read()
+    options = {"cache": not args.no_cache, "on_error": args.on_error,
+               "sample_rows": args.sample_rows}
+    if args.no_progress:
+        options["progress"] = False
+    with llmdb.connect(args.db, model=args.model, **options) as con:
+        for statement in duckdb.extract_statements(text):
+            con.execute(statement.query)
+            kind = statement.type.name
+            if kind in _RESULT_TYPES:
+                _print_table(con, args.max_rows)
+            else:
+                count = con.fetchone()
+                suffix = f": {count[0]:,} rows" if count and count[0] is not None else ""
+                print(f"-- {kind}{suffix}", file=sys.stderr)
+        s = con.stats()["total"]
+        if s["rows"]:
+            print(f"-- llm: {s['rows']:,} rows, {s['calls']:,} model calls, "
+                  f"{s['cache_hits']:,} cache hits, {s['dedup_hits']:,} deduplicated, "
+                  f"{s['errors']:,} errors, {s['engine_s']:.1f} s in the model", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="llmdb", description="Run language models over rows.")
     sub = ap.add_subparsers(dest="command", required=True)
+
+    sql = sub.add_parser("sql", help="run SQL (with llm_* functions) and print the results")
+    sql.add_argument("query", nargs="?", help="SQL text (or -f FILE, or stdin)")
+    sql.add_argument("-f", "--file", help="a .sql file of one or more statements")
+    sql.add_argument("--db", default=":memory:", help="a DuckDB database file")
+    sql.add_argument("--model", default="smollm2-135m", help="a registered model name")
+    sql.add_argument("--on-error", choices=("raise", "null"), default="raise")
+    sql.add_argument("--no-cache", action="store_true", help="do not use the result cache")
+    sql.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sql.add_argument("--max-rows", type=int, default=40, help="rows to print per result")
+    sql.add_argument("--sample-rows", type=int, default=None,
+                     help="use only the first N rows of samples.* tables")
+    sql.set_defaults(func=_sql)
+
     models = sub.add_parser("models", help="list or register models")
     msub = models.add_subparsers(dest="action", required=True)
     add = msub.add_parser("add", help="register a GGUF file or HF directory under a name")
@@ -29,12 +94,16 @@ def main(argv: list[str] | None = None) -> int:
     add.add_argument("path")
     msub.add_parser("list", help="list registered models")
     models.set_defaults(func=_models)
+
     args = ap.parse_args(argv)
     try:
         return args.func(args)
-    except (ModelLoadError, ValueError) as e:
+    except (ModelLoadError, ValueError, duckdb.Error) as e:
         print(f"llmdb: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("llmdb: cancelled", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
