@@ -122,6 +122,7 @@ class Session:
             self.query_id += 1
             self._fresh_query = True
             self.cancel.clear()
+            self._bar_total = self._bar_done = 0  # one progress bar per query
 
     def end_query(self) -> None:
         with self._lock:
