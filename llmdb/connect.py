@@ -47,7 +47,9 @@ class Connection:
 
     def sql(self, query: str, **kwargs: Any) -> duckdb.DuckDBPyRelation | None:
         """A lazy DuckDB relation; it runs when fetched (Ctrl-C then reaches DuckDB only)."""
-        return self._con.sql(self._prepare(query), **kwargs)
+        sql = self._prepare(query)
+        self.session.begin_query()
+        return self._con.sql(sql, **kwargs)
 
     query = sql
 
