@@ -39,8 +39,10 @@ class LLMEngine:
     """The in-process engine for one model.
 
     kv_cache_bytes sizes the block pool; max_num_batched_tokens is the per-step token budget
-    (decodes plus prefill chunks), max_num_seqs the most requests running at once. dtype
-    None picks bf16 where the CPU has native bf16 and fp32 elsewhere."""
+    C (decodes plus prefill chunks), max_prefill_tokens the prefill budget P (<= C),
+    max_num_seqs the most requests running at once; policy names the scheduling policy
+    (sched/policies: sarathi, fcfs, infermax, rr, ...). RT requests get the rt_slo_* targets.
+    dtype None picks bf16 where the CPU has native bf16 and fp32 elsewhere."""
 
     def __init__(
         self,
@@ -54,6 +56,10 @@ class LLMEngine:
         attention: str = "fast",
         threads: int | None = None,
         enable_prefix_caching: bool = True,
+        policy: str = "sarathi",
+        max_prefill_tokens: int | None = None,
+        rt_slo_ttft_s: float = 1.0,
+        rt_slo_tbt_s: float = 0.25,
     ):
         torch.set_num_threads(threads or os.cpu_count() or 1)
         t0 = time.perf_counter()
@@ -68,7 +74,9 @@ class LLMEngine:
         num_blocks = kv_cache_bytes // KVCache.bytes_per_block(self.config, block_size, self.dtype)
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
         self.kv_cache = KVCache(self.config, num_blocks, block_size, self.dtype)
-        self.scheduler = Scheduler(self.pool, max_num_batched_tokens, max_num_seqs)
+        self.scheduler = Scheduler(self.pool, max_num_batched_tokens, max_num_seqs, policy,
+                                   max_prefill_tokens)
+        self.rt_slos = (rt_slo_ttft_s, rt_slo_tbt_s)
         self.runner = ModelRunner(self.model, self.kv_cache, block_size, attention)
         self.version = __version__
         self.startup_s = time.perf_counter() - t0
@@ -111,7 +119,12 @@ class LLMEngine:
                 f"{capacity:,}; raise kv_cache_bytes"
             )
 
-    def _submit(self, req: Request) -> str:
+    def _submit(self, req: Request, priority: str) -> str:
+        if priority not in ("RT", "BE"):
+            raise ValueError(f"priority must be 'RT' or 'BE', got {priority!r}")
+        req.priority = priority
+        if priority == "RT":
+            req.slo_ttft_s, req.slo_tbt_s = self.rt_slos
         with self._cond:
             if req.request_id in self._requests:
                 raise ValueError(f"request id {req.request_id!r} is already in use")
@@ -123,7 +136,7 @@ class LLMEngine:
     def add_request(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
         on_token: Callable[[int | None], None] | None = None,
-        on_finish: Callable[[str], None] | None = None,
+        on_finish: Callable[[str], None] | None = None, priority: str = "BE",
     ) -> str:
         """Queue a generation; `on_token(token_id | None)` streams tokens, None at the end;
         `on_finish(request_id)` is called once its result can be collected with wait()."""
@@ -144,11 +157,12 @@ class LLMEngine:
             ids, params, generator=gen, callbacks=[on_token] if on_token else [],
             on_finish=on_finish,
         )
-        return self._submit(req)
+        return self._submit(req, priority)
 
     def add_score_request(self, prompt: Prompt, continuation: str | list[int],
                           request_id: str | None = None,
-                          on_finish: Callable[[str], None] | None = None) -> str:
+                          on_finish: Callable[[str], None] | None = None,
+                          priority: str = "BE") -> str:
         """Queue the log-likelihood of `continuation` after `prompt`; no token is generated."""
         ids = self.encode_prompt(prompt)
         cont = (self.tokenizer.encode(continuation) if isinstance(continuation, str)
@@ -161,11 +175,12 @@ class LLMEngine:
             ids + cont, SamplingParams(max_tokens=1), generate=False, logits_from=len(ids) - 1,
             on_finish=on_finish,
         )
-        return self._submit(req)
+        return self._submit(req, priority)
 
     def add_choice_request(self, prompt: Prompt, candidate_ids: list[int],
                            request_id: str | None = None,
-                           on_finish: Callable[[str], None] | None = None) -> str:
+                           on_finish: Callable[[str], None] | None = None,
+                           priority: str = "BE") -> str:
         """Queue the next-token log-probabilities of `candidate_ids` after `prompt`."""
         ids = self.encode_prompt(prompt)
         self._check_fits(len(ids), "prompt")
@@ -177,7 +192,7 @@ class LLMEngine:
             ids, SamplingParams(max_tokens=1), generate=False, logits_from=len(ids) - 1,
             candidate_ids=list(candidate_ids), on_finish=on_finish,
         )
-        return self._submit(req)
+        return self._submit(req, priority)
 
     # ---- one iteration -------------------------------------------------------------------
 
@@ -245,6 +260,7 @@ class LLMEngine:
     def _append_token(self, req: Request, token: int, row: torch.Tensor) -> bool:
         now = time.perf_counter()
         req.first_token_time = req.first_token_time or now
+        req.last_token_time = now
         req.output_ids.append(token)
         p = req.params
         if p.logprobs is not None:
@@ -359,7 +375,7 @@ class LLMEngine:
         self._check_fits(len(ids), "input")
         req = Request(f"logits-{next(self._ids)}", ids, SamplingParams(max_tokens=1),
                       generate=False, logits_from=0, keep_logits=True)
-        self._submit(req)
+        self._submit(req, "BE")
         result = self.wait(req.request_id)
         if result.finish_reason == "error":
             raise RuntimeError(f"logits failed: {result.error}")

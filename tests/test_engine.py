@@ -9,6 +9,7 @@ import torch
 
 from llmdb.engine.engine import LLMEngine
 from llmdb.engine.sampling import SamplingParams
+from llmdb.engine.sched.scheduler import SchedulerOutput
 from llmdb.kernels.attention import paged_attention_reference
 
 from .helpers import CHAT_QUESTIONS, assert_same_tokens, chat
@@ -51,7 +52,7 @@ def test_forced_preemption_recomputes_the_same_tokens(engine, alone):
         engine.step()
     with engine._cond:  # preempt the newest two mid-generation, as a full pool would
         for _ in range(2):
-            engine.scheduler._preempt(engine.scheduler.running.pop())
+            engine.scheduler.preempt(SchedulerOutput(), engine.scheduler.running[-1])
     results = [engine.wait(i) for i in ids]
     for i, r in enumerate(results):
         assert_same_tokens(engine, prompts[i], alone[i], r.token_ids)

@@ -37,6 +37,12 @@ class Request:
     num_registered: int = 0
     num_cached_tokens: int | None = None
     status: Status = Status.WAITING
+    # Scheduling class and targets: RT (interactive) or BE (bulk); SLOs in seconds or None.
+    priority: str = "BE"
+    slo_ttft_s: float | None = None
+    slo_tbt_s: float | None = None
+    cache_type: str = "kv"  # "kv" or "hidden" (Apt-Serve; the simulator only, for now)
+    last_token_time: float | None = None
     finish_reason: str | None = None
     error: str | None = None
     generator: torch.Generator | None = None
@@ -65,3 +71,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def is_decode(self) -> bool:
+        """Its only token left to compute is the last one it generated."""
+        return bool(self.output_ids) and self.num_tokens - self.num_computed == 1
+
+    def pending_time(self, now: float) -> float:
+        """Apt-Serve's p: since arrival before the first token, since the last one after."""
+        return now - (self.last_token_time if self.last_token_time is not None else self.arrival)

@@ -1,19 +1,24 @@
-"""The default iteration-level scheduler (Sarathi-style, vLLM v1 shape).
+"""The scheduler's mechanics: queues, block allocation, prefix hits, preemption.
 
-There are no prefill or decode phases: each request's computed tokens catch up with its
-tokens within a per-step token budget. Running requests go first (oldest first), so decodes
-and the rest of started prefills are never starved; waiting requests fill what is left,
-chunked. Memory is a budget: a request is only scheduled when its blocks can be allocated;
-when they cannot, the newest running request is preempted and later recomputed.
+Which requests run in a step, with how many tokens, and who is evicted is the policy's
+decision (policies/): each policy is a small class over InferMax's Algorithm 1 (base.py).
+The scheduler sees requests through a few numbers (tokens to compute, cached tokens, pending
+time, class, SLOs, cache type) and the pool through block counts, so the same objects run in
+the engine and in the simulator (sim.py).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..cache.block_pool import BlockPool, block_hash
 from .request import Request, Status
+
+if TYPE_CHECKING:
+    from .policies.base import Policy
 
 
 @dataclass
@@ -27,12 +32,24 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_num_batched_tokens: int, max_num_seqs: int):
+    """C = max_num_batched_tokens (tokens per step), P = max_prefill_tokens (prefill tokens
+    per step, <= C), M = the block pool; max_num_seqs caps the running requests."""
+
+    def __init__(self, pool: BlockPool, max_num_batched_tokens: int, max_num_seqs: int,
+                 policy: Policy | str = "sarathi", max_prefill_tokens: int | None = None,
+                 cost_model=None):
+        from .policies import make_policy
+
         self.pool = pool
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_tokens = min(max_prefill_tokens or max_num_batched_tokens,
+                                      max_num_batched_tokens)
         self.max_num_seqs = max_num_seqs
+        self.cost_model = cost_model
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._hits: dict[str, list[int]] = {}  # this step's prefix hits of waiting requests
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -41,11 +58,47 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        self._hits.clear()
+        return self.policy.schedule(self, time.perf_counter() if now is None else now)
+
+    # ---- what a request needs --------------------------------------------------------------
+
+    def tokens_left(self, req: Request) -> int:
+        """Tokens to compute before its next token can be sampled (after prefix hits)."""
+        if req.status is Status.WAITING:
+            return req.num_tokens - len(self.prefix_hit(req)) * self.pool.block_size
+        return req.num_tokens - req.num_computed
+
+    def is_prefill(self, req: Request) -> bool:
+        return not req.is_decode
+
     def _blocks_needed(self, req: Request, n: int) -> int:
         return max(0, self.pool.blocks_for(req.num_computed + n) - len(req.block_ids))
 
-    def _allocate(self, req: Request, n: int) -> None:
-        req.block_ids.extend(self.pool.allocate(self._blocks_needed(req, n)))
+    def reserved_blocks(self, req: Request) -> int:
+        """Blocks set aside for a running request beyond those it holds (policy estimate)."""
+        want = self.policy.reserve_tokens(self, req)
+        return max(0, self.pool.blocks_for(want) - len(req.block_ids)) if want else 0
+
+    def fits(self, req: Request, n: int) -> bool:
+        """Can `req` compute n more tokens now without touching others' blocks/reservations?"""
+        free = self.pool.num_free
+        if self.policy.reserves_memory:
+            free -= sum(self.reserved_blocks(r) for r in self.running if r is not req)
+        if req.status is not Status.WAITING:
+            return self._blocks_needed(req, n) <= free
+        hits = self.prefix_hit(req)
+        cached = len(hits) * self.pool.block_size
+        # Reviving an unreferenced cached block takes it off the free list too.
+        revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)
+        need = self.pool.blocks_for(cached + n) - len(hits)
+        if self.policy.reserves_memory:
+            need = max(need, self.pool.blocks_for(self.policy.reserve_tokens(self, req))
+                       - len(hits))
+        return need + revived <= free
+
+    # ---- prefix caching --------------------------------------------------------------------
 
     def _block_tokens(self, req: Request, i: int) -> tuple[int, ...]:
         bs = self.pool.block_size
@@ -59,23 +112,25 @@ class Scheduler:
             req.block_hashes.append(block_hash(parent, self._block_tokens(req, i)))
         return req.block_hashes
 
-    def _prefix_hit(self, req: Request) -> list[int]:
+    def prefix_hit(self, req: Request) -> list[int]:
         """Cached blocks holding a prefix of a request that has computed nothing yet.
 
         At least one token is left to compute (its logits are needed), and a scoring request
         computes every position whose logits it asked for."""
-        if not self.pool.enable_prefix_caching or req.num_computed:
-            return []
-        limit = req.num_tokens - 1
-        if req.logits_from is not None:
-            limit = min(limit, req.logits_from)
-        num_blocks = limit // self.pool.block_size
+        if req.request_id in self._hits:
+            return self._hits[req.request_id]
         hits: list[int] = []
-        for i, h in enumerate(self._hashes(req, num_blocks)[:num_blocks]):
-            b = self.pool.lookup(h, self._block_tokens(req, i))
-            if b is None:
-                break
-            hits.append(b)
+        if self.pool.enable_prefix_caching and not req.num_computed:
+            limit = req.num_tokens - 1
+            if req.logits_from is not None:
+                limit = min(limit, req.logits_from)
+            num_blocks = limit // self.pool.block_size
+            for i, h in enumerate(self._hashes(req, num_blocks)[:num_blocks]):
+                b = self.pool.lookup(h, self._block_tokens(req, i))
+                if b is None:
+                    break
+                hits.append(b)
+        self._hits[req.request_id] = hits
         return hits
 
     def register_computed(self, req: Request) -> None:
@@ -88,8 +143,32 @@ class Scheduler:
             self.pool.register(req.block_ids[i], hashes[i], self._block_tokens(req, i))
         req.num_registered = full
 
-    def _preempt(self, req: Request) -> None:
+    # ---- acting on the policy's decisions --------------------------------------------------
+
+    def run(self, out: SchedulerOutput, req: Request, n: int) -> int:
+        """Put `req` in this step with up to n tokens (returned); admits a waiting one."""
+        if req.status is Status.WAITING:
+            hits = self.prefix_hit(req)
+            self.waiting.remove(req)
+            if hits:
+                for b in hits:
+                    self.pool.touch(b)
+                req.block_ids, req.num_registered = list(hits), len(hits)
+                req.num_computed = len(hits) * self.pool.block_size
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = req.num_computed
+            req.status = Status.RUNNING
+            self.running.append(req)
+        n = min(n, req.num_tokens - req.num_computed)
+        req.block_ids.extend(self.pool.allocate(self._blocks_needed(req, n)))
+        # Allocation may recycle cached blocks that other waiting requests were going to hit.
+        self._hits.clear()
+        out.scheduled.append((req, n))
+        return n
+
+    def preempt(self, out: SchedulerOutput, req: Request) -> None:
         """Recompute later: free its blocks; its prompt and outputs so far are kept."""
+        self.running.remove(req)
         self.pool.free(req.block_ids)
         req.block_ids = []
         req.num_computed = 0
@@ -99,50 +178,7 @@ class Scheduler:
         req.logit_rows.clear()
         req.status = Status.WAITING
         self.waiting.appendleft(req)
-
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_tokens - req.num_computed, budget)
-            while self._blocks_needed(req, n) > self.pool.num_free:
-                victim = self.running.pop()  # the newest running request
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is req:
-                    break
-            else:
-                self._allocate(req, n)
-                out.scheduled.append((req, n))
-                budget -= n
-                i += 1
-        if out.preempted:
-            return out  # memory is short: admit nobody new this step
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]  # waiting requests hold no blocks and have computed nothing
-            hits = self._prefix_hit(req)
-            cached = len(hits) * self.pool.block_size
-            n = min(req.num_tokens - cached, budget)
-            # Reviving an unreferenced cached block takes it off the free list too.
-            revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)
-            new_blocks = self.pool.blocks_for(cached + n) - len(hits)
-            if new_blocks + revived > self.pool.num_free:
-                break
-            self.waiting.popleft()
-            if hits:
-                for b in hits:
-                    self.pool.touch(b)
-                req.block_ids, req.num_computed, req.num_registered = hits, cached, len(hits)
-            if req.num_cached_tokens is None:
-                req.num_cached_tokens = cached
-            self._allocate(req, n)
-            req.status = Status.RUNNING
-            self.running.append(req)
-            out.scheduled.append((req, n))
-            budget -= n
-        return out
+        out.preempted.append(req)
 
     def finish(self, req: Request) -> None:
         """Remove a request wherever it is and free its blocks."""
@@ -153,3 +189,4 @@ class Scheduler:
         self.pool.free(req.block_ids)
         req.block_ids = []
         req.status = Status.FINISHED
+        self.policy.observe_finished(req)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import math
 import threading
@@ -9,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from llmdb.engine.engine import LLMEngine
-from llmdb.engine.shared import shared_engine
+from llmdb.engine.shared import shared_engine, shutdown_engines
 
 from .base import BackendResult, ChoiceRequest, GenerationRequest, ModelRequest, ScoreRequest
 
@@ -58,15 +59,18 @@ class LocalBackend:
         done = lambda _rid: on_finish()  # noqa: E731
         eng = self.engine
         if isinstance(request, GenerationRequest):
-            return eng.add_request(request.prompt, request.params, on_finish=done)
+            return eng.add_request(request.prompt, request.params, on_finish=done,
+                                   priority=request.priority)
         if isinstance(request, ScoreRequest):
             cont = [*eng.tokenizer.encode(request.continuation), self._end_of_turn]
-            return eng.add_score_request(request.prompt, cont, on_finish=done)
+            return eng.add_score_request(request.prompt, cont, on_finish=done,
+                                         priority=request.priority)
         if isinstance(request, ChoiceRequest):
             groups = [self._variants(w) for w in request.words]
             with self._lock:  # the callback may fire before add_choice_request returns
                 handle = eng.add_choice_request(
-                    request.prompt, [t for g in groups for t in g], on_finish=done)
+                    request.prompt, [t for g in groups for t in g], on_finish=done,
+                    priority=request.priority)
                 self._choices[handle] = groups
             return handle
         raise TypeError(f"unknown request type {type(request).__name__}")
@@ -99,6 +103,10 @@ class LocalBackend:
 
 _backends: dict[str, LocalBackend] = {}
 _backends_lock = threading.Lock()
+
+# An engine thread still inside a step when the interpreter exits (right after Ctrl-C, say)
+# aborts the process with "terminate called without an active exception": stop it first.
+atexit.register(shutdown_engines)
 
 
 def local_backend(model: str, **engine_options: Any) -> LocalBackend:

@@ -1,0 +1,101 @@
+"""InferMax's Algorithm 1 (GETNEXTBATCH) as one loop; policies fill in its four steps.
+
+(1) group and order the candidates; (2) skip a candidate whose phase differs from the batch
+when hybrid batching is off; (3) can-allocate under the token budget C, the prefill budget P
+and the memory budget M; (4) otherwise evict a lower-priority running request, or the
+candidate itself when none is left (running candidates only; a waiting one is skipped).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..request import Request, Status
+from ..scheduler import Scheduler, SchedulerOutput
+
+
+@dataclass
+class Group:
+    requests: Sequence[Request]
+    evict: bool  # on a memory shortage: evict lower-priority running requests
+    stop_on_short: bool = False  # a candidate that does not fit ends the group (FCFS order)
+
+
+class Policy:
+    name = "base"
+    description = ""
+    hybrid = True  # prefill chunks and decodes in one batch
+    chunked_prefill = True  # a prefill may be split across steps under P
+    reserves_memory = False  # reserve_tokens() is used by can-allocate
+    admit_after_eviction = False  # admit waiting requests in a step that evicted someone
+
+    def groups(self, s: Scheduler, now: float) -> list[Group]:
+        raise NotImplementedError
+
+    def victim(self, s: Scheduler, cand: Request, batch: dict[Request, int]) -> Request | None:
+        """The lowest-priority running request outside the batch (default: the newest)."""
+        for r in reversed(s.running):
+            if r is not cand and r not in batch:
+                return r
+        return None
+
+    def reserve_tokens(self, s: Scheduler, req: Request) -> int:
+        return 0
+
+    def max_batch(self, s: Scheduler) -> int:
+        return s.max_num_seqs
+
+    def observe_finished(self, req: Request) -> None:
+        pass
+
+    def schedule(self, s: Scheduler, now: float) -> SchedulerOutput:
+        out = SchedulerOutput()
+        batch: dict[Request, int] = {}
+        c_left, p_left = s.max_num_batched_tokens, s.max_prefill_tokens
+        phase: bool | None = None  # True: the batch holds prefills (hybrid off)
+        limit = self.max_batch(s)
+        for group in self.groups(s, now):
+            for cand in list(group.requests):
+                if len(batch) >= limit or c_left <= 0:
+                    return out
+                if cand in batch or cand.status is Status.FINISHED or cand in out.preempted:
+                    continue
+                waiting = cand.status is Status.WAITING
+                if waiting and (len(s.running) >= s.max_num_seqs or (
+                        out.preempted and not self.admit_after_eviction)):
+                    continue  # memory is short this step: admit nobody new
+                prefill = s.is_prefill(cand)
+                if not self.hybrid and phase is not None and prefill != phase:
+                    continue  # (2)
+                n = s.tokens_left(cand)
+                if prefill:  # (3): C and P
+                    cap = min(c_left, p_left)
+                    if n > cap and self.chunked_prefill:
+                        n = cap
+                    elif n > cap and batch:
+                        continue  # whole prompts only; one longer than C runs alone
+                elif n > c_left:
+                    continue
+                if n <= 0:
+                    continue
+                fits = s.fits(cand, n)  # (3): M
+                while not fits and group.evict:  # (4)
+                    victim = self.victim(s, cand, batch)
+                    if victim is None:
+                        break
+                    s.preempt(out, victim)
+                    fits = s.fits(cand, n)
+                if not fits:
+                    if not waiting and group.evict:
+                        s.preempt(out, cand)  # self-eviction
+                    if group.stop_on_short:
+                        break
+                    continue
+                n = s.run(out, cand, n)
+                batch[cand] = n
+                c_left -= n
+                if prefill:
+                    p_left -= n
+                phase = prefill if phase is None else phase
+        return out

@@ -1,0 +1,23 @@
+"""BROS's baseline: iteration-level round robin between an RT and a BE queue, each FCFS
+(running first, then waiting, chunked prefill); a class with no work yields its turn."""
+
+from __future__ import annotations
+
+from ..scheduler import Scheduler
+from .base import Group, Policy
+
+
+class RoundRobinPolicy(Policy):
+    name = "rr"
+    description = "alternates RT and BE batches each iteration; FCFS within a class"
+
+    def __init__(self) -> None:
+        self.turn = "RT"
+
+    def groups(self, s: Scheduler, now: float) -> list[Group]:
+        classes = {r.priority for r in s.running} | {r.priority for r in s.waiting}
+        cls = self.turn if self.turn in classes or not classes else next(iter(classes))
+        self.turn = "BE" if cls == "RT" else "RT"
+        return [Group([r for r in s.running if r.priority == cls], evict=True),
+                Group([r for r in s.waiting if r.priority == cls], evict=False,
+                      stop_on_short=True)]
