@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..cache.block_pool import BlockPool, block_hash
+from ..costmodel import Chunk, CostModel
 from .request import Request, Status
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ class Scheduler:
 
     def __init__(self, pool: BlockPool, max_num_batched_tokens: int, max_num_seqs: int,
                  policy: Policy | str = "sarathi", max_prefill_tokens: int | None = None,
-                 cost_model=None):
+                 cost_model: CostModel | None = None, hidden_ratio: float | None = None):
         from .policies import make_policy
 
         self.pool = pool
@@ -46,6 +47,9 @@ class Scheduler:
                                       max_num_batched_tokens)
         self.max_num_seqs = max_num_seqs
         self.cost_model = cost_model
+        # Hidden-cache bytes per token over KV bytes per token (Apt-Serve's h/m); None: the
+        # executor has no hidden cache. A hidden block holds block_size / ratio tokens.
+        self.hidden_ratio = hidden_ratio
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -73,30 +77,45 @@ class Scheduler:
     def is_prefill(self, req: Request) -> bool:
         return not req.is_decode
 
+    def blocks_for(self, req: Request, tokens: int) -> int:
+        if req.cache_type == "hidden" and self.hidden_ratio:
+            per_block = max(1, int(self.pool.block_size / self.hidden_ratio))
+            return -(-tokens // per_block)
+        return self.pool.blocks_for(tokens)
+
     def _blocks_needed(self, req: Request, n: int) -> int:
-        return max(0, self.pool.blocks_for(req.num_computed + n) - len(req.block_ids))
+        return max(0, self.blocks_for(req, req.num_computed + n) - len(req.block_ids))
+
+    def costs(self, scheduled: list[tuple[Request, int]]) -> list[Chunk]:
+        """The cost model's view of a batch (before its tokens are computed)."""
+        return [Chunk(r.num_computed, n, r.is_decode,
+                      r.num_computed if r.cache_type == "hidden" else 0) for r, n in scheduled]
 
     def reserved_blocks(self, req: Request) -> int:
         """Blocks set aside for a running request beyond those it holds (policy estimate)."""
         want = self.policy.reserve_tokens(self, req)
-        return max(0, self.pool.blocks_for(want) - len(req.block_ids)) if want else 0
+        return max(0, self.blocks_for(req, want) - len(req.block_ids)) if want else 0
+
+    def blocks_to_run(self, req: Request, n: int) -> int:
+        """Free blocks that computing n more tokens of `req` takes (and its reservation)."""
+        if req.status is not Status.WAITING:
+            return self._blocks_needed(req, n)
+        hits = self.prefix_hit(req)
+        cached = len(hits) * self.pool.block_size
+        # Reviving an unreferenced cached block takes it off the free list too.
+        revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)
+        need = self.blocks_for(req, cached + n) - len(hits)
+        if self.policy.reserves_memory:
+            need = max(need, self.blocks_for(req, self.policy.reserve_tokens(self, req))
+                       - len(hits))
+        return need + revived
 
     def fits(self, req: Request, n: int) -> bool:
         """Can `req` compute n more tokens now without touching others' blocks/reservations?"""
         free = self.pool.num_free
         if self.policy.reserves_memory:
             free -= sum(self.reserved_blocks(r) for r in self.running if r is not req)
-        if req.status is not Status.WAITING:
-            return self._blocks_needed(req, n) <= free
-        hits = self.prefix_hit(req)
-        cached = len(hits) * self.pool.block_size
-        # Reviving an unreferenced cached block takes it off the free list too.
-        revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)
-        need = self.pool.blocks_for(cached + n) - len(hits)
-        if self.policy.reserves_memory:
-            need = max(need, self.pool.blocks_for(self.policy.reserve_tokens(self, req))
-                       - len(hits))
-        return need + revived <= free
+        return self.blocks_to_run(req, n) <= free
 
     # ---- prefix caching --------------------------------------------------------------------
 
@@ -120,7 +139,7 @@ class Scheduler:
         if req.request_id in self._hits:
             return self._hits[req.request_id]
         hits: list[int] = []
-        if self.pool.enable_prefix_caching and not req.num_computed:
+        if self.pool.enable_prefix_caching and not req.num_computed and req.cache_type == "kv":
             limit = req.num_tokens - 1
             if req.logits_from is not None:
                 limit = min(limit, req.logits_from)
@@ -136,7 +155,7 @@ class Scheduler:
     def register_computed(self, req: Request) -> None:
         """Publish the request's newly completed full blocks for reuse by others."""
         full = req.num_computed // self.pool.block_size
-        if full <= req.num_registered:
+        if full <= req.num_registered or req.cache_type != "kv":
             return
         hashes = self._hashes(req, full)
         for i in range(req.num_registered, full):

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from .apt import AptPolicy
 from .base import Group, Policy
+from .bros import BROSPolicy
 from .fcfs import FCFSPolicy
 from .infermax import InferMaxPolicy
 from .rr import RoundRobinPolicy
 from .sarathi import SarathiPolicy
 
 POLICIES: dict[str, type[Policy]] = {
-    p.name: p for p in (FCFSPolicy, SarathiPolicy, InferMaxPolicy, RoundRobinPolicy)
+    p.name: p for p in (FCFSPolicy, SarathiPolicy, InferMaxPolicy, AptPolicy, BROSPolicy,
+                        RoundRobinPolicy)
 }
 
 

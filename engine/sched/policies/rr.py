@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ..scheduler import Scheduler
+from ..scheduler import Scheduler, SchedulerOutput
 from .base import Group, Policy
 
 
@@ -13,6 +13,12 @@ class RoundRobinPolicy(Policy):
 
     def __init__(self) -> None:
         self.turn = "RT"
+
+    def schedule(self, s: Scheduler, now: float) -> SchedulerOutput:
+        out = super().schedule(s, now)
+        if not out.scheduled:  # the class whose turn it was could not run: the other one
+            out = super().schedule(s, now)
+        return out
 
     def groups(self, s: Scheduler, now: float) -> list[Group]:
         classes = {r.priority for r in s.running} | {r.priority for r in s.waiting}
