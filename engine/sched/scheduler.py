@@ -179,9 +179,11 @@ class Scheduler:
             req.status = Status.RUNNING
             self.running.append(req)
         n = min(n, req.num_tokens - req.num_computed)
-        req.block_ids.extend(self.pool.allocate(self._blocks_needed(req, n)))
-        # Allocation may recycle cached blocks that other waiting requests were going to hit.
-        self._hits.clear()
+        new_blocks = self._blocks_needed(req, n)
+        if new_blocks:
+            req.block_ids.extend(self.pool.allocate(new_blocks))
+            # Allocation may recycle cached blocks that other waiting requests would hit.
+            self._hits.clear()
         out.scheduled.append((req, n))
         return n
 

@@ -63,8 +63,9 @@ class AptPolicy(Policy):
             out = self.iteration(s, now, False)
         return out
 
-    def iteration(self, s: Scheduler, now: float, prefill_iter: bool) -> SchedulerOutput:
-        out = SchedulerOutput()
+    def decide(self, s: Scheduler, now: float, prefill_iter: bool
+               ) -> tuple[list[Request], list[float], dict[int, str]]:
+        """The candidates of this iteration, their values and the knapsack's picks."""
         waiting, running = list(s.waiting), list(s.running)
         pool = s.pool
         if prefill_iter:
@@ -73,15 +74,20 @@ class AptPolicy(Policy):
         else:
             queue, budget = running, pool.num_blocks
         bs = pool.block_size
-        ratio = s.hidden_ratio
+        hidden_per_block = max(1, int(bs / s.hidden_ratio)) if s.hidden_ratio else 0
         values = [self.value_time(r, now) for r in queue]
         cands = []
         for k, r in enumerate(queue):
-            m = pool.blocks_for(r.num_tokens)
-            h = -(-r.num_tokens // max(1, int(bs / ratio))) if ratio else m + 1
+            tokens = len(r.prompt_ids) + len(r.output_ids)
+            m = -(-tokens // bs)
+            h = -(-tokens // hidden_per_block) if hidden_per_block else m + 1
             cands.append(Candidate(k, values[k], m, h))
         rho = (s.cost_model.rho if s.cost_model is not None else 0.0) * bs
-        picked = select(cands, budget, len(waiting) + len(running), rho).choice
+        return queue, values, select(cands, budget, len(waiting) + len(running), rho).choice
+
+    def iteration(self, s: Scheduler, now: float, prefill_iter: bool) -> SchedulerOutput:
+        out = SchedulerOutput()
+        queue, values, picked = self.decide(s, now, prefill_iter)
         if not prefill_iter:
             for k, r in enumerate(queue):
                 if k not in picked:
@@ -94,16 +100,19 @@ class AptPolicy(Policy):
                 queue[k].cache_type = choice
         c_left, p_left = s.max_num_batched_tokens, s.max_prefill_tokens
         for k in sorted(picked, key=lambda k: (-values[k], k)):
+            if c_left <= 0:
+                break
             r = queue[k]
-            if r.status is Status.WAITING and not prefill_iter or c_left <= 0:
-                continue
+            if r.status is Status.WAITING and not prefill_iter:
+                continue  # switched cache type: recomputed from a later prefill iteration
             n = s.tokens_left(r)
-            if not r.is_decode:
+            decode = n == 1 and bool(r.output_ids)
+            if not decode:
                 n = min(n, c_left, p_left)
-            if n <= 0 or n > c_left or not s.fits(r, n):
+            if n <= 0 or not s.fits(r, n):
                 continue
             n = s.run(out, r, n)
             c_left -= n
-            if not r.is_decode:
+            if not decode:
                 p_left -= n
         return out
