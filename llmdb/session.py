@@ -18,6 +18,7 @@ from typing import Any
 from tqdm import tqdm
 
 from .backends import Backend, local_backend
+from .backends.standin import STANDIN_MODEL, standin_backend
 from .cache import DEFAULT_MAX_BYTES, ResultCache, open_cache
 
 ENGINE_OPTIONS = ("dtype", "kv_cache_bytes", "block_size", "max_num_batched_tokens",
@@ -106,6 +107,8 @@ class Session:
         from llmdb.engine.registry import registered_models
 
         name = model or self.options.model
+        if name == STANDIN_MODEL:
+            return standin_backend()
         if name not in registered_models():
             raise ValueError(f"unknown model {name!r}; registered models: "
                              f"{', '.join(sorted(registered_models()))}")
