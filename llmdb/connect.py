@@ -27,6 +27,9 @@ class Connection:
                  read_only: bool = False, config: dict | None = None, **options: Any):
         self.session = Session(Options.from_kwargs(model=model, **options))
         self._con = duckdb.connect(database, read_only=read_only, config=config or {})
+        # DuckDB's own bar writes to stdout even into a pipe, mixing with the results; llmdb
+        # shows its bar for model work on stderr instead (SET enable_progress_bar reverts).
+        self._con.execute("SET enable_progress_bar = false")
         functions.register(self._con, self.session)
         if self.session.options.engine:
             self.session.backend()  # start now: contradicting options fail at connect
@@ -56,21 +59,26 @@ class Connection:
     def _run(self, work: Any) -> Any:
         result: list[Any] = []
         failure: list[BaseException] = []
+        # Waited on instead of Thread.join: a join interrupted by Ctrl-C marks the thread as
+        # stopped while it still runs (CPython < 3.12), so a second join would not wait.
+        done = threading.Event()
 
         def target() -> None:
             try:
                 result.append(work())
             except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
                 failure.append(e)
+            finally:
+                done.set()
 
         worker = threading.Thread(target=target, name="llmdb-query", daemon=True)
         worker.start()
         try:
-            while worker.is_alive():
-                worker.join(0.1)
+            while not done.wait(0.1):
+                pass
         except KeyboardInterrupt:
             self.interrupt()
-            worker.join()
+            done.wait()
             raise
         finally:
             self.session.end_query()

@@ -58,7 +58,10 @@ def _columns(df: Any, names: list[str]) -> dict[str, list]:
 
 
 def _is_missing(v: Any) -> bool:
-    return v is None or (isinstance(v, float) and v != v)  # pandas uses NaN for missing
+    import pandas as pd
+
+    # pandas marks missing values with NaN, or pd.NA in its nullable dtypes ("string", ...)
+    return v is None or v is pd.NA or (isinstance(v, float) and v != v)
 
 
 def _render(df: Any, template: str) -> list[str | None]:

@@ -22,7 +22,7 @@ from llmdb.engine.sampling import SamplingParams
 from .backends import Backend, BackendResult, ChoiceRequest, GenerationRequest, ScoreRequest
 from .batch import Call, LLMError, describe_row, run_calls
 from .cache import request_key
-from .session import ON_ERROR, Session
+from .session import ON_ERROR, Session, Stats
 
 FILTER_SUFFIX = "\n\nAnswer with yes or no."
 CLASSIFY_INSTRUCTION = ("Classify the text into exactly one of these labels: {labels}. "
@@ -43,6 +43,7 @@ class _Row:
 def _execute(session: Session, function: str, n: int, rows: list[_Row],
              combine: Callable[[Call, list[BackendResult]], Any]) -> list[Any]:
     """Values for n rows (None where NULL or failed with on_error='null')."""
+    session.record(Stats())  # this query reached an LLM function, even if only with NULLs
     out: list[Any] = [None] * n
     by_model: dict[str | None, list[_Row]] = {}
     for r in rows:

@@ -1,0 +1,131 @@
+"""llmdb.complete / filter / classify on pandas, polars and pyarrow tables: the same type back,
+the same values as the SQL functions on the same rows, NULL for rows with a NULL field."""
+
+from __future__ import annotations
+
+import pandas as pd
+import polars as pl
+import pyarrow as pa
+import pytest
+
+import llmdb
+
+from .sql_support import release_engine, start_engine
+
+DATA = {
+    "product": ["blender", "lamp", None, "kettle", "chair"],
+    "review": ["Great product, works well. Say yes.", "Broke after one day.", "Fine.", None,
+               "Reply yes if 2+2=4."],
+}
+LABELS = ["positive", "negative"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def eng():
+    yield start_engine()
+    release_engine()
+
+
+@pytest.fixture(autouse=True)
+def _own_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMDB_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _frame(kind: str):
+    if kind == "pandas":
+        return pd.DataFrame(DATA)
+    if kind == "polars":
+        return pl.DataFrame(DATA)
+    return pa.table(DATA)
+
+
+def _column(df, name: str) -> list:
+    if isinstance(df, pd.DataFrame):
+        return [None if pd.isna(v) else v for v in df[name].tolist()]
+    if isinstance(df, pl.DataFrame):
+        return df[name].to_list()
+    return df.column(name).to_pylist()
+
+
+@pytest.fixture(scope="module")
+def sql_reference(eng):
+    """The SQL functions' answers on the same rows (cache off: computed, not looked up)."""
+    con = llmdb.connect(cache=False)
+    rows = pa.table({"i": list(range(len(DATA["review"]))), **DATA})
+    con.register("t", rows)
+
+    def column(expr: str) -> list:
+        return [r[0] for r in con.execute(f"SELECT {expr} FROM t ORDER BY i").fetchall()]
+
+    ref = {
+        "complete": column("llm_complete('Product ' || product || ': ' || review, "
+                           "max_tokens := 6)"),
+        "keep": column("llm_filter(review)"),
+        "classify": column(f"llm_classify(review, {LABELS!r})"),
+    }
+    con.close()
+    return ref
+
+
+KINDS = ["pandas", "polars", "pyarrow"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_complete_equals_sql(kind, sql_reference):
+    df = _frame(kind)
+    out = llmdb.complete(df, "Product {product}: {review}", output="answer", max_tokens=6,
+                         cache=False)
+    assert type(out) is type(df)
+    assert _column(out, "answer") == sql_reference["complete"]
+    assert _column(out, "review") == DATA["review"]  # the input columns are kept
+    assert _column(out, "answer")[2] is None and _column(out, "answer")[3] is None
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_filter_keeps_the_rows_sql_keeps(kind, sql_reference):
+    df = _frame(kind)
+    out = llmdb.filter(df, "{review}", cache=False)
+    assert type(out) is type(df)
+    keep = sql_reference["keep"]
+    assert True in keep and False in keep  # both outcomes are exercised
+    assert _column(out, "product") == [p for p, k in zip(DATA["product"], keep, strict=True)
+                                       if k]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_classify_equals_sql(kind, sql_reference):
+    df = _frame(kind)
+    out = llmdb.classify(df, "review", LABELS, output="sentiment", cache=False)
+    assert type(out) is type(df)
+    assert _column(out, "sentiment") == sql_reference["classify"]
+    assert _column(out, "sentiment")[3] is None  # NULL review
+    assert all(v in LABELS for v in _column(out, "sentiment") if v is not None)
+
+
+def test_pandas_missing_values_of_any_dtype_give_null():
+    df = pd.DataFrame({"review": pd.array(["Fine.", None], dtype="string"),
+                       "other": pd.Series(["a", None], dtype=object)})
+    out = llmdb.complete(df, "{review}", max_tokens=3, cache=False)
+    assert isinstance(out["completion"][0], str) and pd.isna(out["completion"][1])
+    out = llmdb.complete(df, "{other}", max_tokens=3, cache=False)
+    assert isinstance(out["completion"][0], str) and pd.isna(out["completion"][1])
+
+
+def test_dataframe_calls_share_the_sql_result_cache():
+    con = llmdb.connect()  # the default cache, under this test's LLMDB_CACHE_DIR
+    con.register("t", pa.table(DATA))
+    con.execute("SELECT llm_complete('Product ' || product || ': ' || review, "
+                "max_tokens := 6) FROM t").fetchall()
+    before = llmdb.stats()["total"]
+    llmdb.complete(pa.table(DATA), "Product {product}: {review}", max_tokens=6)
+    after = llmdb.stats()["total"]
+    assert after["calls"] == before["calls"]
+    assert after["cache_hits"] - before["cache_hits"] == 3  # the three rows without a NULL
+    con.close()
+
+
+def test_unknown_column_and_table_type_are_named():
+    with pytest.raises(KeyError, match="nope"):
+        llmdb.complete(pa.table(DATA), "{nope}", cache=False)
+    with pytest.raises(TypeError, match="pandas, polars or pyarrow"):
+        llmdb.complete([{"review": "x"}], "{review}", cache=False)

@@ -1,0 +1,198 @@
+"""The persistent result cache: across process restarts, shared by concurrent processes,
+bounded with LRU eviction, keyed on everything that changes an answer, never holding failures
+or unseeded samples."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import llmdb
+from llmdb.cache import ResultCache
+
+from .sql_support import (
+    cache_entries,
+    child_result,
+    finish_child,
+    last_query,
+    release_engine,
+    run_child,
+    start_child,
+    start_engine,
+)
+
+CHILD = """
+import json, sys
+import llmdb
+first, count = int(sys.argv[1]), int(sys.argv[2])
+con = llmdb.connect(threads=1)  # the default cache: $LLMDB_CACHE_DIR/results.sqlite
+rows = con.execute(
+    "SELECT i, llm_complete('Name thing number ' || i || '.', max_tokens := 6) "
+    f"FROM range({first}, {first + count}) t(i) ORDER BY i").fetchall()
+print("RESULT", json.dumps({"rows": rows, "stats": con.stats()["total"]}))
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def eng():
+    yield start_engine()
+    release_engine()
+
+
+@pytest.fixture(autouse=True)
+def _own_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMDB_CACHE_DIR", str(tmp_path / "default-cache"))
+
+
+@pytest.fixture
+def con(tmp_path):
+    c = llmdb.connect(cache_path=str(tmp_path / "cache.sqlite"))
+    yield c
+    c.close()
+
+
+def _entries(tmp_path) -> int:
+    return cache_entries(tmp_path / "cache.sqlite")
+
+
+# ---- across processes ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """Two processes on one cache at the same time: rows 0-7 and 4-11 (12 distinct)."""
+    cache_dir = tmp_path_factory.mktemp("shared-cache")
+    procs = [start_child(CHILD, cache_dir, "0", "8"), start_child(CHILD, cache_dir, "4", "8")]
+    return cache_dir, [finish_child(p) for p in procs]
+
+
+def test_two_processes_use_one_cache_at_once(two_processes):
+    cache_dir, outs = two_processes
+    for out, first in zip(outs, (0, 4), strict=True):
+        assert len(out.splitlines()) == 1, out  # the result alone: no DuckDB bar on stdout
+        result = child_result(out)
+        assert [i for i, _ in result["rows"]] == list(range(first, first + 8))
+        assert all(isinstance(answer, str) for _, answer in result["rows"])
+        assert result["stats"]["calls"] + result["stats"]["cache_hits"] == 8
+    assert cache_entries(cache_dir / "results.sqlite") == 12
+
+
+def test_hit_after_a_process_restart(two_processes):
+    cache_dir, outs = two_processes
+    again = child_result(run_child(CHILD, cache_dir, "0", "12"))
+    assert again["stats"]["calls"] == 0 and again["stats"]["cache_hits"] == 12
+    answers = dict(map(tuple, again["rows"]))
+    for out in outs:  # the same answers the first processes printed
+        assert all(answers[i] == answer for i, answer in child_result(out)["rows"])
+
+
+# ---- size limit ----------------------------------------------------------------------------
+
+def _put_in_order(cache: ResultCache, keys: list[str]) -> None:
+    for key in keys:
+        cache.put(key, "x" * 97)  # 99 bytes of JSON + a 3-byte key = 102 bytes an entry
+        time.sleep(0.002)  # distinct last-used times
+
+
+def _keys(cache: ResultCache) -> set[str]:
+    return {k for k, in cache._db.execute("SELECT key FROM results").fetchall()}
+
+
+def test_size_limit_evicts_the_least_recently_used(tmp_path):
+    cache = ResultCache(tmp_path / "lru.sqlite", max_bytes=1000)
+    keys = [f"k{i:02d}" for i in range(20)]
+    _put_in_order(cache, keys)
+    assert cache.get_many(keys[:5]) == {k: "x" * 97 for k in keys[:5]}  # used again: now newest
+    cache.trim()
+    stats = cache.stats()
+    assert stats["bytes"] <= 1000 and stats["entries"] == 8  # trimmed to 90% of the limit
+    assert _keys(cache) == set(keys[:5]) | set(keys[-3:])
+    cache.close()
+
+
+def test_size_limit_is_kept_while_writing(tmp_path):
+    cache = ResultCache(tmp_path / "lru.sqlite", max_bytes=10_000)
+    keys = [f"{i:03d}" for i in range(300)]
+    for key in keys:
+        cache.put(key, "x" * 97)
+    survivors = _keys(cache)
+    assert len(survivors) < 300
+    assert keys[0] not in survivors and keys[-1] in survivors
+    cache.close()
+
+
+# ---- what the key covers -------------------------------------------------------------------
+
+BASE = "llm_complete('Name a color.', max_tokens := 4)"
+VARIANTS = [
+    "llm_complete('Name a color.', max_tokens := 5)",
+    "llm_complete('Name a color.', max_tokens := 4, system := 'Be brief.')",
+    "llm_complete('Name a color.', max_tokens := 4, stop := ['zzz'])",
+    "llm_complete('Name a color.', max_tokens := 4, temperature := 0.7, seed := 1)",
+    "llm_complete('Name a color!', max_tokens := 4)",
+    # The same rendered prompt as llm_filter('Name a color.'), but another function.
+    "llm_complete('Name a color.' || chr(10) || chr(10) || 'Answer with yes or no.', "
+    "max_tokens := 4)",
+    "llm_filter('Name a color.')",
+    "llm_classify('Name a color.', ['red', 'blue'], instruction := 'Pick one.')",
+    "llm_classify('Name a color.', ['red', 'green'], instruction := 'Pick one.')",
+]
+
+
+def test_key_changes_with_whatever_changes_the_answer(con, tmp_path):
+    con.execute(f"SELECT {BASE}").fetchall()
+    assert last_query(con)["cache_hits"] == 0
+    con.execute(f"SELECT {BASE}").fetchall()
+    assert last_query(con)["cache_hits"] == 1 and last_query(con)["calls"] == 0
+    for n, variant in enumerate(VARIANTS, start=2):
+        con.execute(f"SELECT {variant}").fetchall()
+        stats = last_query(con)
+        assert stats["cache_hits"] == 0 and stats["calls"] > 0, variant
+        assert _entries(tmp_path) == n, variant
+        con.execute(f"SELECT {variant}").fetchall()
+        assert last_query(con)["cache_hits"] == 1, variant
+
+
+def test_filter_and_filter_score_share_their_entry(con, tmp_path):
+    score = con.execute("SELECT llm_filter_score('Say yes.')").fetchall()[0][0]
+    keep = con.execute("SELECT llm_filter('Say yes.')").fetchall()[0][0]
+    assert last_query(con)["cache_hits"] == 1 and keep == (score >= 0.5)
+    assert _entries(tmp_path) == 1
+
+
+def test_unseeded_sampling_is_not_cached(con, tmp_path):
+    query = "SELECT llm_complete('Name a color.', max_tokens := 4, temperature := 0.7)"
+    for _ in range(2):
+        con.execute(query).fetchall()
+        assert last_query(con)["calls"] == 1 and last_query(con)["cache_hits"] == 0
+    assert not (tmp_path / "cache.sqlite").exists() or _entries(tmp_path) == 0
+
+
+def test_failed_calls_are_not_cached(con, tmp_path):
+    query = "SELECT llm_complete(?, max_tokens := 4, on_error := 'null')"
+    for _ in range(2):
+        assert con.execute(query, ["word " * 9000]).fetchall() == [(None,)]
+        assert last_query(con)["errors"] == 1 and last_query(con)["cache_hits"] == 0
+    assert not (tmp_path / "cache.sqlite").exists() or _entries(tmp_path) == 0
+
+
+def test_cache_clear_empties_it(con, tmp_path):
+    query = "SELECT llm_complete('Name thing ' || i, max_tokens := 3) FROM range(3) t(i)"
+    con.execute(query).fetchall()
+    assert _entries(tmp_path) == 3
+    assert con.execute("SELECT llm_cache_clear()").fetchall() == [(3,)]
+    assert _entries(tmp_path) == 0
+    con.execute(query).fetchall()
+    assert last_query(con)["calls"] == 3 and last_query(con)["cache_hits"] == 0
+
+
+def test_cache_off_neither_reads_nor_writes(tmp_path):
+    cached = llmdb.connect()  # the default cache, under this test's LLMDB_CACHE_DIR
+    cached.execute("SELECT llm_complete('Name a color.', max_tokens := 3)").fetchall()
+    path = tmp_path / "default-cache" / "results.sqlite"
+    assert cache_entries(path) == 1
+    off = llmdb.connect(cache=False)
+    off.execute("SELECT llm_complete('Name a color.', max_tokens := 3)").fetchall()
+    assert last_query(off)["calls"] == 1 and last_query(off)["cache_hits"] == 0
+    off.execute("SELECT llm_complete('Name a fruit.', max_tokens := 3)").fetchall()
+    assert cache_entries(path) == 1

@@ -1,0 +1,169 @@
+"""Cancellation and resume: Ctrl-C mid-query frees everything and the engine keeps serving;
+a process killed mid-query leaves its finished rows in the cache, and a rerun computes only
+the rest."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sqlite3
+import threading
+import time
+
+import duckdb
+import pytest
+
+import llmdb
+from llmdb import batch
+from llmdb.engine.sampling import SamplingParams
+
+from .sql_support import (
+    cache_entries,
+    chat,
+    child_result,
+    finish_child,
+    release_engine,
+    run_child,
+    start_child,
+    start_engine,
+)
+
+LONG_QUERY = ("SELECT llm_complete('Write a long story about the number ' || i || '.', "
+              "max_tokens := 64) FROM range(200) t(i)")
+
+SIGINT_CHILD = f"""
+import json, os, signal, threading, time
+import llmdb
+from llmdb import batch
+from llmdb.engine.sampling import SamplingParams
+from llmdb.engine.shared import shared_engine
+
+con = llmdb.connect(cache=False, dtype="fp32")  # fp32: answers do not depend on batching
+eng = shared_engine("smollm2-135m")
+msgs = [{{"role": "user", "content": "Say hi."}}]
+ref = eng.generate([msgs], SamplingParams(max_tokens=3))[0].text
+
+def announce():
+    while not eng.has_unfinished:
+        time.sleep(0.01)
+    print("RUNNING", flush=True)
+
+threading.Thread(target=announce, daemon=True).start()
+try:
+    con.execute("{LONG_QUERY}").fetchall()
+    raise SystemExit("the query finished before the interrupt")
+except KeyboardInterrupt:
+    pass
+interrupted = con.stats()["total"]
+assert not eng.has_unfinished, "requests were left in the engine"
+assert eng.pool.num_free == eng.pool.num_blocks, (
+    f"blocks leaked: {{eng.pool.num_free}} of {{eng.pool.num_blocks}} free")
+assert not eng._results, f"results left uncollected: {{list(eng._results)}}"
+assert not batch._inflight, "in-flight entries leaked"
+got = con.execute("SELECT llm_complete('Say hi.', max_tokens := 3)").fetchall()[0][0]
+assert got == ref, (got, ref)
+got = con.sql("SELECT llm_complete('Say hi.', max_tokens := 3)").fetchall()[0][0]
+assert got == ref, (got, ref)
+print("OK", json.dumps(interrupted), flush=True)
+
+# Ctrl-C again, and exit at once: the engine may still be inside a step then, which must not
+# abort the process ("terminate called without an active exception").
+def interrupt_when_busy():
+    while not eng.has_unfinished:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    os.kill(os.getpid(), signal.SIGINT)
+
+threading.Thread(target=interrupt_when_busy, daemon=True).start()
+try:
+    con.execute("{LONG_QUERY}").fetchall()
+except KeyboardInterrupt:
+    pass
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def eng():
+    yield start_engine()
+    release_engine()
+
+
+def test_sigint_mid_query_frees_blocks_and_engine_keeps_serving(tmp_path):
+    proc = start_child(SIGINT_CHILD, tmp_path / "cache")
+    try:
+        assert proc.stdout.readline().strip() == "RUNNING"  # the rows reached the engine
+        time.sleep(1.0)  # generating now, far from done
+        proc.send_signal(signal.SIGINT)
+        out = finish_child(proc, timeout=60)
+    finally:
+        proc.kill()
+    [line] = [line for line in out.splitlines() if line.startswith("OK ")]
+    interrupted = json.loads(line[3:])
+    # All 200 rows had been sent to the model; the interrupt stopped them far from their end.
+    assert interrupted["calls"] == 200 and interrupted["generated_tokens"] < 200 * 64
+
+
+def test_interrupt_in_process_then_both_query_paths_work(eng):
+    con = llmdb.connect(cache=False)
+    timer = threading.Timer(1.0, con.interrupt)
+    timer.start()
+    with pytest.raises(duckdb.Error, match="(?i)interrupt|cancel"):
+        con.execute(LONG_QUERY).fetchall()
+    timer.join()
+    assert not eng.has_unfinished
+    assert eng.pool.num_free == eng.pool.num_blocks, "blocks leaked"
+    assert not batch._inflight
+    ref = eng.generate([chat("Say hi.")], SamplingParams(max_tokens=3))[0].text
+    # A lazy relation is a new query too: the old cancel token must not stop it.
+    assert con.sql("SELECT llm_complete('Say hi.', max_tokens := 3)").fetchall()[0][0] == ref
+    assert con.execute("SELECT llm_complete('Say hi.', max_tokens := 3)").fetchall()[0][0] == ref
+    con.close()
+
+
+RESUME_CHILD = """
+import json, sys
+import llmdb
+n, max_num_seqs, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+engine_options = {"max_num_seqs": max_num_seqs} if max_num_seqs else {}
+con = llmdb.connect(cache_path=path, **engine_options)
+print("START", flush=True)
+rows = con.execute(
+    "SELECT i, llm_complete('Write one sentence about the number ' || i || '.', "
+    f"max_tokens := 32) AS c FROM range({n}) t(i) ORDER BY i").fetchall()
+print("RESULT", json.dumps({"stats": con.stats()["total"], "rows": rows}))
+"""
+
+
+def _entries_or_zero(path) -> int:
+    try:
+        return cache_entries(path) if path.exists() else 0
+    except sqlite3.OperationalError:  # the child has not created the table yet
+        return 0
+
+
+def test_sigkill_mid_query_then_rerun_computes_only_missing_rows(tmp_path):
+    n = 60
+    path = tmp_path / "results.sqlite"
+    # Four rows at a time, so that completed rows reach the cache in small waves.
+    proc = start_child(RESUME_CHILD, tmp_path, str(n), "4", str(path))
+    try:
+        assert proc.stdout.readline().strip() == "START"
+        deadline = time.monotonic() + 90
+        while _entries_or_zero(path) < 10:
+            assert proc.poll() is None, "the child ended before it was killed"
+            assert time.monotonic() < deadline, "no rows reached the cache"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    before = cache_entries(path)
+    assert 10 <= before < n, f"{before} entries: the kill did not land mid-query"
+
+    out = child_result(run_child(RESUME_CHILD, tmp_path, str(n), "0", str(path)))
+    assert [r[0] for r in out["rows"]] == list(range(n)), "rows were lost"
+    assert all(isinstance(r[1], str) for r in out["rows"])
+    assert out["stats"]["cache_hits"] == before
+    assert out["stats"]["calls"] == n - before
+    assert cache_entries(path) == n

@@ -1,0 +1,105 @@
+"""Identical requests are computed once: within a vector, and across threads and connections
+while one of them is in flight."""
+
+from __future__ import annotations
+
+import threading
+
+import pyarrow as pa
+import pytest
+
+import llmdb
+
+from .sql_support import last_query, release_engine, start_engine
+
+
+@pytest.fixture(scope="module", autouse=True)
+def eng():
+    yield start_engine()
+    release_engine()
+
+
+@pytest.fixture(autouse=True)
+def _own_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMDB_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def con():
+    c = llmdb.connect(cache=False)
+    yield c
+    c.close()
+
+
+def _table(con, rows: list) -> None:
+    con.register("t", pa.table({"i": list(range(len(rows))), "p": pa.array(rows, pa.string())}))
+
+
+def _column(con, expr: str) -> list:
+    return [r[0] for r in con.execute(f"SELECT {expr} FROM t ORDER BY i").fetchall()]
+
+
+def test_duplicates_in_a_vector_are_computed_once(con):
+    rows = ["Name a color.", "Name a fruit.", "Name a color.", None, "Name a city.",
+            "Name a fruit.", "Name a color."]
+    _table(con, rows)
+    got = _column(con, "llm_complete(p, max_tokens := 4)")
+    stats = last_query(con)
+    assert (stats["rows"], stats["calls"], stats["dedup_hits"]) == (6, 3, 3)
+    assert got[3] is None
+    # Every copy carries the answer that the distinct prompt gets on its own.
+    _table(con, ["Name a color.", "Name a fruit.", "Name a city."])
+    alone = dict(zip(["Name a color.", "Name a fruit.", "Name a city."],
+                     _column(con, "llm_complete(p, max_tokens := 4)"), strict=True))
+    assert got == [None if p is None else alone[p] for p in rows]
+
+
+def test_dedup_covers_filter_and_classify(con):
+    _table(con, ["Say yes.", "Say no.", "Say yes.", "Say yes."])
+    scores = _column(con, "llm_filter_score(p)")
+    assert scores[0] == scores[2] == scores[3]
+    assert last_query(con)["calls"] == 2
+    labels = _column(con, "llm_classify(p, ['yes', 'no', 'maybe'])")
+    assert labels[0] == labels[2] == labels[3]
+    assert last_query(con)["calls"] == 2 * 3  # distinct rows x labels
+
+
+def test_sampling_without_seed_is_never_shared(con):
+    _table(con, ["Name a color."] * 3)
+    _column(con, "llm_complete(p, max_tokens := 4, temperature := 1.0)")
+    stats = last_query(con)
+    assert stats["calls"] == 3 and stats["dedup_hits"] == 0  # three independent draws
+    _column(con, "llm_complete(p, max_tokens := 4, temperature := 1.0, seed := 3)")
+    stats = last_query(con)
+    assert stats["calls"] == 1 and stats["dedup_hits"] == 2  # a seeded draw is one answer
+
+
+def test_identical_queries_on_two_connections_share_in_flight_work():
+    distinct = [f"Write a word that rhymes with number {k}." for k in range(6)]
+    rows = distinct * 2
+    barrier = threading.Barrier(2)
+    results: dict[int, list] = {}
+    sessions: dict[int, dict] = {}
+    failures: list[BaseException] = []
+
+    def run(k: int) -> None:
+        try:
+            c = llmdb.connect(cache=False)
+            _table(c, rows)
+            barrier.wait()
+            results[k] = _column(c, "llm_complete(p, max_tokens := 8)")
+            sessions[k] = c.stats()["total"]
+            c.close()
+        except BaseException as e:  # noqa: BLE001 - reported by the test thread
+            failures.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not failures, failures
+    assert results[0] == results[1]
+    assert results[0][:6] == results[0][6:]
+    assert sessions[0]["calls"] + sessions[1]["calls"] == len(distinct)
+    assert sessions[0]["dedup_hits"] + sessions[1]["dedup_hits"] == 2 * len(rows) - len(distinct)

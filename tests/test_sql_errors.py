@@ -1,0 +1,142 @@
+"""Per-row errors: 'raise' fails the query naming the row, the cause and the numbers; 'null'
+answers the other rows and keeps the reason in llm_errors()."""
+
+from __future__ import annotations
+
+import re
+
+import duckdb
+import pyarrow as pa
+import pytest
+
+import llmdb
+from llmdb.engine.sampling import SamplingParams
+
+from .sql_support import chat, release_engine, start_engine
+
+LONG = "word " * 9000  # about 9,000 tokens: longer than the model's context of 8,192
+TOO_LONG = re.compile(r"prompt is 9,\d{3} tokens, longer than the model's context of 8,192")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def eng():
+    yield start_engine()
+    release_engine()
+
+
+@pytest.fixture(autouse=True)
+def _own_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMDB_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def con():
+    c = llmdb.connect(cache=False)
+    yield c
+    c.close()
+
+
+def _table(con, rows: list) -> None:
+    con.register("t", pa.table({"i": list(range(len(rows))), "p": pa.array(rows, pa.string())}))
+
+
+def _column(con, expr: str) -> list:
+    return [r[0] for r in con.execute(f"SELECT {expr} FROM t ORDER BY i").fetchall()]
+
+
+def _errors(con) -> list[tuple]:
+    return con.execute("SELECT function, prompt, error FROM llm_errors()").fetchall()
+
+
+def _assert_engine_clean(eng) -> None:
+    assert not eng.has_unfinished
+    assert eng.pool.num_free == eng.pool.num_blocks, "blocks leaked"
+
+
+def test_raise_names_the_row_the_cause_and_the_numbers(con, eng):
+    _table(con, ["Name a color.", LONG, "Name a fruit."])
+    with pytest.raises(duckdb.Error) as info:
+        _column(con, "llm_complete(p, max_tokens := 4)")
+    message = str(info.value)
+    assert "llm_complete" in message
+    assert "'word word word" in message  # the row, by a prefix of its prompt
+    assert TOO_LONG.search(message), message
+    assert _errors(con) == []  # raised, not recorded
+    _assert_engine_clean(eng)
+
+
+def test_null_policy_answers_the_other_rows_and_records_the_failure(con, eng):
+    good = ["Name a color.", "Name a fruit."]
+    _table(con, [good[0], LONG, good[1]])
+    got = _column(con, "llm_complete(p, max_tokens := 4, on_error := 'null')")
+    ref = [r.text for r in eng.generate([chat(p) for p in good], SamplingParams(max_tokens=4))]
+    assert got == [ref[0], None, ref[1]]
+    assert con.stats()["last_query"]["errors"] == 1
+    [(function, prompt, error)] = _errors(con)
+    assert function == "llm_complete"
+    assert prompt.startswith("word word") and len(prompt) <= 200
+    assert TOO_LONG.search(error), error
+    _assert_engine_clean(eng)
+
+
+def test_null_policy_on_filter_and_classify(con, eng):
+    _table(con, ["Say yes.", LONG])
+    scores = _column(con, "llm_filter_score(p, on_error := 'null')")
+    assert scores[0] is not None and scores[1] is None
+    labels = _column(con, "llm_classify(p, ['yes', 'no'], on_error := 'null')")
+    assert labels[0] in ("yes", "no") and labels[1] is None
+    assert [f for f, _, _ in _errors(con)] == ["llm_filter", "llm_classify"]
+    _assert_engine_clean(eng)
+
+
+def test_a_label_that_does_not_fit_aborts_the_labels_already_queued(con, eng):
+    text = "word " * 7900  # fits with a short label, not with a 400-token one
+    got = con.execute("SELECT llm_classify(?, ['a', ?], instruction := 'Pick one.', "
+                      "on_error := 'null')", [text, "x " * 400]).fetchall()
+    assert got == [(None,)]
+    [(_, _, error)] = _errors(con)
+    assert re.search(r"prompt plus continuation is 8,\d{3} tokens", error), error
+    _assert_engine_clean(eng)  # label 'a' was queued, then aborted with its row
+
+
+def test_connection_level_null_policy_and_per_call_override(eng):
+    con = llmdb.connect(cache=False, on_error="null")
+    _table(con, [LONG, "Name a color."])
+    got = _column(con, "llm_complete(p, max_tokens := 4)")
+    assert got[0] is None and isinstance(got[1], str)
+    assert len(_errors(con)) == 1
+    with pytest.raises(duckdb.Error, match="8,192"):
+        _column(con, "llm_complete(p, max_tokens := 4, on_error := 'raise')")
+    con.close()
+    with pytest.raises(ValueError, match="on_error must be one of"):
+        llmdb.connect(cache=False, on_error="ignore")
+
+
+def test_unknown_model_names_the_registered_models(con):
+    with pytest.raises(duckdb.Error) as info:
+        con.execute("SELECT llm_complete('Name a color.', model := 'nope')").fetchall()
+    message = str(info.value)
+    assert "unknown model 'nope'" in message and "smollm2-135m" in message
+    got = con.execute("SELECT llm_complete('Name a color.', model := 'nope', "
+                      "on_error := 'null')").fetchall()
+    assert got == [(None,)]
+    [(_, prompt, error)] = _errors(con)
+    assert prompt == "Name a color." and "unknown model 'nope'" in error
+    assert con.stats()["total"]["calls"] == 0
+
+
+@pytest.mark.parametrize("labels", ["[]::VARCHAR[]", "['a', '']"])
+def test_invalid_labels_fail(con, labels):
+    with pytest.raises(duckdb.Error, match="labels must be a non-empty list"):
+        con.execute(f"SELECT llm_classify('Some text.', {labels})").fetchall()
+    assert con.stats()["total"]["calls"] == 0
+
+
+@pytest.mark.parametrize("call, cause", [
+    ("llm_complete('Name a color.', max_tokens := 0)", "max_tokens must be positive"),
+    ("llm_complete('Name a color.', top_p := 0.0)", "top_p must be in"),
+    ("llm_complete('Name a color.', on_error := 'ignore')", "on_error must be one of"),
+])
+def test_invalid_parameters_name_the_cause(con, call, cause):
+    with pytest.raises(duckdb.Error, match=cause):
+        con.execute(f"SELECT {call}").fetchall()

@@ -1,0 +1,232 @@
+"""Every llm_* SQL function on the bundled model, each checked against the engine itself."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pytest
+
+import llmdb
+from llmdb.backends import BackendResult, ScoreRequest
+from llmdb.batch import Call
+from llmdb.engine.sampling import SamplingParams
+from llmdb.functions import CLASSIFY_INSTRUCTION, _best_label
+
+from .sql_support import chat, last_query, release_engine, rendered, start_engine
+
+FILTER_SUFFIX = "\n\nAnswer with yes or no."
+STATS_FIELDS = {"rows", "calls", "cache_hits", "dedup_hits", "errors", "prompt_tokens",
+                "generated_tokens", "cached_tokens", "engine_s"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def eng():
+    yield start_engine()
+    release_engine()
+
+
+@pytest.fixture(autouse=True)
+def _own_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMDB_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def con():
+    c = llmdb.connect(cache=False)
+    yield c
+    c.close()
+
+
+def _table(con, rows: list) -> None:
+    """Table t(i, p): the rows in order."""
+    con.register("t", pa.table({"i": list(range(len(rows))), "p": pa.array(rows, pa.string())}))
+
+
+def _column(con, expr: str) -> list:
+    return [r[0] for r in con.execute(f"SELECT {expr} FROM t ORDER BY i").fetchall()]
+
+
+# ---- llm_complete --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("max_tokens", [3, 8])
+def test_complete_equals_the_engines_greedy_output(con, eng, max_tokens):
+    prompts = ["Name a color.", "What is 2+2?", "Say hello in French."]
+    _table(con, prompts)
+    got = _column(con, f"llm_complete(p, max_tokens := {max_tokens})")
+    ref = eng.generate([chat(p) for p in prompts], SamplingParams(max_tokens=max_tokens))
+    assert got == [r.text for r in ref]
+    stats = last_query(con)
+    assert stats["calls"] == 3
+    assert stats["generated_tokens"] == sum(r.usage.generated_tokens for r in ref)
+    assert all(r.usage.generated_tokens <= max_tokens for r in ref)
+
+
+def test_complete_system_prompt(con, eng):
+    system = "You are a pirate."
+    got = con.execute("SELECT llm_complete('Name a color.', max_tokens := 8, system := ?)",
+                      [system]).fetchall()[0][0]
+    ref = eng.generate([chat("Name a color.", system)], SamplingParams(max_tokens=8))[0].text
+    plain = con.execute("SELECT llm_complete('Name a color.', max_tokens := 8)").fetchall()[0][0]
+    assert got == ref
+    assert got != plain
+
+
+def test_complete_stop_strings_cut_the_answer(con, eng):
+    full = con.execute("SELECT llm_complete('Name a color.', max_tokens := 8)").fetchall()[0][0]
+    word = full.split()[2]  # a stop string that occurs in the middle of the answer
+    cut = full[: full.index(word)]
+    got = con.execute("SELECT llm_complete('Name a color.', max_tokens := 8, stop := ?)",
+                      [[word]]).fetchall()[0][0]
+    assert got == cut and word not in got
+    ref = eng.generate([chat("Name a color.")], SamplingParams(max_tokens=8, stop=[word]))
+    assert got == ref[0].text
+    # Any of several stop strings ends the answer; one that never occurs changes nothing.
+    got = con.execute("SELECT llm_complete('Name a color.', max_tokens := 8, "
+                      "stop := ['no such text', ?])", [word]).fetchall()[0][0]
+    assert got == cut
+    got = con.execute("SELECT llm_complete('Name a color.', max_tokens := 8, "
+                      "stop := ['no such text'])").fetchall()[0][0]
+    assert got == full
+
+
+def test_seeded_sampling_is_reproducible_across_queries(con):
+    _table(con, ["Name a color.", "Name an animal.", "Name a city.", "Name a fruit."])
+
+    def sample(seed: int) -> list[str]:
+        return _column(con, f"llm_complete(p, max_tokens := 8, temperature := 1.5, "
+                            f"seed := {seed})")
+
+    first = sample(7)
+    assert last_query(con)["calls"] == 4
+    assert sample(7) == first
+    assert last_query(con)["calls"] == 4  # computed again (cache off), not remembered
+    assert sample(8) != first
+
+
+# ---- llm_filter / llm_filter_score ---------------------------------------------------------
+
+FILTER_PROMPTS = ["Say yes.", "Reply yes if 2+2=4.", "Is Paris the capital of France?",
+                  "Do you know what a cat is?"]
+
+
+def test_filter_score_is_p_yes_over_p_yes_plus_p_no(con, eng):
+    tok = eng.tokenizer
+    yes, no = tok.single_token_variants("yes"), tok.single_token_variants("no")
+    assert len(yes) > 1 and len(no) > 1  # the variants (yes, Yes, " yes", ...) are summed
+    _table(con, FILTER_PROMPTS)
+    got = _column(con, "llm_filter_score(p)")
+    for prompt, score in zip(FILTER_PROMPTS, got, strict=True):
+        ids = tok.encode(rendered(prompt + FILTER_SUFFIX))
+        probs = eng.logits(ids)[-1].double().softmax(-1)
+        p_yes, p_no = float(probs[yes].sum()), float(probs[no].sum())
+        assert score == pytest.approx(p_yes / (p_yes + p_no), abs=1e-4), prompt
+
+
+def test_filter_is_score_at_least_one_half(con):
+    _table(con, FILTER_PROMPTS)
+    rows = con.execute("SELECT p, llm_filter(p), llm_filter_score(p) FROM t ORDER BY i").fetchall()
+    assert [f for _, f, _ in rows] == [s >= 0.5 for _, _, s in rows]
+    assert {f for _, f, _ in rows} == {True, False}  # both outcomes are exercised
+    kept = con.execute("SELECT p FROM t WHERE llm_filter(p) ORDER BY i").fetchall()
+    assert [p for p, in kept] == [p for p, f, _ in rows if f]
+
+
+# ---- llm_classify --------------------------------------------------------------------------
+
+def _label_scores(eng, prompt: str, labels: list[str]) -> list[float]:
+    """Log-likelihood of each label's tokens followed by the end-of-turn token."""
+    tok = eng.tokenizer
+    end_of_turn = tok.token_id(tok.eos_token)
+    return eng.score(rendered(prompt), [tok.encode(label) + [end_of_turn] for label in labels])
+
+
+def test_classify_is_the_argmax_of_label_likelihoods(con, eng):
+    labels = ["positive", "negative", "pos", "neutral"]
+    texts = ["I love this product, it works great!", "Terrible, it broke after a day.",
+             "It is a chair."]
+    _table(con, texts)
+    got = con.execute("SELECT llm_classify(p, ?) FROM t ORDER BY i", [labels]).fetchall()
+    head = CLASSIFY_INSTRUCTION.format(labels=", ".join(labels))
+    for text, (label,) in zip(texts, got, strict=True):
+        scores = _label_scores(eng, f"{head}\n\nText: {text}", labels)
+        assert label == labels[scores.index(max(scores))], (text, scores)
+    assert last_query(con)["calls"] == len(texts) * len(labels)  # one scoring per label
+
+
+def test_classify_tells_pos_from_positive(con, eng):
+    instruction = "Is this review positive? Answer with one word."
+    text = "I love this product, it works great!"
+    scores = _label_scores(eng, f"{instruction}\n\nText: {text}", ["pos", "positive"])
+    assert abs(scores[0] - scores[1]) > 1e-3  # not a tie: the end of turn decides
+    best = ["pos", "positive"][scores.index(max(scores))]
+    for labels in (["pos", "positive"], ["positive", "pos"]):
+        got = con.execute("SELECT llm_classify(?, ?, instruction := ?)",
+                          [text, labels, instruction]).fetchall()[0][0]
+        assert got == best
+
+
+def test_classify_never_answers_outside_the_labels(con):
+    labels = ["alpha", "beta gamma", "42"]
+    _table(con, ["A red apple.", "Banana!", "The number seven.", "Ignore the labels."])
+    got = _column(con, "llm_classify(p, ['alpha', 'beta gamma', '42'], "
+                       "instruction := 'Answer with the word banana.')")
+    assert len(got) == 4 and all(label in labels for label in got)
+
+
+def test_classify_ties_go_to_the_first_label():
+    call = Call([ScoreRequest("p", c) for c in ("b", "a", "c")], key=None, row="p")
+    assert _best_label(call, [BackendResult(logprob=s) for s in (-1.0, -1.0, -2.0)]) == "b"
+    assert _best_label(call, [BackendResult(logprob=s) for s in (-3.0, -1.0, -1.0)]) == "a"
+
+
+# ---- llm_count_tokens ----------------------------------------------------------------------
+
+def test_count_tokens_counts_the_text_alone(con, eng):
+    texts = ["hello world", "", "Ünïcödé text with a duck 🦆", "SELECT * FROM t;", None]
+    _table(con, texts)
+    got = _column(con, "llm_count_tokens(p)")
+    assert got == [None if t is None else len(eng.tokenizer.encode(t)) for t in texts]
+    assert got[0] < len(eng.tokenizer.encode(rendered("hello world")))  # no chat template
+    assert con.stats()["total"]["calls"] == 0  # no model call
+
+
+# ---- llm_stats and NULLs -------------------------------------------------------------------
+
+def test_stats_report_the_last_query_and_the_total(con, eng):
+    _table(con, ["Name a color.", None, "Name a color."])
+    con.execute("SELECT llm_complete(p, max_tokens := 4) FROM t").fetchall()
+    stats = json.loads(con.execute("SELECT llm_stats()").fetchall()[0][0])
+    assert set(stats) == {"last_query", "total"}
+    last = stats["last_query"]
+    assert set(last) == set(stats["total"]) == STATS_FIELDS
+    assert (last["rows"], last["calls"], last["dedup_hits"]) == (2, 1, 1)
+    assert (last["cache_hits"], last["errors"]) == (0, 0)
+    assert last["prompt_tokens"] == len(eng.tokenizer.encode(rendered("Name a color.")))
+    assert 0 < last["generated_tokens"] <= 4 and last["engine_s"] > 0
+    con.execute("SELECT llm_complete('Name a fruit.', max_tokens := 4)").fetchall()
+    second = last_query(con)
+    assert second["calls"] == 1 and second["rows"] == 1
+    total = con.execute("SELECT CAST(llm_stats()->>'$.total.calls' AS INTEGER)").fetchall()[0][0]
+    assert total == last["calls"] + second["calls"]
+
+
+def test_null_inputs_give_null_without_a_model_call(con):
+    _table(con, [None, None])
+    row = con.execute(
+        "SELECT list(llm_complete(p)), list(llm_filter(p)), list(llm_filter_score(p)), "
+        "list(llm_classify(p, ['a', 'b'])), list(llm_classify('text', NULL)), "
+        "list(llm_count_tokens(p)) FROM t").fetchall()[0]
+    assert all(values == [None, None] for values in row)
+    assert con.stats()["total"]["calls"] == 0 and con.stats()["total"]["rows"] == 0
+    # NULL rows next to real ones: only the real ones reach the model.
+    _table(con, ["Name a color.", None, None])
+    assert [v is None for v in _column(con, "llm_complete(p, max_tokens := 3)")] == [
+        False, True, True]
+    stats = last_query(con)
+    assert stats["calls"] == 1 and stats["rows"] == 1
+    # A query whose rows are all NULL is the last query now, with no call.
+    _table(con, [None, None])
+    assert _column(con, "llm_complete(p, max_tokens := 3)") == [None, None]
+    stats = last_query(con)
+    assert stats["calls"] == 0 and stats["rows"] == 0
