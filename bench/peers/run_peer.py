@@ -209,6 +209,7 @@ def run_vllm(args: argparse.Namespace, prompts: list[Prompt]) -> RunResult:
         dtype="bfloat16",
         max_model_len=2048,
         seed=0,
+        enable_prefix_caching=not args.no_prefix_caching,
     )
     startup_s = time.perf_counter() - t_start
     cache_cfg = llm.llm_engine.vllm_config.cache_config
@@ -255,6 +256,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--limit", type=int, help="run only the first N prompts")
     ap.add_argument("--batch-size", type=int, default=64, help="transformers batch size")
     ap.add_argument("--vllm-kv-gib", type=int, default=4, help="vLLM-CPU KV-cache size")
+    ap.add_argument("--no-prefix-caching", action="store_true", help="vLLM: turn it off")
     ap.add_argument(
         "--save-tokens", help="write the generated token ids (a list per row) to this JSON file"
     )

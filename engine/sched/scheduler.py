@@ -54,6 +54,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._hits: dict[str, list[int]] = {}  # this step's prefix hits of waiting requests
+        # Full prompt blocks being computed right now: block hash -> the request computing
+        # it. A waiting request whose next block is one of them waits for it to be
+        # published instead of computing the same prefix in parallel.
+        self._computing: dict[int, str] = {}
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -131,6 +135,28 @@ class Scheduler:
             req.block_hashes.append(block_hash(parent, self._block_tokens(req, i)))
         return req.block_hashes
 
+    def _prompt_blocks(self, req: Request) -> int:
+        """Full blocks a prefix hit may cover (at least one token is left to compute)."""
+        limit = req.num_tokens - 1
+        if req.logits_from is not None:
+            limit = min(limit, req.logits_from)
+        return limit // self.pool.block_size
+
+    def waits_for_prefix(self, req: Request) -> bool:
+        """Is the next block of this waiting request's prompt being computed by another?"""
+        if not self._computing or req.cache_type != "kv":
+            return False
+        i = len(self.prefix_hit(req))
+        if i >= self._prompt_blocks(req):
+            return False
+        owner = self._computing.get(self._hashes(req, i + 1)[i])
+        return owner is not None and owner != req.request_id
+
+    def _forget_computing(self, req: Request) -> None:
+        for h in req.block_hashes:
+            if self._computing.get(h) == req.request_id:
+                del self._computing[h]
+
     def prefix_hit(self, req: Request) -> list[int]:
         """Cached blocks holding a prefix of a request that has computed nothing yet.
 
@@ -140,10 +166,7 @@ class Scheduler:
             return self._hits[req.request_id]
         hits: list[int] = []
         if self.pool.enable_prefix_caching and not req.num_computed and req.cache_type == "kv":
-            limit = req.num_tokens - 1
-            if req.logits_from is not None:
-                limit = min(limit, req.logits_from)
-            num_blocks = limit // self.pool.block_size
+            num_blocks = self._prompt_blocks(req)
             for i, h in enumerate(self._hashes(req, num_blocks)[:num_blocks]):
                 b = self.pool.lookup(h, self._block_tokens(req, i))
                 if b is None:
@@ -160,6 +183,8 @@ class Scheduler:
         hashes = self._hashes(req, full)
         for i in range(req.num_registered, full):
             self.pool.register(req.block_ids[i], hashes[i], self._block_tokens(req, i))
+            if self._computing.get(hashes[i]) == req.request_id:
+                del self._computing[hashes[i]]
         req.num_registered = full
 
     # ---- acting on the policy's decisions --------------------------------------------------
@@ -178,6 +203,10 @@ class Scheduler:
                 req.num_cached_tokens = req.num_computed
             req.status = Status.RUNNING
             self.running.append(req)
+            if self.pool.enable_prefix_caching and req.cache_type == "kv":
+                full = self._prompt_blocks(req)
+                for h in self._hashes(req, full)[len(hits):full]:
+                    self._computing.setdefault(h, req.request_id)
         n = min(n, req.num_tokens - req.num_computed)
         new_blocks = self._blocks_needed(req, n)
         if new_blocks:
@@ -190,6 +219,7 @@ class Scheduler:
     def preempt(self, out: SchedulerOutput, req: Request) -> None:
         """Recompute later: free its blocks; its prompt and outputs so far are kept."""
         self.running.remove(req)
+        self._forget_computing(req)
         self.pool.free(req.block_ids)
         req.block_ids = []
         req.num_computed = 0
@@ -207,6 +237,7 @@ class Scheduler:
             self.running.remove(req)
         elif req.status is Status.WAITING and req in self.waiting:
             self.waiting.remove(req)
+        self._forget_computing(req)
         self.pool.free(req.block_ids)
         req.block_ids = []
         req.status = Status.FINISHED

@@ -103,8 +103,8 @@ class AptPolicy(Policy):
             if c_left <= 0:
                 break
             r = queue[k]
-            if r.status is Status.WAITING and not prefill_iter:
-                continue  # switched cache type: recomputed from a later prefill iteration
+            if r.status is Status.WAITING and (not prefill_iter or s.waits_for_prefix(r)):
+                continue  # recomputed later (a new cache type, or its prefix is in flight)
             n = s.tokens_left(r)
             decode = n == 1 and bool(r.output_ids)
             if not decode:

@@ -65,6 +65,8 @@ class Policy:
                 if waiting and (len(s.running) >= s.max_num_seqs or (
                         out.preempted and not self.admit_after_eviction)):
                     continue  # memory is short this step: admit nobody new
+                if waiting and s.waits_for_prefix(cand):
+                    continue  # its prefix is being computed: reuse it next step
                 prefill = s.is_prefill(cand)
                 if not self.hybrid and phase is not None and prefill != phase:
                     continue  # (2)

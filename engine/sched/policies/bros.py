@@ -178,7 +178,8 @@ class BROSPolicy(Policy):
         self.batch_size = BASE_BATCH if stopped_on_time else min(
             2 * self.batch_size, s.max_num_seqs)
         for r, n in chosen:
-            if r.status is Status.WAITING and len(s.running) >= s.max_num_seqs:
+            if r.status is Status.WAITING and (len(s.running) >= s.max_num_seqs
+                                               or s.waits_for_prefix(r)):
                 continue
             s.run(out, r, n)
         return out
