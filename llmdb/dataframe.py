@@ -13,6 +13,7 @@ from typing import Any
 import pyarrow as pa
 
 from . import functions
+from .reorder import ggr, render
 from .session import Options, Session
 
 # Options of one call (the rest configure the session: cache, progress, engine, ...).
@@ -105,16 +106,47 @@ def _broadcast(n: int, call: dict[str, Any], names: tuple[str, ...]) -> list[lis
     return [[call.get(k)] * n for k in names]
 
 
-def complete(df: Any, template: str, output: str = "completion", **options: Any) -> Any:
-    """df plus a column `output` with the model's answer to the rendered template per row."""
+def _field_prompts(df: Any, instruction: str, fields: list[str],
+                   reorder: bool) -> tuple[list[str | None], list[int]]:
+    """Prompts "instruction + one 'field: value' line per field", and the order to send
+    them in: with reorder, GGR's field order per row and row order (shared prefixes)."""
+    cols = _columns(df, fields)
+    n = len(next(iter(cols.values()))) if cols else 0
+    rows = [{f: cols[f][i] for f in fields} for i in range(n)]
+    usable = [i for i, r in enumerate(rows) if all(v is not None for v in r.values())]
+    text = [{f: str(v) for f, v in rows[i].items()} for i in usable]
+    plan = ggr(text, fields) if reorder else [(k, list(fields)) for k in range(len(usable))]
+    prompts: list[str | None] = [None] * n
+    for k, order in plan:
+        prompts[usable[k]] = render(instruction, text[k], order)
+    send = [usable[k] for k, _ in plan] + [i for i in range(n) if prompts[i] is None]
+    return prompts, send
+
+
+def complete(df: Any, template: str, output: str = "completion", *,
+             fields: list[str] | None = None, reorder_fields: bool = False,
+             **options: Any) -> Any:
+    """df plus a column `output` with the model's answer to the rendered template per row.
+
+    With `fields`, the template is an instruction followed by one "field: value" line per
+    field; reorder_fields=True lets llmdb choose each row's field order and the row order so
+    that prompts share the longest prefixes (GGR), which the engine computes once."""
     session, call = _session_and_call_options(options)
-    prompts = _render(df, template)
+    if fields:
+        prompts, send = _field_prompts(df, template, list(fields), reorder_fields)
+    else:
+        prompts = _render(df, template)
+        send = list(range(len(prompts)))
     n = len(prompts)
     if call.get("stop") is not None and isinstance(call["stop"], str):
         call["stop"] = [call["stop"]]
     cols = _broadcast(n, call, ("max_tokens", "temperature", "top_p", "seed", "stop", "system",
                                 "model", "on_error"))
-    return _with_column(df, output, functions.llm_complete(session, prompts, *cols))
+    answers = functions.llm_complete(session, [prompts[i] for i in send], *cols)
+    values: list[Any] = [None] * n
+    for i, a in zip(send, answers, strict=True):
+        values[i] = a
+    return _with_column(df, output, values)
 
 
 def filter(df: Any, template: str, **options: Any) -> Any:  # noqa: A001 - mirrors llm_filter
