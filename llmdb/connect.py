@@ -10,51 +10,89 @@ and their blocks freed; rows that completed stay in the result cache.
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any
 
 import duckdb
 
 from . import functions, samples
-from .planner import plan
+from .planner import Planner, Report, explain
 from .session import Options, Session
+
+# `EXPLAIN LLM <query>`: the planner's report on the query's model calls (not DuckDB syntax).
+_EXPLAIN_LLM = re.compile(r"^\s*EXPLAIN\s+LLM\s+(?P<query>.*?)\s*;?\s*$", re.I | re.S)
+_EXPLAIN_VIEW = "__llmdb_explain"
 
 
 class Connection:
     """A DuckDB connection with the llm_* functions; other methods pass through to DuckDB."""
 
     def __init__(self, database: str = ":memory:", model: str = "smollm2-135m", *,
-                 read_only: bool = False, config: dict | None = None, **options: Any):
+                 read_only: bool = False, config: dict | None = None, planner: bool = True,
+                 **options: Any):
         self.session = Session(Options.from_kwargs(model=model, **options))
         self._con = duckdb.connect(database, read_only=read_only, config=config or {})
         # DuckDB's own bar writes to stdout even into a pipe, mixing with the results; llmdb
         # shows its bar for model work on stderr instead (SET enable_progress_bar reverts).
         self._con.execute("SET enable_progress_bar = false")
         functions.register(self._con, self.session)
+        # planner=False runs every query as written (DuckDB decides where the calls run).
+        self.planner = Planner(self._con, self.session) if planner else None
         if self.session.options.engine:
             self.session.backend()  # start now: contradicting options fail at connect
 
     # ---- queries -------------------------------------------------------------------------
 
-    def _prepare(self, query: str) -> str:
+    def _attach_samples(self, query: str) -> None:
         names = samples.referenced(query)
         if names:
             samples.attach(self._con, names, self.session.options.sample_rows)
-        return plan(query)
+
+    def _planned(self, query: str, parameters: Any = None) -> str:
+        """The SQL to run: the planner's rewrite, its calls prefetched (on the query thread)."""
+        return self.planner.prepare(query, parameters) if self.planner else query
 
     def execute(self, query: str, parameters: Any = None) -> Connection:
-        sql = self._prepare(query)
+        explained = _EXPLAIN_LLM.match(query)
+        if explained:
+            self._show(self.explain_report(explained["query"]))
+            return self
+        self._attach_samples(query)
         self.session.begin_query()
-        self._run(lambda: self._con.execute(sql, parameters))
+        self._run(lambda: self._con.execute(self._planned(query, parameters), parameters))
         return self
 
     def sql(self, query: str, **kwargs: Any) -> duckdb.DuckDBPyRelation | None:
-        """A lazy DuckDB relation; it runs when fetched (Ctrl-C then reaches DuckDB only)."""
-        sql = self._prepare(query)
+        """A lazy DuckDB relation; it runs when fetched (Ctrl-C then reaches DuckDB only).
+        The planner's preparatory queries run now."""
+        explained = _EXPLAIN_LLM.match(query)
+        if explained:
+            self._show(self.explain_report(explained["query"]))
+            return self._con.sql(f"SELECT * FROM {_EXPLAIN_VIEW}")
+        self._attach_samples(query)
         self.session.begin_query()
-        return self._con.sql(sql, **kwargs)
+        return self._con.sql(self._run(lambda: self._planned(query)), **kwargs)
 
     query = sql
+
+    # ---- EXPLAIN LLM ---------------------------------------------------------------------
+
+    def explain_report(self, query: str) -> Report:
+        """Per call site: estimated rows, prompts, cache hits, tokens, model time and
+        priority; next to what the query did when it last ran on this connection."""
+        self._attach_samples(query)
+        if self.planner is None:
+            return Report(query, notes=["the planner is off on this connection"])
+        return self._run(lambda: explain(self.planner, query))
+
+    def explain(self, query: str) -> str:
+        """explain_report as text (what `llmdb explain` prints)."""
+        return self.explain_report(query).text()
+
+    def _show(self, report: Report) -> None:
+        self._con.register(_EXPLAIN_VIEW, report.table())
+        self._con.execute(f"SELECT * FROM {_EXPLAIN_VIEW}")
 
     def _run(self, work: Any) -> Any:
         result: list[Any] = []
@@ -132,7 +170,8 @@ def connect(database: str = ":memory:", model: str = "smollm2-135m", **options: 
     Options: on_error ('raise' | 'null'), cache (bool), cache_path, cache_max_bytes,
     progress (None = when stderr is a terminal), priority ('RT' | 'BE'), sample_rows, and
     engine options (dtype, kv_cache_bytes, max_num_batched_tokens, max_num_seqs, threads,
-    enable_prefix_caching). All connections of a process share one engine per model."""
+    enable_prefix_caching). All connections of a process share one engine per model.
+    planner=False runs queries as written (no minimal-calls rewrite, no EXPLAIN LLM)."""
     return Connection(database, model, **options)
 
 

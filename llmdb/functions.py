@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import json
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,9 +74,14 @@ def _execute(session: Session, function: str, n: int, rows: list[_Row],
     return out
 
 
+# Set by the planner around the rows it computes: the class of the whole query (or of the
+# call, `priority := ...`), which one batch of rows cannot tell.
+PRIORITY: ContextVar[str | None] = ContextVar("llmdb_priority", default=None)
+
+
 def _priority(session: Session, n: int) -> str:
-    # Until the planner classifies whole queries: small batches are interactive work.
-    return session.options.priority or ("RT" if n <= 32 else "BE")
+    # Without the planner (llmdb.register, DataFrames): small batches are interactive work.
+    return PRIORITY.get() or session.options.priority or ("RT" if n <= 32 else "BE")
 
 
 def _key(backend: Backend, function: str, request: Any) -> str:

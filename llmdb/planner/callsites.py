@@ -1,0 +1,179 @@
+"""LLM call sites: where a query calls a model, with its arguments resolved.
+
+A call site is one occurrence of llm_complete / llm_filter / llm_filter_score / llm_classify
+in the query text. The SQL macros give these functions named parameters with defaults; here
+each call is resolved into the full positional argument list of the Arrow UDF behind the
+macro, so that the planner can enumerate, deduplicate and look up calls by their arguments.
+llm_count_tokens is not a call site: it never reaches a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sqlglot
+from sqlglot import exp
+
+from llmdb.functions import _FUNCTIONS
+
+# The functions whose rows turn into model requests.
+CALL_FUNCTIONS = ("llm_complete", "llm_filter", "llm_filter_score", "llm_classify")
+PRIORITIES = ("RT", "BE")
+
+
+class Unsupported(Exception):
+    """The planner does not understand this query; it runs as written."""
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    sql_type: str
+    default: str | None  # SQL text; None: required
+
+
+@dataclass(frozen=True)
+class Signature:
+    function: str
+    params: tuple[Param, ...]
+    returns: str
+
+    @property
+    def impl(self) -> str:
+        """The name of the Arrow UDF behind the macro (functions.register)."""
+        return f"__llmdb_{self.function}"
+
+    def index(self, name: str) -> int:
+        return [p.name for p in self.params].index(name)
+
+
+SIGNATURES: dict[str, Signature] = {
+    name: Signature(name, tuple(Param(*p) for p in params), returns)
+    for name, (_, params, returns) in _FUNCTIONS.items() if name in CALL_FUNCTIONS
+}
+
+
+@dataclass
+class Site:
+    """One call in the query, in source order (id)."""
+
+    id: int
+    signature: Signature
+    node: exp.Expression  # the call as parsed (in the planner's copy of the tree)
+    args: list[exp.Expression]  # one per UDF parameter, defaults filled in
+    priority: str | None = None  # `priority := 'RT'` on the call overrides the query's class
+    key: str = ""  # the call's normalized SQL text: learned statistics are kept under it
+    # Filled in by the rewrite.
+    order: int = -1  # evaluation order among the query's sites
+    guard: list[exp.Expression] = field(default_factory=list)
+    placement: str = ""  # see drivers.placement
+
+    @property
+    def function(self) -> str:
+        return self.signature.function
+
+    def arg(self, name: str) -> exp.Expression:
+        return self.args[self.signature.index(name)]
+
+
+def call_name(node: exp.Expression) -> str | None:
+    """The LLM function a node calls, if it is a call site."""
+    if isinstance(node, exp.Anonymous):
+        name = node.name.lower()
+        if name in SIGNATURES:
+            return name
+    return None
+
+
+def _literal_number(e: exp.Expression) -> float | None:
+    if isinstance(e, exp.Neg):
+        v = _literal_number(e.this)
+        return None if v is None else -v
+    if isinstance(e, exp.Literal) and not e.is_string:
+        try:
+            return float(e.this)
+        except ValueError:
+            return None
+    return None
+
+
+def resolve(node: exp.Anonymous, site_id: int) -> Site:
+    """A call's UDF arguments: positional ones, then `name := value` ones, then defaults."""
+    sig = SIGNATURES[node.name.lower()]
+    names = [p.name for p in sig.params]
+    given: dict[str, exp.Expression] = {}
+    priority = None
+    positional = True
+    for i, a in enumerate(node.expressions):
+        if isinstance(a, exp.PropertyEQ | exp.Kwarg):
+            positional = False
+            name = a.this.name.lower()
+            if name == "priority":
+                priority = _priority_literal(a.expression)
+                continue
+            if name not in names or name in given:
+                raise Unsupported(f"{sig.function}: unknown or repeated parameter {name!r}")
+            given[name] = a.expression
+        else:
+            if not positional or i >= len(names):
+                raise Unsupported(f"{sig.function}: unexpected positional argument")
+            given[names[i]] = a
+    args = []
+    for p in sig.params:
+        if p.name in given:
+            args.append(given[p.name])
+        elif p.default is None:
+            raise Unsupported(f"{sig.function}: missing argument {p.name!r}")
+        else:
+            args.append(sqlglot.parse_one(p.default, read="duckdb"))
+    site = Site(site_id, sig, node, args, priority)
+    site.key = node.sql("duckdb")
+    return site
+
+
+def _priority_literal(e: exp.Expression) -> str:
+    if not (isinstance(e, exp.Literal) and e.is_string and e.this.upper() in PRIORITIES):
+        raise ValueError(f"priority := must be 'RT' or 'BE', got {e.sql('duckdb')}")
+    return e.this.upper()
+
+
+def deterministic(site: Site) -> bool:
+    """Whether equal arguments always give equal answers, so one call can serve many rows.
+
+    Sampling without a seed is a fresh draw per row: computing it once per distinct prompt
+    would change the query's meaning, so such queries are not rewritten."""
+    if site.function != "llm_complete":
+        return True
+    temperature = _literal_number(site.arg("temperature"))
+    if temperature == 0.0:
+        return True
+    seed = site.arg("seed")
+    return isinstance(seed, exp.Literal) and _literal_number(seed) is not None
+
+
+def find_sites(tree: exp.Expression) -> list[Site]:
+    """Every call site in source order; raises Unsupported when one cannot be planned."""
+    sites = []
+    for node in tree.find_all(exp.Anonymous):
+        if call_name(node) is None:
+            continue
+        site = resolve(node, len(sites))
+        if not deterministic(site):
+            raise Unsupported(f"{site.key}: sampling without a seed is a fresh draw per row")
+        sites.append(site)
+    # find_all is breadth-first; source order keeps site ids stable across runs.
+    sites.sort(key=lambda s: _position(s.node))
+    for i, s in enumerate(sites):
+        s.id = i
+    return sites
+
+
+def _position(node: exp.Expression) -> tuple[int, ...]:
+    path = []
+    while node.parent is not None:
+        parent = node.parent
+        keys = list(parent.args)
+        k = keys.index(node.arg_key)
+        path.append((k, node.index or 0))
+        node = parent
+    return tuple(x for pair in reversed(path) for x in pair)

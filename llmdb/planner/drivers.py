@@ -1,0 +1,414 @@
+"""Driver queries: the distinct arguments a call site needs, fetched before the query runs.
+
+A driver returns (arguments..., row count) for the rows on which a site's value can matter,
+so that those are computed in one batch rather than in DuckDB's vector-sized pieces. Where a
+site sits decides the driver's form (its placement):
+  where        in WHERE: the rows of FROM on which its guard holds;
+  pre_agg      evaluated per input row although the query aggregates or orders: inside an
+               aggregate or window, a GROUP BY key, ORDER BY of an unaggregated query: the
+               rows of FROM passing WHERE (and the guard);
+  output       per result row (the select list, HAVING or ORDER BY of an aggregate): the
+               query itself with the arguments as extra columns, minus the clauses that
+               read the site's value (those need it on every row);
+  incremental  WHERE of a query with LIMIT (and ORDER BY): see Incremental;
+  lazy         anything else (nested scopes, outer-join ON, QUALIFY, lambdas): no driver;
+               the lookup computes on a miss, on the rows DuckDB evaluates it on.
+Drivers only ever decide batching and call counts, never results: a driver that fetches
+too little leaves misses that the lookup computes, one that fails leaves the site lazy.
+Only SELECTs whose every row reaches the result (top_level_selects) get drivers: a nested
+query's rows depend on how its consumer uses them, which DuckDB's own pushdown handles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sqlglot import exp
+
+from .callsites import Site
+from .guards import (
+    MAIN,
+    Predicate,
+    as_copy,
+    conjunction,
+    is_lookup,
+    lookup_tag,
+    operands,
+)
+from .rules import aggregated, contains, has_window, int_literal, own_qualify
+
+ARG = "__llmdb_a{}"
+GUARD = "__llmdb_g"
+PASS = "__llmdb_p"
+ROWS = "__llmdb_n"
+PHASE = {"incremental": 0, "where": 0, "pre_agg": 1, "output": 2, "lazy": 3}
+
+
+@dataclass
+class Placement:
+    kind: str
+    scope: exp.Select | None = None
+    why: str = ""  # for EXPLAIN: the reason a site is lazy
+
+
+@dataclass
+class Fill:
+    """Compute one site's arguments from a driver query."""
+
+    site: Site
+    sql: str
+
+
+@dataclass
+class Learn:
+    """Count how many rows a predicate passed, once its sites are computed."""
+
+    predicate: Predicate
+    sql: str
+
+
+@dataclass
+class Incremental:
+    """`WHERE <LLM predicates> [ORDER BY keys] LIMIT k [OFFSET o]`, evaluated in order.
+
+    Rounds over the first n rows (in the query's order) that pass the WHERE's static
+    conjuncts: compute the sites on them, count how many pass the whole WHERE, and grow n by
+    the number still missing. Growing by exactly that many rows never evaluates a row past
+    the one that completes the k + o: each new row might pass. The sites are strict: the
+    query itself reads the computed rows and treats the others as not passing, which cannot
+    change its result, since every row ordered before its last one was computed."""
+
+    scope: exp.Select
+    sites: list[Site]
+    target: int  # k + o rows must pass
+    site_sql: dict[int, exp.Select] = field(default_factory=dict)  # per site; LIMIT set per round
+    count_sql: exp.Select | None = None
+
+
+Step = Fill | Learn | Incremental
+
+
+# ---- where a site sits -------------------------------------------------------------------
+
+def main_lookups(tree: exp.Expression) -> dict[int, exp.Anonymous]:
+    out = {}
+    for node in tree.walk():
+        if is_lookup(node):
+            site_id, role = lookup_tag(node)
+            if role == MAIN:
+                out[site_id] = node
+    return out
+
+
+def _locate(node: exp.Expression) -> tuple[exp.Select | None, str | None, set[str]]:
+    """The innermost SELECT around a node, the clause it is in, and what lies between."""
+    flags: set[str] = set()
+    child, parent = node, node.parent
+    while parent is not None:
+        if isinstance(parent, exp.AggFunc | exp.Filter):
+            flags.add("agg")
+        elif isinstance(parent, exp.Window):
+            flags.add("window")
+        elif isinstance(parent, exp.Lambda):
+            flags.add("lambda")
+        elif isinstance(parent, exp.Anonymous) and not is_lookup(parent):
+            flags.add("unknown_fn")
+        if isinstance(parent, exp.Select):
+            return parent, child.arg_key, flags
+        if isinstance(parent, exp.Query | exp.Subquery):
+            flags.add("nested")
+        child, parent = parent, parent.parent
+    return None, None, flags
+
+
+def _projection_index(s: exp.Select, node: exp.Expression) -> int | None:
+    for i, p in enumerate(s.expressions):
+        if any(n is node for n in p.walk()):
+            return i
+    return None
+
+
+def _reads_projection(clause: exp.Expression | None, s: exp.Select, index: int,
+                      ordinals: bool = True) -> bool:
+    """Whether a clause reads projection `index` by its alias (or, in ORDER BY, ordinal)."""
+    if clause is None:
+        return False
+    alias = s.expressions[index].alias
+    for n in clause.walk():
+        if alias and isinstance(n, exp.Column) and not n.table and n.name == alias:
+            return True
+        if ordinals and isinstance(n, exp.Ordered) and int_literal(n.this) == index + 1:
+            return True
+    return False
+
+
+def _reads_site(clause: exp.Expression, s: exp.Select, index: int | None, site_id: int,
+                ordinals: bool) -> bool:
+    """Whether a clause needs the site's value: it calls it or reads its projection."""
+    if any(is_lookup(n) and lookup_tag(n)[0] == site_id for n in clause.walk()):
+        return True
+    return index is not None and _reads_projection(clause, s, index, ordinals)
+
+
+def _group_key(s: exp.Select, index: int) -> bool:
+    group = s.args.get("group")
+    if group is None:
+        return False
+    if group.args.get("all"):
+        return not contains(s.expressions[index], (exp.AggFunc,))
+    alias = s.expressions[index].alias
+    for g in group.expressions:
+        if int_literal(g) == index + 1:
+            return True
+        if alias and isinstance(g, exp.Column) and not g.table and g.name == alias:
+            return True
+    return False
+
+
+def incremental_ok(s: exp.Select, root: exp.Expression) -> bool:
+    if s is not root or int_literal(s.args.get("limit")) is None:
+        return False
+    if s.args.get("offset") is not None and int_literal(s.args.get("offset")) is None:
+        return False
+    if aggregated(s) or s.args.get("distinct") or has_window(s) or (
+            s.args.get("qualify") and not own_qualify(s)):
+        return False
+    order = s.args.get("order")
+    if order is None:  # scan order: only a plain table has one to follow
+        return isinstance(s.args["from_"].this, exp.Table) and not s.args.get("joins")
+    if any(is_lookup(n) for n in order.walk()):
+        return False
+    return not any(_reads_projection(order, s, i) for i, p in enumerate(s.expressions)
+                   if any(is_lookup(n) for n in p.walk()))
+
+
+def placement(node: exp.Expression, tops: list[exp.Select], root: exp.Expression) -> Placement:
+    s, clause, flags = _locate(node)
+    if s is None or not any(s is t for t in tops) or "nested" in flags:
+        return Placement("lazy", s, "in a nested query: DuckDB decides which rows reach it")
+    if "lambda" in flags:
+        return Placement("lazy", s, "inside a lambda")
+    agg = aggregated(s)
+    if clause == "where":
+        limited = s.args.get("limit") is not None or s.args.get("offset") is not None
+        if limited and not agg and not s.args.get("distinct") and not has_window(s):
+            if incremental_ok(s, root):
+                return Placement("incremental", s)
+            return Placement("lazy", s, "LIMIT over joins without ORDER BY: streamed")
+        return Placement("where", s)
+    if clause == "group":
+        return Placement("pre_agg", s)
+    if clause in ("expressions", "having", "order"):
+        if "window" in flags:
+            return Placement("lazy", s, "a window over groups") if agg else \
+                Placement("pre_agg", s)
+        if "agg" in flags:
+            return Placement("pre_agg", s)
+        if "unknown_fn" in flags and agg:
+            return Placement("lazy", s, "inside a function unknown to the planner")
+        if clause == "order" and not agg:
+            return Placement("pre_agg", s)
+        if clause == "expressions":
+            i = _projection_index(s, node)
+            if i is not None and _group_key(s, i):
+                return Placement("pre_agg", s)
+        return Placement("output", s)
+    return Placement("lazy", s, f"in {clause}: evaluated where DuckDB puts it")
+
+
+# ---- driver SQL --------------------------------------------------------------------------
+
+def _ctes_above(s: exp.Select) -> list[exp.CTE]:
+    """CTEs of the queries enclosing s (s's own stay with s)."""
+    out: list[exp.CTE] = []
+    node = s.parent
+    while node is not None:
+        w = node.args.get("with_") if isinstance(node, exp.Query) else None
+        if w is not None:
+            out = [c.copy() for c in w.expressions] + out
+        node = node.parent
+    return out
+
+
+def _with(select: exp.Select, ctes: list[exp.CTE], own: exp.With | None = None) -> exp.Select:
+    all_ctes = ctes + ([c.copy() for c in own.expressions] if own is not None else [])
+    if all_ctes:
+        select.set("with_", exp.With(expressions=all_ctes,
+                                     recursive=bool(own and own.args.get("recursive"))))
+    return select
+
+
+def _arg_columns(site: Site) -> list[exp.Expression]:
+    return [exp.alias_(exp.Cast(this=as_copy(a), to=exp.DataType.build(p.sql_type,
+                                                                       dialect="duckdb")),
+                       ARG.format(i))
+            for i, (a, p) in enumerate(zip(site.args, site.signature.params, strict=True))]
+
+
+def _rows_of(site: Site, inner: exp.Select, guarded: bool) -> exp.Select:
+    """SELECT args..., count(*) FROM (inner) [WHERE guard] GROUP BY ALL."""
+    cols = [exp.column(ARG.format(i)) for i in range(len(site.args))]
+    out = exp.Select(expressions=[*cols, exp.alias_(exp.Count(this=exp.Star()), ROWS)])
+    out = out.from_(exp.Subquery(this=inner, alias=exp.TableAlias(this=exp.to_identifier(
+        "__llmdb_s"))))
+    if guarded:
+        out = out.where(exp.column(GUARD))
+    out.set("group", exp.Group(all=True))
+    return out
+
+
+def _source(s: exp.Select) -> exp.Select:
+    """SELECT FROM s's FROM and joins (copies, lookups in COPY role)."""
+    out = exp.Select()
+    out.set("from_", as_copy(s.args["from_"]))
+    if s.args.get("joins"):
+        out.set("joins", [as_copy(j) for j in s.args["joins"]])
+    return out
+
+
+def where_driver(s: exp.Select, site: Site, with_where: bool) -> exp.Select:
+    inner = _source(s)
+    inner.set("expressions", _arg_columns(site))
+    conds = []
+    if with_where and s.args.get("where") is not None:
+        conds.append(as_copy(s.args["where"].this))
+    conds += [c.copy() for c in site.guard]
+    cond = conjunction(conds)
+    if cond is not None:
+        inner.set("where", exp.Where(this=cond))
+    outer = _rows_of(site, inner, guarded=False)
+    return _with(outer, _ctes_above(s), s.args.get("with_"))
+
+
+def output_driver(s: exp.Select, site: Site, node: exp.Expression) -> exp.Select:
+    inner = as_copy(s)
+    inner.set("with_", None)
+    index = _projection_index(s, node)
+    for clause in ("having", "qualify", "order"):
+        c = s.args.get(clause)
+        if c is not None and _reads_site(c, s, index, site.id, ordinals=clause == "order"):
+            inner.set(clause, None)
+    # LIMIT picks rows by ORDER BY, or among DISTINCT rows, which needs every row's value.
+    if s.args.get("distinct") or (s.args.get("order") and inner.args.get("order") is None):
+        inner.set("order", None)
+        inner.set("limit", None)
+        inner.set("offset", None)
+    inner.set("distinct", None)
+    guard = conjunction([c.copy() for c in site.guard]) or exp.true()
+    inner.set("expressions", [*inner.expressions, *_arg_columns(site),
+                              exp.alias_(guard, GUARD)])
+    outer = _rows_of(site, inner, guarded=True)
+    return _with(outer, _ctes_above(s), s.args.get("with_"))
+
+
+def static_where(s: exp.Select) -> exp.Expression | None:
+    where = s.args.get("where")
+    if where is None:
+        return None
+    parts = [o for o in operands(where.this, exp.And)
+             if not any(is_lookup(n) for n in o.walk())]
+    return conjunction([as_copy(p) for p in parts])
+
+
+def _prefix(s: exp.Select, extra: list[exp.Expression]) -> exp.Select:
+    inner = as_copy(s)
+    inner.set("with_", None)
+    static = static_where(s)
+    inner.set("where", exp.Where(this=static) if static is not None else None)
+    inner.set("offset", None)
+    if own_qualify(s):  # it keeps the top k: a prefix must keep its n rows
+        inner.set("qualify", None)
+    inner.set("expressions", [*inner.expressions, *extra])
+    return inner
+
+
+def incremental_step(s: exp.Select, sites: list[Site]) -> Incremental:
+    limit = int_literal(s.args.get("limit")) or 0
+    offset = int_literal(s.args.get("offset")) or 0
+    step = Incremental(s, sites, limit + offset)
+    for site in sites:
+        guard = conjunction([c.copy() for c in site.guard]) or exp.true()
+        inner = _prefix(s, [*_arg_columns(site), exp.alias_(guard, GUARD)])
+        step.site_sql[site.id] = _with(_rows_of(site, inner, guarded=True), _ctes_above(s),
+                                       s.args.get("with_"))
+    passes = exp.alias_(as_copy(s.args["where"].this), PASS)
+    inner = _prefix(s, [passes])
+    count = exp.Select(expressions=[
+        exp.alias_(exp.Count(this=exp.Star()), "rows"),
+        exp.alias_(exp.Filter(this=exp.Count(this=exp.Star()),
+                              expression=exp.Where(this=exp.column(PASS))), "passed")])
+    count = count.from_(exp.Subquery(this=inner, alias=exp.TableAlias(
+        this=exp.to_identifier("__llmdb_s"))))
+    step.count_sql = _with(count, _ctes_above(s), s.args.get("with_"))
+    return step
+
+
+def with_limit(select: exp.Select, n: int) -> str:
+    """An incremental driver's SQL for the first n rows."""
+    q = select.copy()
+    inner = q.args["from_"].this.this  # FROM (inner) AS __llmdb_s
+    inner.set("limit", exp.Limit(expression=exp.Literal.number(n)))
+    return q.sql("duckdb")
+
+
+def learn_sql(s: exp.Select, pred: Predicate) -> str:
+    inner = _source(s)
+    inner.set("expressions", [
+        exp.alias_(exp.Filter(this=exp.Count(this=exp.Star()),
+                              expression=exp.Where(this=pred.expr.copy())), "passed"),
+        exp.alias_(exp.Count(this=exp.Star()), "seen")])
+    cond = conjunction([c.copy() for c in pred.guard])
+    if cond is not None:
+        inner.set("where", exp.Where(this=cond))
+    return _with(inner, _ctes_above(s), s.args.get("with_")).sql("duckdb")
+
+
+def plan_steps(tree: exp.Expression, root: exp.Expression, tops: list[exp.Select],
+               sites: list[Site], predicates: list[Predicate]) -> list[Step]:
+    """The prefetch steps in order; sets each site's placement."""
+    lookups = main_lookups(tree)
+    placed: dict[int, Placement] = {}
+    for site in sites:
+        node = lookups.get(site.id)
+        placed[site.id] = placement(node, tops, root) if node is not None else \
+            Placement("lazy", None, "not found after the rewrite")
+        site.placement = placed[site.id].kind
+    steps: list[Step] = []
+    incremental: dict[int, list[Site]] = {}
+    ordered = sorted(sites, key=lambda x: (PHASE[x.placement], x.order))
+    done: set[int] = set()
+    for site in ordered:
+        p = placed[site.id]
+        if p.kind == "incremental":
+            incremental.setdefault(id(p.scope), []).append(site)
+            continue
+        if p.kind == "lazy":
+            continue
+        if incremental:  # the strict WHERE sites come first: they limit the rows
+            for group in incremental.values():
+                steps.append(incremental_step(placed[group[0].id].scope, group))
+            incremental.clear()
+        node = lookups[site.id]
+        if p.kind == "where":
+            sel = where_driver(p.scope, site, with_where=False)
+        elif p.kind == "pre_agg":
+            sel = where_driver(p.scope, site, with_where=True)
+        else:
+            sel = output_driver(p.scope, site, node)
+        steps.append(Fill(site, sel.sql("duckdb")))
+        done.add(site.id)
+        for pred in predicates:  # learn a WHERE predicate's pass rate once it is computed
+            if pred.site_ids and max(pred.site_ids) == site.id and all(
+                    placed[i].kind == "where" and placed[i].scope is p.scope
+                    for i in pred.site_ids) and all(i in done for i in pred.site_ids):
+                steps.append(Learn(pred, learn_sql(p.scope, pred)))
+    for group in incremental.values():
+        steps.append(incremental_step(placed[group[0].id].scope, group))
+    return steps
+
+
+def placements(tree: exp.Expression, root: exp.Expression, tops: list[exp.Select],
+               sites: list[Site]) -> dict[int, Placement]:
+    lookups = main_lookups(tree)
+    return {s.id: placement(lookups[s.id], tops, root) if s.id in lookups
+            else Placement("lazy", None, "not found") for s in sites}

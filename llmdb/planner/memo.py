@@ -1,0 +1,314 @@
+"""The lookups a rewritten query calls instead of the LLM functions, and the query's memo.
+
+`__llmdb_site_<function>(qid, tag, args...)` has the LLM function's parameters plus the query
+run and the site (tag = site id x 2 + role, the role telling the site itself from a copy of
+it inside another site's guard). It answers from the run's memo: argument tuple -> value,
+filled by the planner's driver queries in one batch per site. A miss computes the value
+through the same row-level function the SQL function uses (so dedup, the result cache, errors
+and stats all apply) and remembers it: identical calls are computed once per query. A site
+in "strict" mode answers a miss with NULL instead (ORDER BY ... LIMIT evaluation, where rows
+past the first k passing ones are never computed and cannot reach the result).
+
+A run in dry mode (EXPLAIN) never calls a model: it answers with values drawn from what the
+site returned in earlier queries (or a neutral default) and counts what would be computed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+
+from llmdb.functions import _FUNCTIONS, PRIORITY
+from llmdb.session import Session
+
+from .callsites import SIGNATURES, Signature, Site
+from .guards import MAIN, lookup_name
+from .learned import LEARNED, Learned, stable_hash
+
+ARROW_TYPES = {"BOOLEAN": pa.bool_(), "DOUBLE": pa.float64(), "VARCHAR": pa.string(),
+               "INTEGER": pa.int32()}
+KEPT_RUNS = 16  # runs whose lookups may still execute (a lazy relation fetched later)
+SAMPLED_KEYS = 64  # argument tuples kept per site for token and cache estimates
+
+
+class BudgetExceeded(Exception):
+    """A dry run found more calls than the question it answers needed to know about."""
+
+
+@dataclass
+class SiteCounts:
+    """What a site did (or, in a dry run, would do) in one run of a query."""
+
+    rows: int = 0  # rows it was evaluated on (its guard TRUE)
+    distinct: int = 0  # distinct argument tuples among them
+    computed: int = 0  # tuples sent to the model path (not already in the query's memo)
+    requests: int = 0  # model requests those take before the result cache (NULLs take none)
+    batches: list[int] = field(default_factory=list)  # sizes of those sends
+    calls: int = 0  # model requests (stats of the row functions)
+    cache_hits: int = 0
+    dedup_hits: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    model_s: float = 0.0
+    sampled: list[tuple] = field(default_factory=list)  # a uniform sample of computed tuples
+
+
+def freeze(v: Any) -> Any:
+    if isinstance(v, list | tuple):
+        return tuple(freeze(x) for x in v)
+    if isinstance(v, dict):
+        return tuple(sorted((k, freeze(x)) for k, x in v.items()))
+    return v
+
+
+def thaw(sig: Signature, key: tuple) -> list[Any]:
+    return [list(v) if p.sql_type.endswith("[]") and v is not None else v
+            for p, v in zip(sig.params, key, strict=True)]
+
+
+class QueryRun:
+    """One execution (or dry run) of a planned query: its memo, modes and counts."""
+
+    def __init__(self, qid: int, sites: list[Site], session: Session, *, dry: bool = False,
+                 budget: int | None = None, learned: Learned = LEARNED):
+        self.qid = qid
+        self.sites = {s.id: s for s in sites}
+        self.session = session
+        self.dry = dry
+        self.budget = budget
+        self.learned = learned
+        self.modes = {s.id: "lazy" for s in sites}
+        self.priorities: dict[int, str | None] = {s.id: s.priority for s in sites}
+        self.memo: dict[tuple, Any] = {}
+        self.counts = {s.id: SiteCounts() for s in sites}
+        self._seen: dict[int, set[tuple]] = {s.id: set() for s in sites}
+        self._lock = threading.Lock()
+        self._keys_sampled = 0
+        self.over_budget = False
+
+    # ---- the memo ------------------------------------------------------------------------
+
+    def _memo_key(self, site: Site, key: tuple) -> tuple:
+        return (site.function, key)
+
+    def lookup(self, site_id: int, role: int, keys: list[tuple]) -> list[Any]:
+        """Values for a vector of rows (the UDF path)."""
+        site = self.sites[site_id]
+        out: list[Any] = [None] * len(keys)
+        missing: dict[tuple, list[int]] = {}
+        with self._lock:
+            if role == MAIN:
+                self._count_rows(site, keys)
+            for i, k in enumerate(keys):
+                mk = self._memo_key(site, k)
+                if mk in self.memo:
+                    out[i] = self.memo[mk]
+                else:
+                    missing.setdefault(k, []).append(i)
+        if missing and (self.dry or self.modes[site_id] != "strict"):
+            values = self.compute(site, list(missing))
+            for k, v in zip(missing, values, strict=True):
+                for i in missing[k]:
+                    out[i] = v
+        return out
+
+    def fill(self, site: Site, rows: Sequence[tuple[tuple, int]], count_rows: bool = True
+             ) -> None:
+        """Compute a driver query's (argument tuple, row count) rows in one batch."""
+        with self._lock:
+            for key, n in rows:
+                if count_rows:
+                    self.counts[site.id].rows += n
+                if key not in self._seen[site.id]:
+                    self._seen[site.id].add(key)
+                    self.counts[site.id].distinct += 1
+            missing = [k for k, _ in rows if self._memo_key(site, k) not in self.memo]
+        if missing:
+            self.compute(site, missing)
+
+    def _count_rows(self, site: Site, keys: list[tuple]) -> None:
+        c = self.counts[site.id]
+        c.rows += len(keys)
+        seen = self._seen[site.id]
+        for k in keys:
+            if k not in seen:
+                seen.add(k)
+                c.distinct += 1
+
+    def known(self, site: Site, key: tuple) -> bool:
+        with self._lock:
+            return self._memo_key(site, key) in self.memo
+
+    # ---- computing -----------------------------------------------------------------------
+
+    def compute(self, site: Site, keys: list[tuple]) -> list[Any]:
+        counts = self.counts[site.id]
+        with self._lock:
+            counts.computed += len(keys)
+            counts.requests += sum(requests_per_call(site, k) for k in keys)
+            counts.batches.append(len(keys))
+            self._sample(counts, keys)
+        if self.dry:
+            values = self._pseudo(site, keys)
+            if self.budget is not None and self.total_requests() > self.budget:
+                self.over_budget = True
+                raise BudgetExceeded(f"more than {self.budget} calls")
+        else:
+            values = self._call(site, keys, counts)
+        with self._lock:
+            for k, v in zip(keys, values, strict=True):
+                self.memo[self._memo_key(site, k)] = v
+        return values
+
+    def total_requests(self) -> int:
+        """Model requests the computed tuples take (a classify scores every label)."""
+        with self._lock:
+            return sum(c.requests for c in self.counts.values())
+
+    def _sample(self, counts: SiteCounts, keys: list[tuple]) -> None:
+        """Reservoir sampling over the tuples this site computed (counts.computed of them,
+        the last len(keys) being these), with a hash of the tuple as the random draw."""
+        first = counts.computed - len(keys)
+        for i, k in enumerate(keys):
+            seen = first + i + 1
+            if len(counts.sampled) < SAMPLED_KEYS:
+                counts.sampled.append(k)
+            else:
+                j = stable_hash((k, seen)) % seen
+                if j < SAMPLED_KEYS:
+                    counts.sampled[j] = k
+
+    def _call(self, site: Site, keys: list[tuple], counts: SiteCounts) -> list[Any]:
+        fn = _FUNCTIONS[site.function][0]
+        columns = [list(col) for col in zip(*(thaw(site.signature, k) for k in keys),
+                                            strict=True)]
+        before = self.session.stats()["total"]
+        token = PRIORITY.set(self.priorities.get(site.id))
+        try:
+            values = fn(self.session, *columns)
+        finally:
+            PRIORITY.reset(token)
+            after = self.session.stats()["total"]
+            with self._lock:
+                counts.calls += after["calls"] - before["calls"]
+                counts.cache_hits += after["cache_hits"] - before["cache_hits"]
+                counts.dedup_hits += after["dedup_hits"] - before["dedup_hits"]
+                counts.prompt_tokens += after["prompt_tokens"] - before["prompt_tokens"]
+                counts.generated_tokens += after["generated_tokens"] - before["generated_tokens"]
+                counts.model_s += after["engine_s"] - before["engine_s"]
+        key = self.learn_key(site)
+        self.learned.observe_values(key, [v for v in values if v is not None])
+        calls = after["calls"] - before["calls"]
+        if site.function == "llm_complete":
+            self.learned.observe_generated(key, after["generated_tokens"]
+                                           - before["generated_tokens"], calls)
+        return values
+
+    def learn_key(self, site: Site) -> str:
+        return learn_key(self.session, site)
+
+    def _pseudo(self, site: Site, keys: list[tuple]) -> list[Any]:
+        """Stand-in values for a dry run: what the site returned before, else a default."""
+        sample = self.learned.value_sample(self.learn_key(site))
+        out = []
+        for k in keys:
+            h = stable_hash(k)
+            if k[0] is None:
+                out.append(None)  # a NULL prompt gives NULL without a call
+            elif sample:
+                out.append(sample[h % len(sample)])
+            else:
+                out.append(_default_value(site, k, h))
+        return out
+
+
+def requests_per_call(site: Site, key: tuple) -> int:
+    if key[0] is None:
+        return 0
+    if site.function == "llm_classify":
+        labels = key[site.signature.index("labels")]
+        return len(labels) if labels else 0
+    return 1
+
+
+def learn_key(session: Session, site: Site) -> str:
+    model = site.arg("model")
+    name = model.this if getattr(model, "is_string", False) else session.options.model
+    return f"{name}\x1f{site.key}"
+
+
+def _default_value(site: Site, key: tuple, h: int) -> Any:
+    u = (h % 1_000_003) / 1_000_003
+    if site.function == "llm_filter":
+        return u < 0.5
+    if site.function == "llm_filter_score":
+        return u
+    if site.function == "llm_classify":
+        labels = key[site.signature.index("labels")] or ("",)
+        return labels[h % len(labels)]
+    return f"~{h % 10_000}"
+
+
+# ---- the registry of runs and the UDFs ---------------------------------------------------
+
+class Runs:
+    """The connection's recent runs by query id (lookups name theirs by id)."""
+
+    def __init__(self) -> None:
+        self._runs: OrderedDict[int, QueryRun] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, run: QueryRun) -> None:
+        with self._lock:
+            self._runs[run.qid] = run
+            self._runs.move_to_end(run.qid)
+            while len(self._runs) > KEPT_RUNS:
+                self._runs.popitem(last=False)
+
+    def get(self, qid: int) -> QueryRun | None:
+        with self._lock:
+            return self._runs.get(qid)
+
+
+def _site_udf(sig: Signature, runs: Runs, session: Session):
+    fn = _FUNCTIONS[sig.function][0]
+    out_type = ARROW_TYPES[sig.returns]
+
+    def udf(qid: pa.Array, tag: pa.Array, *arrays: pa.Array) -> pa.Array:
+        n = len(qid)
+        if n == 0:
+            return pa.array([], out_type)
+        columns = [a.to_pylist() for a in arrays]
+        run = runs.get(qid[0].as_py())
+        if run is None:  # a run no longer kept: compute as the plain function would
+            return pa.array(fn(session, *columns), out_type)
+        site_id, role = divmod(tag[0].as_py(), 2)
+        keys = [freeze(row) for row in zip(*columns, strict=True)]
+        return pa.array(run.lookup(site_id, role, keys), out_type)
+
+    names = ["qid", "tag", *(p.name for p in sig.params)]
+    udf.__signature__ = inspect.Signature(
+        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_ONLY) for n in names])
+    return udf
+
+
+def register(con: duckdb.DuckDBPyConnection, runs: Runs, session: Session) -> None:
+    for sig in SIGNATURES.values():
+        con.create_function(lookup_name(sig.function), _site_udf(sig, runs, session),
+                            ["INTEGER", "INTEGER", *(p.sql_type for p in sig.params)],
+                            sig.returns, type="arrow", null_handling="special",
+                            side_effects=False)
+
+
+def counts_dict(c: SiteCounts) -> dict[str, Any]:
+    d = dataclasses.asdict(c)
+    d.pop("sampled")
+    return d

@@ -1,0 +1,345 @@
+"""Small rewrites that prepare a statement for the guard rule; each keeps its meaning.
+
+Each rule takes the planner's copy of the tree, changes it in place and returns it.
+"""
+
+from __future__ import annotations
+
+from sqlglot import exp
+
+from .callsites import call_name
+from .guards import as_copy, is_lookup
+
+# Functions whose value changes between evaluations: a CTE holding one must stay materialized.
+VOLATILE = {"random", "rand", "gen_random_uuid", "uuid", "uuidv4", "uuidv7", "nextval",
+            "setseed", "currval"}
+
+
+def has_call(e: exp.Expression) -> bool:
+    return any(call_name(n) is not None for n in e.walk())
+
+
+def number_parameters(tree: exp.Expression) -> exp.Expression:
+    """`?` -> `$1`, `$2`, ...: reordering AND operands must not reorder bound values."""
+    n = 0
+    for node in list(tree.walk(bfs=False)):  # depth-first: the order of the text
+        if isinstance(node, exp.Placeholder) and not node.this:
+            n += 1
+            node.replace(exp.Parameter(this=exp.Literal.number(n)))
+    return tree
+
+
+def _volatile(e: exp.Expression) -> bool:
+    for node in e.walk():
+        if isinstance(node, exp.Rand):
+            return True
+        if isinstance(node, exp.Func) and node.sql_name().lower() in VOLATILE:
+            return True
+        if isinstance(node, exp.Anonymous) and node.name.lower() in VOLATILE:
+            return True
+    return False
+
+
+def inline_llm_ctes(tree: exp.Expression) -> exp.Expression:
+    """CTEs holding LLM calls become NOT MATERIALIZED.
+
+    DuckDB 2.0 materializes a CTE, computing every column for every row before the query
+    filters it (measured: a CTE's UDF column ran on all 100,000 rows for a query that kept
+    100). Inlined, the query's filters and column pruning reach the calls. Equal for
+    deterministic expressions, which is why CTEs with volatile functions stay as they are.
+    """
+    for with_ in tree.find_all(exp.With):
+        if with_.args.get("recursive"):
+            continue
+        for cte in with_.expressions:
+            if has_call(cte.this) and not _volatile(cte.this):
+                cte.set("materialized", False)
+    return tree
+
+
+def _inner(join: exp.Join) -> bool:
+    kind = (join.args.get("kind") or "").upper()
+    return (not join.args.get("side") and kind in ("", "INNER", "CROSS")
+            and not join.args.get("method") and not join.args.get("using"))
+
+
+def llm_conjuncts_to_where(tree: exp.Expression) -> exp.Expression:
+    """In a SELECT whose joins are all inner, ON operands with LLM calls move to WHERE.
+
+    For inner joins ON and WHERE conditions are interchangeable, and in WHERE an LLM
+    predicate is guarded by every other condition of the query, not only its join's."""
+    for select in tree.find_all(exp.Select):
+        joins = select.args.get("joins") or []
+        if not joins or not all(_inner(j) for j in joins):
+            continue
+        moved = []
+        for join in joins:
+            on = join.args.get("on")
+            if on is None or not has_call(on):
+                continue
+            keep = []
+            for o in _conjuncts(on):
+                (moved if has_call(o) else keep).append(o)
+            join.set("on", _and(keep) if keep else exp.true())
+        if moved:
+            where = select.args.get("where")
+            parts = ([where.this] if where is not None else []) + moved
+            select.set("where", exp.Where(this=_and(parts)))
+    return tree
+
+
+def _conjuncts(e: exp.Expression) -> list[exp.Expression]:
+    inner = e.unnest() if isinstance(e, exp.Paren) else e
+    if isinstance(inner, exp.And):
+        return _conjuncts(inner.this) + _conjuncts(inner.expression)
+    return [e]
+
+
+def _and(parts: list[exp.Expression]) -> exp.Expression:
+    out = exp.Paren(this=parts[0])
+    for p in parts[1:]:
+        out = exp.And(this=out, expression=exp.Paren(this=p))
+    return out
+
+
+# ---- predicate pushdown into subqueries with LLM calls ------------------------------------
+
+def _plain(s: exp.Expression) -> bool:
+    """A SELECT whose rows are its FROM's rows, filtered: filtering before or after it is
+    the same (no grouping, DISTINCT, LIMIT, windows or set operation)."""
+    if not isinstance(s, exp.Select):
+        return False
+    if any(s.args.get(k) for k in ("group", "having", "qualify", "distinct", "limit",
+                                   "offset")):
+        return False
+    return not any(isinstance(n, exp.AggFunc | exp.Window) for e in s.expressions
+                   for n in e.walk())
+
+
+def _outputs(s: exp.Select) -> tuple[dict[str, exp.Expression], bool]:
+    """The subquery's columns by name, and whether a `*` passes its FROM's columns through."""
+    named: dict[str, exp.Expression] = {}
+    star = False
+    for p in s.expressions:
+        if isinstance(p, exp.Star):
+            star = not s.args.get("joins")
+        elif isinstance(p, exp.Alias):
+            named[p.alias] = p.this
+        elif isinstance(p, exp.Column) and not isinstance(p.this, exp.Star):
+            named[p.name] = p
+    return named, star
+
+
+def _cte_uses(tree: exp.Expression) -> dict[str, int]:
+    uses: dict[str, int] = {}
+    for t in tree.find_all(exp.Table):
+        if not t.args.get("db"):
+            uses[t.name] = uses.get(t.name, 0) + 1
+    return uses
+
+
+def _ctes_in_scope(select: exp.Select) -> dict[str, exp.CTE]:
+    out: dict[str, exp.CTE] = {}
+    node: exp.Expression | None = select
+    while node is not None:
+        w = node.args.get("with_") if isinstance(node, exp.Query) else None
+        if w is not None and not w.args.get("recursive"):
+            for cte in w.expressions:
+                out.setdefault(cte.alias, cte)
+        node = node.parent
+    return out
+
+
+def _source(item: exp.Expression, select: exp.Select, uses: dict[str, int]
+            ) -> tuple[exp.Select, str] | None:
+    """A FROM item that is a subquery (or a CTE used once) with LLM calls: (its SELECT, the
+    name the query reads it by)."""
+    if isinstance(item, exp.Subquery) and item.alias:
+        body, name = item.this, item.alias
+    elif isinstance(item, exp.Table) and not item.args.get("db"):
+        cte = _ctes_in_scope(select).get(item.name)
+        if cte is None or uses.get(item.name, 0) != 1:
+            return None
+        body, name = cte.this, item.alias_or_name
+    else:
+        return None
+    if not _plain(body) or not has_call(body):
+        return None
+    return body, name
+
+
+def push_filters_into_llm_subqueries(tree: exp.Expression) -> exp.Expression:
+    """A WHERE conjunct on the columns of a subquery (or a CTE used once) holding LLM calls is
+    copied into that subquery's WHERE.
+
+    DuckDB 2.0 does not push a filter below a projection with a Python UDF (measured: a
+    filter on a derived table's plain column ran after its UDF column was computed for every
+    row), so the calls would run on rows the query then drops. The conjunct stays where it
+    was too, so only rows the query drops anyway are dropped earlier. Pushed only through
+    inner joins or the preserved side of LEFT joins, and never a conjunct that reads an LLM
+    column or calls a volatile function."""
+    uses = _cte_uses(tree)
+    for select in list(tree.find_all(exp.Select)):
+        where = select.args.get("where")
+        if where is None:
+            continue
+        joins = select.args.get("joins") or []
+        if any((j.args.get("side") or "").upper() in ("RIGHT", "FULL") or j.args.get("method")
+               for j in joins):
+            continue
+        items = [(select.args["from_"].this, True)] + [
+            (j.this, not j.args.get("side") and (j.args.get("kind") or "").upper()
+             in ("", "INNER", "CROSS")) for j in joins]
+        for item, pushable in items:
+            found = _source(item, select, uses) if pushable else None
+            if found is None:
+                continue
+            body, name = found
+            named, star = _outputs(body)
+            for c in _conjuncts(where.this):
+                pushed = _pushed(c, name, named, star, alone=not joins)
+                if pushed is not None:
+                    body.where(pushed, copy=False)
+    return tree
+
+
+def _pushed(c: exp.Expression, name: str, named: dict[str, exp.Expression], star: bool,
+            alone: bool) -> exp.Expression | None:
+    """The conjunct in the subquery's own terms, or None when it cannot be pushed."""
+    if has_call(c) or _volatile(c) or any(isinstance(n, exp.Query | exp.Subquery)
+                                          for n in c.walk()):
+        return None
+    cols = list(c.find_all(exp.Column))
+    if not cols:
+        return None
+    out = c.copy()
+    for col in list(out.find_all(exp.Column)):
+        if col.table.lower() != name.lower() and not (not col.table and alone):
+            return None
+        inner = named.get(col.name)
+        if inner is None and star:
+            inner = exp.column(col.name)
+        if inner is None or has_call(inner) or _volatile(inner):
+            return None
+        col.replace(exp.Paren(this=inner.copy()))
+    return out
+
+
+def root_query(tree: exp.Expression) -> exp.Query | None:
+    """The query whose rows are the statement's: a SELECT or set operation, or the one a
+    CREATE TABLE ... AS or INSERT ... SELECT writes. None for anything else."""
+    if isinstance(tree, exp.Query):
+        return tree
+    if isinstance(tree, exp.Create) and (tree.args.get("kind") or "").upper() == "TABLE":
+        body = tree.expression
+        return body if isinstance(body, exp.Query) else None
+    if isinstance(tree, exp.Insert):
+        body = tree.expression
+        return body if isinstance(body, exp.Query) else None
+    return None
+
+
+def top_level_selects(root: exp.Query) -> list[exp.Select]:
+    """SELECTs every row of which reaches the result: the root, or the branches of a root
+    set operation without ORDER BY / LIMIT of its own (those can stop a branch early)."""
+    if isinstance(root, exp.Select):
+        return [root]
+    if isinstance(root, exp.SetOperation) and not root.args.get("limit") \
+            and not root.args.get("order") and not root.args.get("offset"):
+        return top_level_selects(root.this) + top_level_selects(root.expression)
+    if isinstance(root, exp.Subquery) and isinstance(root.this, exp.Query):
+        return top_level_selects(root.this)
+    return []
+
+
+# ---- shape predicates ----------------------------------------------------------------------
+
+def int_literal(e: exp.Expression | None) -> int | None:
+    if isinstance(e, exp.Limit | exp.Offset):
+        e = e.expression
+    if isinstance(e, exp.Literal) and not e.is_string and e.this.isdigit():
+        return int(e.this)
+    return None
+
+
+def contains(e: exp.Expression | None, kinds: tuple[type, ...]) -> bool:
+    """Whether e holds a node of `kinds` outside nested queries and windows."""
+    if e is None:
+        return False
+    stack = [e]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, kinds):
+            return True
+        if n is not e and isinstance(n, exp.Query | exp.Subquery | exp.Window):
+            continue
+        stack.extend(n.iter_expressions())
+    return False
+
+
+def aggregated(s: exp.Select) -> bool:
+    if s.args.get("group") or s.args.get("having"):
+        return True
+    return any(contains(e, (exp.AggFunc,)) for e in s.expressions) or \
+        contains(s.args.get("order"), (exp.AggFunc,))
+
+
+def has_window(s: exp.Select) -> bool:
+    return any(any(isinstance(n, exp.Window) for n in e.walk())
+               for e in [*s.expressions, s.args.get("order")] if e is not None)
+
+
+# ---- after the guard rule ------------------------------------------------------------------
+
+def _order_key(o: exp.Ordered, s: exp.Select) -> exp.Expression:
+    """An ORDER BY key in terms of the FROM's columns (aliases and ordinals resolved)."""
+    e = o.this
+    i = int_literal(e)
+    if i is not None and 1 <= i <= len(s.expressions):
+        return s.expressions[i - 1].unalias()
+    if isinstance(e, exp.Column) and not e.table:
+        for p in s.expressions:
+            if isinstance(p, exp.Alias) and p.alias == e.name:
+                return p.this
+    return e
+
+
+TOP_ROWS = "llmdb_top_rows"
+
+
+def own_qualify(s: exp.Select) -> bool:
+    q = s.args.get("qualify")
+    return q is not None and bool(q.meta.get(TOP_ROWS))
+
+
+def top_rows_before_calls(tree: exp.Expression) -> exp.Expression:
+    """`SELECT <LLM calls> ... ORDER BY <expressions> LIMIT k` also gets
+    `QUALIFY row_number() OVER (ORDER BY <the same>) <= k`.
+
+    DuckDB 2.0 computes a projection's UDF on every row before a top-k by an expression, but
+    only on the k rows after a QUALIFY (measured: 200 rows against 3). The result is the
+    same k rows (or, among ties at the boundary, other rows as allowed by the ORDER BY).
+    Keys that are plain columns need nothing: DuckDB already takes the top-k first."""
+    for s in list(tree.find_all(exp.Select)):
+        k = int_literal(s.args.get("limit"))
+        order = s.args.get("order")
+        offset = s.args.get("offset")
+        skip = 0 if offset is None else int_literal(offset)
+        if k is None or skip is None or order is None or aggregated(s) or has_window(s) \
+                or s.args.get("distinct") or s.args.get("qualify"):
+            continue
+        if not any(any(is_lookup(n) for n in p.walk()) for p in s.expressions):
+            continue
+        if all(isinstance(o.this, exp.Column) for o in order.expressions):
+            continue
+        keys = []
+        for o in order.expressions:
+            key = o.copy()
+            key.set("this", as_copy(_order_key(o, s)))
+            keys.append(key)
+        window = exp.Window(this=exp.RowNumber(), order=exp.Order(expressions=keys))
+        qualify = exp.Qualify(this=exp.LTE(this=window,
+                                           expression=exp.Literal.number(k + skip)))
+        qualify.meta[TOP_ROWS] = True  # the planner's own: drivers know to see through it
+        s.set("qualify", qualify)
+    return tree

@@ -1,0 +1,291 @@
+"""The planner of one connection: plan a statement, prefetch its calls, run EXPLAIN LLM.
+
+plan() is pure (the statement's tree in, a Plan out); Planner.prepare runs the Plan's steps on
+the connection (on the query's helper thread, so Ctrl-C interrupts them like the query) and
+returns the SQL to execute. Anything the planner does not understand runs as written.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import duckdb
+import sqlglot
+from sqlglot import exp
+from sqlglot.errors import SqlglotError
+
+from llmdb.session import QueryCancelled, Session
+
+from . import drivers, memo
+from .callsites import Site, Unsupported, find_sites
+from .drivers import Fill, Incremental, Learn, Placement, Step
+from .guards import Predicate, rewrite_sites
+from .learned import DEFAULT_PASS_RATE, LEARNED, Learned
+from .memo import BudgetExceeded, QueryRun, Runs, freeze
+from .rules import (
+    inline_llm_ctes,
+    llm_conjuncts_to_where,
+    number_parameters,
+    push_filters_into_llm_subqueries,
+    root_query,
+    top_level_selects,
+    top_rows_before_calls,
+)
+
+RT_MAX_CALLS = 32  # interactive (RT) when a query needs at most this many model calls
+KEPT_HISTORY = 64
+_QUICK_CHECK = re.compile(r"llm_(complete|filter|classify)", re.IGNORECASE)
+
+logging.getLogger("sqlglot").setLevel(logging.ERROR)  # it warns about syntax it passes through
+
+
+@dataclass
+class Plan:
+    qid: int
+    sql: str  # the rewritten statement
+    dry_sql: str  # its query alone (a CTAS or INSERT without the write), for dry runs
+    sites: list[Site]
+    predicates: list[Predicate]
+    steps: list[Step]
+    placements: dict[int, Placement]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def has_lazy(self) -> bool:
+        return any(p.kind == "lazy" for p in self.placements.values())
+
+
+# ---- predicate order ---------------------------------------------------------------------
+
+def call_cost(site: Site) -> float:
+    """Relative cost of one call, in prompt prefills: a classify scores each label, and a
+    generated token costs about half a short prompt's prefill here (decode steps are
+    memory-bound, prefill is batched into large matrix products)."""
+    if site.function == "llm_classify":
+        labels = site.arg("labels")
+        return float(len(labels.expressions)) if isinstance(labels, exp.Array) else 2.0
+    if site.function == "llm_complete":
+        n = site.arg("max_tokens")
+        tokens = int(n.this) if isinstance(n, exp.Literal) and n.this.isdigit() else 256
+        return 1.0 + 0.5 * tokens
+    return 1.0
+
+
+def ranker(sites: list[Site], model: str, learned: Learned
+           ) -> Callable[[exp.Expression, str], float]:
+    """Lower ranks run first. AND: the classic order for independent predicates, by
+    (1 - pass rate) / cost descending (cheap and selective first); OR: by pass rate / cost
+    descending (a TRUE decides the OR, so likely-TRUE and cheap first)."""
+    by_node = {id(s.node): s for s in sites}
+
+    def rank(operand: exp.Expression, op: str) -> float:
+        cost = sum(call_cost(by_node[id(n)]) for n in operand.walk() if id(n) in by_node)
+        rate = learned.pass_rate(f"{model}\x1f{operand.sql('duckdb')}")
+        rate = DEFAULT_PASS_RATE if rate is None else rate
+        benefit = (1.0 - rate) if op == "and" else rate
+        return -benefit / max(cost, 1e-9)
+
+    return rank
+
+
+# ---- planning ----------------------------------------------------------------------------
+
+def plan(sql: str, qid: int, model: str, *, parameters: Any = None,
+         learned: Learned = LEARNED) -> Plan | None:
+    """The rewritten statement and its prefetch steps; None: run the statement as written."""
+    if not _QUICK_CHECK.search(sql):
+        return None
+    try:
+        statements = sqlglot.parse(sql, read="duckdb")
+    except SqlglotError:
+        return None
+    if len(statements) != 1 or statements[0] is None:
+        return None
+    tree = statements[0]
+    if root_query(tree) is None:
+        return None
+    try:
+        if parameters:
+            number_parameters(tree)
+        inline_llm_ctes(tree)
+        push_filters_into_llm_subqueries(tree)
+        llm_conjuncts_to_where(tree)
+        sites = find_sites(tree)
+        if not sites:
+            return None
+        tree, predicates = rewrite_sites(tree, sites, qid, ranker(sites, model, learned))
+        top_rows_before_calls(tree)
+    except Unsupported:
+        return None
+    root = root_query(tree)
+    # With bound parameters a driver would need them too: every site stays lazy then.
+    tops = [] if parameters else top_level_selects(root)
+    steps = drivers.plan_steps(tree, root, tops, sites, predicates)
+    placements = drivers.placements(tree, root, tops, sites)
+    return Plan(qid, tree.sql("duckdb"), root.sql("duckdb"), sites, predicates, steps,
+                placements)
+
+
+def normalized(sql: str) -> str:
+    """A query's identity for EXPLAIN's actuals: its text without spacing or a final ';'."""
+    return " ".join(sql.strip().rstrip(";").split())
+
+
+# ---- running -----------------------------------------------------------------------------
+
+class Planner:
+    def __init__(self, con: duckdb.DuckDBPyConnection, session: Session,
+                 learned: Learned = LEARNED):
+        self.con = con
+        self.session = session
+        self.learned = learned
+        self.runs = Runs()
+        memo.register(con, self.runs, session)
+        self._qids = itertools.count(1)
+        self.history: OrderedDict[str, tuple[Plan, QueryRun]] = OrderedDict()
+
+    def plan(self, sql: str, parameters: Any = None) -> Plan | None:
+        return plan(sql, next(self._qids), self.session.options.model, parameters=parameters,
+                    learned=self.learned)
+
+    def prepare(self, sql: str, parameters: Any = None) -> str:
+        """The SQL to run in place of `sql`, its calls prefetched. On the query's thread."""
+        p = self.plan(sql, parameters)
+        if p is None or not self._binds(p, parameters):
+            return sql
+        run = QueryRun(p.qid, p.sites, self.session, learned=self.learned)
+        self._assign_priorities(p, run, parameters)
+        self.runs.put(run)
+        self.execute_steps(p, run)
+        self.history[normalized(sql)] = (p, run)
+        while len(self.history) > KEPT_HISTORY:
+            self.history.popitem(last=False)
+        return p.sql
+
+    def _binds(self, p: Plan, parameters: Any) -> bool:
+        """Whether DuckDB accepts the rewritten SQL (sqlglot regenerates it). Planning it
+        may fold constant calls: a dry run answers those."""
+        self.runs.put(QueryRun(p.qid, p.sites, self.session, dry=True, learned=self.learned))
+        try:
+            self.con.execute(f"EXPLAIN {p.sql}", parameters)
+            return True
+        except duckdb.InterruptException:
+            raise
+        except duckdb.Error as e:
+            p.notes.append(f"rewritten SQL rejected ({type(e).__name__}); ran as written")
+            return False
+
+    # ---- priority ------------------------------------------------------------------------
+
+    def _assign_priorities(self, p: Plan, run: QueryRun, parameters: Any) -> None:
+        fixed = self.session.options.priority
+        if fixed is None and any(s.priority is None for s in p.sites):
+            fixed = self.query_class(p, parameters)
+        for s in p.sites:
+            run.priorities[s.id] = s.priority or fixed
+
+    def query_class(self, p: Plan, parameters: Any = None) -> str:
+        """RT when a dry run finds at most RT_MAX_CALLS model calls, else BE."""
+        dry = QueryRun(p.qid, p.sites, self.session, dry=True, budget=RT_MAX_CALLS,
+                       learned=self.learned)
+        self.runs.put(dry)
+        try:
+            self.dry_run(p, dry, parameters)
+        except BudgetExceeded:
+            return "BE"
+        return "RT" if dry.total_requests() <= RT_MAX_CALLS else "BE"
+
+    def dry_run(self, p: Plan, dry: QueryRun, parameters: Any = None) -> None:
+        """Everything a run would do, with values drawn from what the sites returned
+        before instead of model calls; dry.counts then hold the estimates."""
+        self.runs.put(dry)
+        self.execute_steps(p, dry)
+        if p.has_lazy or any(m != "strict" and p.placements[i].kind == "incremental"
+                             for i, m in dry.modes.items()):
+            try:
+                result = self.con.execute(p.dry_sql, parameters)
+                while result.fetchmany(8192):
+                    pass
+            except duckdb.InterruptException:
+                raise
+            except duckdb.Error:
+                if dry.over_budget:
+                    raise BudgetExceeded("dry run over budget") from None
+                raise
+
+    # ---- steps ---------------------------------------------------------------------------
+
+    def execute_steps(self, p: Plan, run: QueryRun) -> None:
+        for step in p.steps:
+            if isinstance(step, Fill):
+                self._fill(run, step.site, step.sql)
+            elif isinstance(step, Learn):
+                if not run.dry:
+                    self._learn(run, step)
+            elif isinstance(step, Incremental):
+                self._incremental(run, step)
+
+    def _query(self, run: QueryRun, sql: str) -> list[tuple] | None:
+        """Rows of a driver query; None when it fails (its sites then stay lazy)."""
+        try:
+            return self.con.execute(sql).fetchall()
+        except duckdb.InterruptException:
+            raise
+        except duckdb.Error:
+            if run.over_budget:
+                raise BudgetExceeded("dry run over budget") from None
+            if self.session.cancel.is_set():
+                raise QueryCancelled("the query was cancelled") from None
+            return None
+
+    def _fill(self, run: QueryRun, site: Site, sql: str) -> None:
+        rows = self._query(run, sql)
+        if rows is not None:
+            run.fill(site, [(freeze(r[:-1]), r[-1]) for r in rows])
+
+    def _learn(self, run: QueryRun, step: Learn) -> None:
+        row = self._query(run, step.sql)
+        if row:
+            passed, seen = row[0]
+            self.learned.observe_passes(f"{self.session.options.model}\x1f{step.predicate.key}",
+                                        passed or 0, seen or 0)
+
+    def _incremental(self, run: QueryRun, step: Incremental) -> None:
+        for s in step.sites:
+            run.modes[s.id] = "strict"
+        n = step.target
+        last: dict[int, int] = {}
+        while True:
+            for s in step.sites:
+                rows = self._query(run, drivers.with_limit(step.site_sql[s.id], n))
+                if rows is None:
+                    return self._give_up(run, step)
+                keyed = [(freeze(r[:-1]), r[-1]) for r in rows]
+                run.fill(s, keyed, count_rows=False)
+                last[s.id] = sum(c for _, c in keyed)
+            counted = self._query(run, drivers.with_limit(step.count_sql, n))
+            if counted is None:
+                return self._give_up(run, step)
+            total, passed = counted[0]
+            if passed >= step.target or total < n:
+                break
+            n += step.target - passed
+        for s in step.sites:  # rows it was evaluated on: those of the last (largest) prefix
+            run.counts[s.id].rows += last.get(s.id, 0)
+        return None
+
+    def _give_up(self, run: QueryRun, step: Incremental) -> None:
+        # Strict lookups are only right over a complete prefix: compute misses instead.
+        for s in step.sites:
+            run.modes[s.id] = "lazy"
+
+    # ---- EXPLAIN -------------------------------------------------------------------------
+
+    def last_run(self, sql: str) -> tuple[Plan, QueryRun] | None:
+        return self.history.get(normalized(sql))
