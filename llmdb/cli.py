@@ -70,6 +70,23 @@ def _sql(args: argparse.Namespace) -> int:
     return 0
 
 
+def _explain(args: argparse.Namespace) -> int:
+    import llmdb
+
+    query = args.query if args.query else sys.stdin.read()
+    options = {"cache": not args.no_cache, "sample_rows": args.sample_rows, "progress": False}
+    with llmdb.connect(args.db, model=args.model, **options) as con:
+        report = con.explain_report(query)
+        if args.analyze:  # run it, then put what it did next to the estimates made before
+            con.execute(query).fetchall()
+            ran = con.explain_report(query)
+            for before, after in zip(report.sites, ran.sites, strict=False):
+                before.actual = after.actual
+            report.notes = [n for n in report.notes + ran.notes if n.startswith("actual")]
+        print(report.text(), end="")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="llmdb", description="Run language models over rows.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -86,6 +103,18 @@ def main(argv: list[str] | None = None) -> int:
     sql.add_argument("--sample-rows", type=int, default=None,
                      help="use only the first N rows of samples.* tables")
     sql.set_defaults(func=_sql)
+
+    exp = sub.add_parser("explain", help="EXPLAIN LLM: per LLM call, estimated rows, "
+                         "prompts, cache hits, tokens, model time and priority")
+    exp.add_argument("query", nargs="?", help="one SQL statement (or stdin)")
+    exp.add_argument("--analyze", action="store_true",
+                     help="also run the query and show what it did next to the estimates")
+    exp.add_argument("--db", default=":memory:", help="a DuckDB database file")
+    exp.add_argument("--model", default="smollm2-135m", help="a registered model name")
+    exp.add_argument("--no-cache", action="store_true", help="do not use the result cache")
+    exp.add_argument("--sample-rows", type=int, default=None,
+                     help="use only the first N rows of samples.* tables")
+    exp.set_defaults(func=_explain)
 
     models = sub.add_parser("models", help="list or register models")
     msub = models.add_subparsers(dest="action", required=True)

@@ -52,6 +52,14 @@ class Data:
     u: list[dict]
     oracle: Oracle
 
+    def __post_init__(self) -> None:
+        self.t_by_id = {r["id"]: r for r in self.t}
+        self.u_ids = {r["id"] for r in self.u}
+
+    def t_joined_u(self) -> list[tuple[dict, dict]]:
+        """(t, u) row pairs with t.id = u.id."""
+        return [(self.t_by_id[u["id"]], u) for u in self.u if u["id"] in self.t_by_id]
+
 
 # first(a, b): whether the planner evaluates the call with SQL text `a` before the one with `b`.
 Order = Callable[[str, str], bool]
@@ -178,11 +186,11 @@ def _shapes() -> list[Shape]:
         ordered=True)
     add("join_on", "SELECT t.id, u.z FROM t JOIN u ON t.id = u.id AND "
         "llm_filter(t.x || ' / ' || u.z) WHERE u.k = 1",
-        lambda d, o: distinct(f"{t['x']} / {u['z']}" for u in d.u if u["k"] == 1
-                              for t in d.t if t["id"] == u["id"]))
+        lambda d, o: distinct(f"{t['x']} / {u['z']}" for t, u in d.t_joined_u()
+                              if u["k"] == 1))
     add("left_join_on", "SELECT u.id, t.x FROM u LEFT JOIN t ON t.id = u.id AND "
         "llm_filter(t.y)",
-        lambda d, o: distinct(t["y"] for u in d.u for t in d.t if t["id"] == u["id"]))
+        lambda d, o: distinct(t["y"] for t, _ in d.t_joined_u()))
     add("cte", "WITH s AS (SELECT id, x, llm_filter_score(x) AS sc FROM t) "
         "SELECT id, sc FROM s WHERE id % 50 = 0",
         lambda d, o: distinct(r["x"] for r in d.t if r["id"] % 50 == 0))
@@ -192,11 +200,10 @@ def _shapes() -> list[Shape]:
     add("in_subquery", "SELECT count(*) FROM u WHERE id IN "
         "(SELECT id FROM t WHERE id % 3 = 0 AND llm_filter(x))",
         # Only t rows whose id is in u can change the count (DuckDB finds them too).
-        lambda d, o: distinct(r["x"] for r in d.t if r["id"] % 3 == 0
-                              and r["id"] in {u["id"] for u in d.u}))
+        lambda d, o: distinct(r["x"] for r in d.t if r["id"] % 3 == 0 and r["id"] in d.u_ids))
     add("exists_correlated", "SELECT count(*) FROM u WHERE EXISTS "
         "(SELECT 1 FROM t WHERE t.id = u.id AND llm_filter(t.x))",
-        lambda d, o: distinct(t["x"] for u in d.u for t in d.t if t["id"] == u["id"]))
+        lambda d, o: distinct(t["x"] for t, _ in d.t_joined_u()))
     add("scalar_subquery", "SELECT id, (SELECT count(*) FROM u WHERE llm_filter(u.z)) AS n "
         "FROM t WHERE id < 3",
         lambda d, o: distinct(u["z"] for u in d.u))

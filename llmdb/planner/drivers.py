@@ -175,7 +175,9 @@ def incremental_ok(s: exp.Select, root: exp.Expression) -> bool:
         return False
     order = s.args.get("order")
     if order is None:  # scan order: only a plain table has one to follow
-        return isinstance(s.args["from_"].this, exp.Table) and not s.args.get("joins")
+        source = s.args.get("from_")
+        return source is not None and isinstance(source.this, exp.Table) \
+            and not s.args.get("joins")
     if any(is_lookup(n) for n in order.walk()):
         return False
     return not any(_reads_projection(order, s, i) for i, p in enumerate(s.expressions)
@@ -260,7 +262,8 @@ def _rows_of(site: Site, inner: exp.Select, guarded: bool) -> exp.Select:
 def _source(s: exp.Select) -> exp.Select:
     """SELECT FROM s's FROM and joins (copies, lookups in COPY role)."""
     out = exp.Select()
-    out.set("from_", as_copy(s.args["from_"]))
+    if s.args.get("from_") is not None:
+        out.set("from_", as_copy(s.args["from_"]))
     if s.args.get("joins"):
         out.set("joins", [as_copy(j) for j in s.args["joins"]])
     return out
@@ -364,8 +367,9 @@ def learn_sql(s: exp.Select, pred: Predicate) -> str:
 
 
 def plan_steps(tree: exp.Expression, root: exp.Expression, tops: list[exp.Select],
-               sites: list[Site], predicates: list[Predicate]) -> list[Step]:
-    """The prefetch steps in order; sets each site's placement."""
+               sites: list[Site], predicates: list[Predicate]
+               ) -> tuple[list[Step], dict[int, Placement]]:
+    """The prefetch steps in order, and where each site sits."""
     lookups = main_lookups(tree)
     placed: dict[int, Placement] = {}
     for site in sites:
@@ -404,11 +408,4 @@ def plan_steps(tree: exp.Expression, root: exp.Expression, tops: list[exp.Select
                 steps.append(Learn(pred, learn_sql(p.scope, pred)))
     for group in incremental.values():
         steps.append(incremental_step(placed[group[0].id].scope, group))
-    return steps
-
-
-def placements(tree: exp.Expression, root: exp.Expression, tops: list[exp.Select],
-               sites: list[Site]) -> dict[int, Placement]:
-    lookups = main_lookups(tree)
-    return {s.id: placement(lookups[s.id], tops, root) if s.id in lookups
-            else Placement("lazy", None, "not found") for s in sites}
+    return steps, placed

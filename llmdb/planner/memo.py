@@ -91,7 +91,7 @@ class QueryRun:
         self.counts = {s.id: SiteCounts() for s in sites}
         self._seen: dict[int, set[tuple]] = {s.id: set() for s in sites}
         self._lock = threading.Lock()
-        self._keys_sampled = 0
+        self.prefetched: set[int] = set()  # sites a driver computed (it counts their rows)
         self.over_budget = False
 
     # ---- the memo ------------------------------------------------------------------------
@@ -105,7 +105,7 @@ class QueryRun:
         out: list[Any] = [None] * len(keys)
         missing: dict[tuple, list[int]] = {}
         with self._lock:
-            if role == MAIN:
+            if role == MAIN and site_id not in self.prefetched:  # else its driver counted
                 self._count_rows(site, keys)
             for i, k in enumerate(keys):
                 mk = self._memo_key(site, k)
@@ -124,6 +124,7 @@ class QueryRun:
              ) -> None:
         """Compute a driver query's (argument tuple, row count) rows in one batch."""
         with self._lock:
+            self.prefetched.add(site.id)
             for key, n in rows:
                 if count_rows:
                     self.counts[site.id].rows += n

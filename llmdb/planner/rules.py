@@ -181,7 +181,7 @@ def push_filters_into_llm_subqueries(tree: exp.Expression) -> exp.Expression:
     uses = _cte_uses(tree)
     for select in list(tree.find_all(exp.Select)):
         where = select.args.get("where")
-        if where is None:
+        if where is None or select.args.get("from_") is None:
             continue
         joins = select.args.get("joins") or []
         if any((j.args.get("side") or "").upper() in ("RIGHT", "FULL") or j.args.get("method")

@@ -43,6 +43,7 @@ KEPT_HISTORY = 64
 _QUICK_CHECK = re.compile(r"llm_(complete|filter|classify)", re.IGNORECASE)
 
 logging.getLogger("sqlglot").setLevel(logging.ERROR)  # it warns about syntax it passes through
+log = logging.getLogger("llmdb.planner")
 
 
 @dataclass
@@ -102,6 +103,14 @@ def plan(sql: str, qid: int, model: str, *, parameters: Any = None,
     if not _QUICK_CHECK.search(sql):
         return None
     try:
+        return _plan(sql, qid, model, parameters, learned)
+    except Exception:  # noqa: BLE001 - a planner bug must not fail a query that runs as written
+        log.warning("planner failed on a query; it runs as written", exc_info=True)
+        return None
+
+
+def _plan(sql: str, qid: int, model: str, parameters: Any, learned: Learned) -> Plan | None:
+    try:
         statements = sqlglot.parse(sql, read="duckdb")
     except SqlglotError:
         return None
@@ -126,8 +135,10 @@ def plan(sql: str, qid: int, model: str, *, parameters: Any = None,
     root = root_query(tree)
     # With bound parameters a driver would need them too: every site stays lazy then.
     tops = [] if parameters else top_level_selects(root)
-    steps = drivers.plan_steps(tree, root, tops, sites, predicates)
-    placements = drivers.placements(tree, root, tops, sites)
+    steps, placements = drivers.plan_steps(tree, root, tops, sites, predicates)
+    if parameters:
+        for p in placements.values():
+            p.why = "the query has bound parameters"
     return Plan(qid, tree.sql("duckdb"), root.sql("duckdb"), sites, predicates, steps,
                 placements)
 
@@ -222,6 +233,18 @@ class Planner:
     # ---- steps ---------------------------------------------------------------------------
 
     def execute_steps(self, p: Plan, run: QueryRun) -> None:
+        try:
+            self._execute_steps(p, run)
+        except (duckdb.Error, BudgetExceeded):
+            raise
+        except Exception as e:
+            # A failing row (or a cancel) raises out of a UDF as DuckDB's error when the call
+            # runs inside the query; the same error when the planner computes it beforehand.
+            raise duckdb.InvalidInputException(
+                f"Invalid Input Error: Python exception occurred while executing the UDF: "
+                f"{type(e).__name__}: {e}") from e
+
+    def _execute_steps(self, p: Plan, run: QueryRun) -> None:
         for step in p.steps:
             if isinstance(step, Fill):
                 self._fill(run, step.site, step.sql)
