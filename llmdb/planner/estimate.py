@@ -3,17 +3,18 @@
 The dry run (Planner.dry_run) knows, per call site, the rows it would be evaluated on, the
 distinct argument tuples it would compute, in which batches, and a uniform sample of those
 tuples. Here the sample is rendered into the requests the SQL functions would send (the same
-chat template, suffixes and cache keys as llmdb.functions), tokenized by the backend, and
-looked up in the result cache; the batches then become requests for the engine's simulator
-(engine/sim.py: the engine's scheduler and limits, the cost model as the clock), all
-arriving at once, one batch after another as the planner submits them.
+chat template, suffixes and cache keys as llmdb.functions), tokenized as the engine will,
+and looked up in the result cache. The engine's prefix cache is replayed on the sample
+(chained hashes of full blocks, as the block pool keeps them), so a shared chat template or
+instruction counts once. The batches then become requests for the engine's simulator
+(engine/sim.py: the engine's own scheduler and limits, the cost model as its clock), all
+arriving at once, one batch after the other as the planner submits them.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
 from llmdb.backends import Backend
@@ -28,11 +29,17 @@ from .memo import SiteCounts, learn_key, thaw
 
 
 @dataclass
-class Requests:
-    """The requests of one row, as the engine sees them."""
+class Request:
+    """One model request of a row, as the engine sees it."""
 
-    prompts: list[int]  # prompt tokens per request (a classify: one per label)
-    output: int  # tokens generated per request (prefill-only requests: 1, as in the engine)
+    ids: list[int] | None  # prompt token ids (None: a backend without a local tokenizer)
+    tokens: int  # prompt tokens (a scored continuation included)
+    output: int  # tokens generated (prefill-only requests: 1, as the engine counts steps)
+
+
+@dataclass
+class Row:
+    requests: list[Request]
     cache_key: str | None
 
 
@@ -48,22 +55,37 @@ class SiteEstimate:
     batches: list[int] = field(default_factory=list)
 
 
-@lru_cache(maxsize=1)
+_cost_model: CostModel | None = None
+
+
 def cost_model() -> CostModel:
-    return load_cost_model()
+    global _cost_model
+    if _cost_model is None:
+        _cost_model = load_cost_model()
+    return _cost_model
+
+
+def use_cost_model(model: CostModel | None) -> None:
+    """Estimate with `model` (None: load the default again), e.g. a calibration file."""
+    global _cost_model
+    _cost_model = model
 
 
 def calibrated(model: CostModel) -> bool:
     return any(v > 0 for v in model.coefficients.values()) or model.floor_s > 0
 
 
-def _model_name(session: Session, site: Site, args: list[Any]) -> str | None:
-    return args[site.signature.index("model")] or session.options.model
+def _encode(backend: Backend, text: str) -> tuple[list[int] | None, int]:
+    engine = getattr(backend, "engine", None)
+    if engine is not None:
+        ids = engine.encode_prompt(text)
+        return ids, len(ids)
+    return None, backend.count_tokens(text)
 
 
 def row_requests(site: Site, key: tuple, backend: Backend, max_output: int | None
-                 ) -> Requests | None:
-    """Mirrors llmdb.functions: the rendered prompts and cache key of one row."""
+                 ) -> Row | None:
+    """Mirrors llmdb.functions: the requests and result-cache key of one row."""
     a = dict(zip((p.name for p in site.signature.params), thaw(site.signature, key),
                  strict=True))
     if site.function == "llm_complete":
@@ -77,23 +99,55 @@ def row_requests(site: Site, key: tuple, backend: Backend, max_output: int | Non
             stop=[s for s in (a["stop"] or []) if s])
         rendered = backend.render_chat(a["prompt"], a["system"])
         out = params.max_tokens if max_output is None else min(max_output, params.max_tokens)
-        return Requests([backend.count_tokens(rendered)], max(1, out),
-                        _key(backend, "complete", [rendered, params.__dict__]))
+        ids, n = _encode(backend, rendered)
+        return Row([Request(ids, n, max(1, out))],
+                   _key(backend, "complete", [rendered, params.__dict__]))
     if site.function in ("llm_filter", "llm_filter_score"):
         if a["prompt"] is None:
             return None
         rendered = backend.render_chat(a["prompt"] + FILTER_SUFFIX, a["system"])
-        return Requests([backend.count_tokens(rendered)], 1,
-                        _key(backend, "filter", [rendered, ("yes", "no")]))
+        ids, n = _encode(backend, rendered)
+        return Row([Request(ids, n, 1)], _key(backend, "filter", [rendered, ("yes", "no")]))
     if a["text"] is None or not a["labels"]:
         return None
     choices = list(a["labels"])
     head = a["instruction"] or CLASSIFY_INSTRUCTION.format(labels=", ".join(choices))
     rendered = backend.render_chat(f"{head}\n\nText: {a['text']}", a["system"])
-    n = backend.count_tokens(rendered)
-    # Each label is scored after the prompt: its tokens plus the end of turn.
-    return Requests([n + backend.count_tokens(c) + 1 for c in choices], 1,
-                    _key(backend, "classify", [rendered, choices]))
+    ids, n = _encode(backend, rendered)
+    requests = []
+    engine = getattr(backend, "engine", None)
+    for c in choices:  # each label is scored after the prompt: its tokens, end of turn
+        if engine is None or ids is None:
+            requests.append(Request(None, n + backend.count_tokens(c) + 1, 1))
+        else:
+            cont = [*engine.tokenizer.encode(c), getattr(backend, "_end_of_turn", 0)]
+            requests.append(Request(ids + cont, n + len(cont), 1))
+    return Row(requests, _key(backend, "classify", [rendered, choices]))
+
+
+def prefix_cached(requests: list[Request], block_size: int) -> list[int]:
+    """Prompt tokens each request finds in the prefix cache, submitted in this order: the
+    full blocks that an earlier request already computed (chained block hashes)."""
+    seen: set[int] = set()
+    out = []
+    for r in requests:
+        if r.ids is None:
+            out.append(0)
+            continue
+        h, hits, leading = 0, 0, True
+        for b in range(len(r.ids) // block_size):
+            h = hash((h, tuple(r.ids[b * block_size:(b + 1) * block_size])))
+            if leading and h in seen:
+                hits += 1
+            else:
+                leading = False
+            seen.add(h)
+        out.append(min(hits * block_size, r.tokens - 1))
+    return out
+
+
+def _model_name(session: Session, site: Site, args: list[Any]) -> str | None:
+    return args[site.signature.index("model")] or session.options.model
 
 
 def estimate_site(session: Session, site: Site, counts: SiteCounts, learned: Learned
@@ -105,7 +159,7 @@ def estimate_site(session: Session, site: Site, counts: SiteCounts, learned: Lea
         return est
     backend = session.backend(_model_name(session, site, thaw(site.signature, sample[0])))
     generated = learned.generated_per_call(learn_key(session, site))
-    max_output = None if generated is None else math.ceil(generated)
+    max_output = None if generated is None else max(1, math.ceil(generated))
     rows = [r for r in (row_requests(site, k, backend, max_output) for k in sample) if r]
     if not rows:
         return est
@@ -113,27 +167,25 @@ def estimate_site(session: Session, site: Site, counts: SiteCounts, learned: Lea
     keys = [r.cache_key for r in rows if r.cache_key is not None]
     hits = cache.get_many(keys) if cache is not None and keys else {}
     hit_rate = sum(r.cache_key in hits for r in rows) / len(rows)
-    # Rows with a NULL prompt make no call: scale by the sample's non-NULL share.
+    # Rows with a NULL argument make no call: scale by the sample's non-NULL share.
     live = counts.computed * len(sample) / max(1, len(counts.sampled))
     est.cache_hits = round(live * hit_rate)
-    per_row = sum(len(r.prompts) for r in rows) / len(rows)
+    requests = [q for r in rows for q in r.requests]
+    per_row = len(requests) / len(rows)
     est.calls = round((live - est.cache_hits) * per_row)
-    prompt_lens = [n for r in rows for n in r.prompts]
-    est.prompt_tokens = round(est.calls * sum(prompt_lens) / len(prompt_lens))
-    outputs = [r.output for r in rows for _ in r.prompts]
-    mean_out = sum(outputs) / len(outputs)
-    # Prefill-only requests generate nothing the stats count.
-    est.output_tokens = round(est.calls * mean_out) if site.function == "llm_complete" else 0
+    est.prompt_tokens = round(est.calls * sum(q.tokens for q in requests) / len(requests))
+    if site.function == "llm_complete":  # prefill-only requests generate nothing counted
+        est.output_tokens = round(est.calls * sum(q.output for q in requests) / len(requests))
     share = (live - est.cache_hits) / counts.computed
-    est.model_s = model_time(backend, counts.batches, share, per_row, prompt_lens, outputs)
+    est.model_s = model_time(backend, counts.batches, share, per_row, requests)
     return est
 
 
 def model_time(backend: Backend, batches: list[int], share: float, per_row: float,
-               prompt_lens: list[int], outputs: list[int]) -> float | None:
+               requests: list[Request]) -> float | None:
     """Simulated seconds for the batches (of rows), each submitted when the previous one is
-    done; `share` of the rows miss the result cache, each sending `per_row` requests whose
-    lengths cycle through the sampled ones."""
+    done; `share` of the rows miss the result cache, each sending `per_row` requests like
+    the sampled ones (cycled through in order)."""
     engine = getattr(backend, "engine", None)
     cm = cost_model()
     if engine is None or not calibrated(cm):
@@ -142,16 +194,20 @@ def model_time(backend: Backend, batches: list[int], share: float, per_row: floa
     from llmdb.engine.workloads import RequestSpec
 
     sched = engine.scheduler
-    cfg = SimConfig(num_blocks=engine.pool.num_blocks, block_size=engine.pool.block_size,
+    block = engine.pool.block_size
+    cfg = SimConfig(num_blocks=engine.pool.num_blocks, block_size=block,
                     max_num_batched_tokens=sched.max_num_batched_tokens,
                     max_prefill_tokens=sched.max_prefill_tokens,
                     max_num_seqs=sched.max_num_seqs)
+    cached = prefix_cached(requests, block) if engine.pool.enable_prefix_caching else \
+        [0] * len(requests)
     total, j = 0.0, 0
     for b in batches:
         specs = []
         for _ in range(round(b * share * per_row)):
-            k = j % len(prompt_lens)
-            specs.append(RequestSpec(0.0, prompt_lens[k], outputs[k], "BE", f"e{j}"))
+            k = j % len(requests)
+            specs.append(RequestSpec(0.0, requests[k].tokens - cached[k], requests[k].output,
+                                     "BE", f"e{j}"))
             j += 1
         if specs:
             total += simulate(specs, sched.policy.name, cm, cfg).end_time

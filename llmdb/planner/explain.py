@@ -20,7 +20,7 @@ from .callsites import Site
 from .drivers import Placement
 from .estimate import SiteEstimate, calibrated, cost_model, estimate_site
 from .memo import QueryRun, SiteCounts
-from .run import RT_MAX_CALLS, Plan, Planner
+from .run import RT_MAX_CALLS, Planner
 
 _LOOKUP_TAG = re.compile(r"__llmdb_site_\w+\((\d+), (\d+)")
 MEASURES = ("rows", "distinct", "cache_hits", "calls", "prompt_tokens", "output_tokens",
@@ -191,9 +191,9 @@ def explain(planner: Planner, sql: str) -> Report:
     cm = cost_model()
     report.cost_model = cm.source if calibrated(cm) else \
         f"uncalibrated ({cm.source}): no time estimates"
-    p: Plan | None = planner.plan(sql)
+    p, why = planner.plan_or_reason(sql)
     if p is None:
-        report.notes.append("no LLM calls the planner rewrites: the query runs as written")
+        report.notes.append(f"the query runs as written: {why}")
         return report
     if not planner._binds(p, None):
         report.notes += p.notes

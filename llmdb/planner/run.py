@@ -100,38 +100,43 @@ def ranker(sites: list[Site], model: str, learned: Learned
 def plan(sql: str, qid: int, model: str, *, parameters: Any = None,
          learned: Learned = LEARNED) -> Plan | None:
     """The rewritten statement and its prefetch steps; None: run the statement as written."""
+    return plan_or_reason(sql, qid, model, parameters=parameters, learned=learned)[0]
+
+
+def plan_or_reason(sql: str, qid: int, model: str, *, parameters: Any = None,
+                   learned: Learned = LEARNED) -> tuple[Plan | None, str]:
+    """The plan, or None and why the statement runs as written."""
     if not _QUICK_CHECK.search(sql):
-        return None
+        return None, "no LLM calls"
     try:
-        return _plan(sql, qid, model, parameters, learned)
-    except Exception:  # noqa: BLE001 - a planner bug must not fail a query that runs as written
+        return _plan(sql, qid, model, parameters, learned), ""
+    except Unsupported as e:
+        return None, str(e)
+    except Exception as e:  # noqa: BLE001 - a planner bug must not fail a query
         log.warning("planner failed on a query; it runs as written", exc_info=True)
-        return None
+        return None, f"planner error ({type(e).__name__}: {e})"
 
 
-def _plan(sql: str, qid: int, model: str, parameters: Any, learned: Learned) -> Plan | None:
+def _plan(sql: str, qid: int, model: str, parameters: Any, learned: Learned) -> Plan:
     try:
         statements = sqlglot.parse(sql, read="duckdb")
-    except SqlglotError:
-        return None
+    except SqlglotError as e:
+        raise Unsupported(f"sqlglot cannot parse it ({str(e).splitlines()[0]})") from None
     if len(statements) != 1 or statements[0] is None:
-        return None
+        raise Unsupported("not exactly one statement")
     tree = statements[0]
     if root_query(tree) is None:
-        return None
-    try:
-        if parameters:
-            number_parameters(tree)
-        inline_llm_ctes(tree)
-        push_filters_into_llm_subqueries(tree)
-        llm_conjuncts_to_where(tree)
-        sites = find_sites(tree)
-        if not sites:
-            return None
-        tree, predicates = rewrite_sites(tree, sites, qid, ranker(sites, model, learned))
-        top_rows_before_calls(tree)
-    except Unsupported:
-        return None
+        raise Unsupported("not a query (SELECT, set operation, CREATE TABLE AS, INSERT)")
+    if parameters:
+        number_parameters(tree)
+    inline_llm_ctes(tree)
+    push_filters_into_llm_subqueries(tree)
+    llm_conjuncts_to_where(tree)
+    sites = find_sites(tree)
+    if not sites:
+        raise Unsupported("no LLM calls")
+    tree, predicates = rewrite_sites(tree, sites, qid, ranker(sites, model, learned))
+    top_rows_before_calls(tree)
     root = root_query(tree)
     # With bound parameters a driver would need them too: every site stays lazy then.
     tops = [] if parameters else top_level_selects(root)
@@ -162,8 +167,11 @@ class Planner:
         self.history: OrderedDict[str, tuple[Plan, QueryRun]] = OrderedDict()
 
     def plan(self, sql: str, parameters: Any = None) -> Plan | None:
-        return plan(sql, next(self._qids), self.session.options.model, parameters=parameters,
-                    learned=self.learned)
+        return self.plan_or_reason(sql, parameters)[0]
+
+    def plan_or_reason(self, sql: str, parameters: Any = None) -> tuple[Plan | None, str]:
+        return plan_or_reason(sql, next(self._qids), self.session.options.model,
+                              parameters=parameters, learned=self.learned)
 
     def prepare(self, sql: str, parameters: Any = None) -> str:
         """The SQL to run in place of `sql`, its calls prefetched. On the query's thread."""

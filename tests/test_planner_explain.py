@@ -1,0 +1,130 @@
+"""EXPLAIN LLM and query priorities on the stand-in model: estimates, actuals, the class."""
+
+from __future__ import annotations
+
+import pytest
+
+import llmdb
+from llmdb.backends.standin import standin_backend
+from llmdb.cli import main as cli_main
+from llmdb.planner import LEARNED
+
+from .planner_shapes import STANDIN, make_tables
+
+ROWS = 2000
+
+
+@pytest.fixture
+def con(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMDB_CACHE_DIR", str(tmp_path / "cache"))
+    LEARNED.clear()
+    c = llmdb.connect(model=STANDIN, cache=False)
+    make_tables(c, ROWS)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def priorities(monkeypatch):
+    """The priority class of every request the stand-in receives."""
+    seen: list[str] = []
+    backend = standin_backend()
+    submit = backend.submit
+
+    def spy(request, on_finish):
+        seen.append(request.priority)
+        return submit(request, on_finish)
+
+    monkeypatch.setattr(backend, "submit", spy)
+    return seen
+
+
+def _site_rows(con, sql):
+    con.execute(f"EXPLAIN LLM {sql}")
+    cols = [d[0] for d in con.description]
+    return [dict(zip(cols, r, strict=True)) for r in con.fetchall()]
+
+
+def test_estimates_with_static_guards_are_exact_and_actuals_follow_a_run(con):
+    sql = "SELECT id FROM t WHERE id % 7 = 0 AND llm_filter(x)"
+    [site, total] = _site_rows(con, sql)
+    rows = sum(1 for i in range(ROWS) if i % 7 == 0)
+    distinct = len({i % 97 for i in range(ROWS) if i % 7 == 0})
+    assert (site["rows_est"], site["distinct_est"], site["calls_est"]) == (rows, distinct,
+                                                                            distinct)
+    assert site["rows_duckdb"] is not None and site["rows_actual"] is None
+    assert total["site"] == "total" and total["calls_est"] == distinct
+    con.execute(sql).fetchall()
+    [site, _] = _site_rows(con, sql)
+    assert (site["rows_actual"], site["distinct_actual"], site["calls_actual"]) == (
+        rows, distinct, distinct)
+    assert site["prompt_tokens_est"] == site["prompt_tokens_actual"]
+
+
+def test_incremental_estimate_uses_learned_values(con):
+    """ORDER BY ... LIMIT: after one run the pseudo answers are drawn from the real ones."""
+    sql = "SELECT id FROM t WHERE llm_filter(x) ORDER BY id LIMIT 20"
+    con.execute(sql).fetchall()
+    [site, _] = _site_rows(con, sql)
+    assert site["calls_actual"] > 20
+    assert abs(site["calls_est"] - site["calls_actual"]) <= 0.5 * site["calls_actual"]
+
+
+def test_cache_hits_are_estimated_from_the_cache(tmp_path):
+    c = llmdb.connect(model=STANDIN, cache=True, cache_path=str(tmp_path / "r.sqlite"))
+    make_tables(c, 300)
+    sql = "SELECT id, llm_complete(y, max_tokens := 3) FROM t WHERE id < 200"
+    [before, _] = _site_rows(c, sql)
+    assert before["cache_hits_est"] == 0 and before["calls_est"] == 13
+    assert before["output_tokens_est"] == 3 * 13
+    c.execute(sql).fetchall()
+    [after, _] = _site_rows(c, sql)
+    assert after["cache_hits_est"] == 13 and after["calls_est"] == 0
+    c.close()
+
+
+def test_explain_of_a_query_without_calls(con):
+    rows = _site_rows(con, "SELECT count(*) FROM t")
+    assert len(rows) == 1 and "runs as written: no LLM calls" in rows[0]["call"]
+    # sqlglot reads `range < 4` as the start of a type: DuckDB runs it as written.
+    [row] = _site_rows(con, "SELECT llm_filter('a' || range) FROM range(10) WHERE range < 4")
+    assert "cannot parse" in row["call"]
+
+
+def test_cli_explain(capsys):
+    code = cli_main(["explain", "--model", STANDIN, "--no-cache", "--analyze",
+                     "SELECT llm_filter('a' || i) FROM range(10) t(i) WHERE i < 4"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "site 0: LLM_FILTER('a' || i)" in out
+    assert "model calls        est 4   actual 4" in out
+    assert "priority RT" in out
+
+
+def test_small_queries_are_interactive_large_ones_bulk(con, priorities):
+    con.execute("SELECT id FROM t WHERE id < 20 AND llm_filter(x)").fetchall()
+    assert set(priorities) == {"RT"}
+    priorities.clear()
+    con.execute("SELECT id FROM t WHERE id < 500 AND llm_filter(x)").fetchall()
+    assert set(priorities) == {"BE"}
+
+
+def test_priority_set_on_the_connection_and_on_a_call(priorities):
+    c = llmdb.connect(model=STANDIN, cache=False, priority="BE")
+    make_tables(c, 200)
+    c.execute("SELECT id FROM t WHERE id < 5 AND llm_filter(x)").fetchall()
+    assert set(priorities) == {"BE"}
+    priorities.clear()
+    c.execute("SELECT id FROM t WHERE id < 5 AND llm_filter(x, priority := 'RT')").fetchall()
+    assert set(priorities) == {"RT"}
+    with pytest.raises(Exception, match="priority"):
+        c.execute("SELECT llm_filter(x, priority := 'urgent') FROM t").fetchall()
+    c.close()
+
+
+def test_explain_reports_the_class_the_run_uses(con, priorities):
+    sql = "SELECT id FROM t WHERE id < 300 AND llm_filter(y)"
+    [site, total] = _site_rows(con, sql)
+    con.execute(sql).fetchall()
+    assert site["priority"] == total["priority"] == "RT"  # 13 distinct prompts
+    assert set(priorities) == {"RT"}
