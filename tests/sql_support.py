@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +29,19 @@ def release_engine() -> None:
     from llmdb.engine.shared import shutdown_engines
 
     shutdown_engines()
+
+
+def start_engine():
+    """The shared engine in fp32 (where batching never changes tokens, so that SQL answers can
+    be compared with the engine's own). Started once and kept for the next test module; an
+    engine running with other options is stopped first."""
+    from llmdb.engine.shared import shared_engine
+
+    try:
+        return shared_engine(MODEL, dtype="fp32")
+    except ValueError:  # another dtype is running
+        release_engine()
+        return shared_engine(MODEL, dtype="fp32")
 
 
 def chat(prompt: str, system: str | None = None) -> list[dict]:
@@ -54,8 +70,26 @@ def cache_entries(path: Path) -> int:
         db.close()
 
 
+_kernels: Path | None = None
+
+
+def isolated_cache_dir(path: Path) -> Path:
+    """`path` as an LLMDB_CACHE_DIR of its own. The C++ kernels are built under that
+    directory too, which takes seconds each time, so its kernels/ is one build directory
+    shared by the whole test session; the result cache is this directory's own."""
+    global _kernels
+    if _kernels is None:
+        _kernels = Path(tempfile.mkdtemp(prefix="llmdb-test-kernels-"))
+        atexit.register(shutil.rmtree, _kernels, True)
+    path.mkdir(parents=True, exist_ok=True)
+    if not (path / "kernels").exists():
+        (path / "kernels").symlink_to(_kernels, target_is_directory=True)
+    return path
+
+
 def child_env(cache_dir: Path) -> dict[str, str]:
-    return dict(os.environ, LLMDB_CACHE_DIR=str(cache_dir), PYTHONUNBUFFERED="1")
+    return dict(os.environ, LLMDB_CACHE_DIR=str(isolated_cache_dir(cache_dir)),
+                PYTHONUNBUFFERED="1")
 
 
 def start_child(code: str, cache_dir: Path, *args: str) -> subprocess.Popen:
@@ -77,16 +111,7 @@ def run_child(code: str, cache_dir: Path, *args: str, timeout: float = 120) -> s
 
 
 def child_result(out: str) -> Any:
-    """The JSON a child printed after RESULT_MARK (DuckDB may print progress around it)."""
+    """The JSON a child printed after RESULT_MARK (other output may surround it)."""
     lines = [line for line in out.splitlines() if line.startswith(RESULT_MARK)]
     assert lines, f"the child printed no result:\n{out[-2000:]}"
     return json.loads(lines[-1][len(RESULT_MARK):])
-
-
-def start_engine():
-    """A fresh fp32 shared engine for a test module (fp32: batching never changes tokens, so
-    SQL answers can be compared with the engine's own), after stopping any earlier one."""
-    from llmdb.engine.shared import shared_engine
-
-    release_engine()
-    return shared_engine(MODEL, dtype="fp32")

@@ -10,7 +10,7 @@ import pytest
 
 import llmdb
 
-from .sql_support import release_engine, start_engine
+from .sql_support import isolated_cache_dir, start_engine
 
 DATA = {
     "product": ["blender", "lamp", None, "kettle", "chair"],
@@ -22,13 +22,12 @@ LABELS = ["positive", "negative"]
 
 @pytest.fixture(scope="module", autouse=True)
 def eng():
-    yield start_engine()
-    release_engine()
+    return start_engine()
 
 
 @pytest.fixture(autouse=True)
 def _own_cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("LLMDB_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("LLMDB_CACHE_DIR", str(isolated_cache_dir(tmp_path / "cache")))
 
 
 def _frame(kind: str):

@@ -250,6 +250,7 @@ def test_prefix_cache_hits_and_keeps_outputs(engine_fp32):
 def test_one_shared_engine_per_model_and_clear_conflicts():
     from llmdb.engine.shared import shared_engine, shutdown_engines
 
+    shutdown_engines()  # start from no shared engine, whatever earlier tests left running
     try:
         a = shared_engine("smollm2-135m", dtype="fp32", kv_cache_bytes=32 << 20)
         assert shared_engine("smollm2-135m") is a

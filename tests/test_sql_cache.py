@@ -15,8 +15,8 @@ from .sql_support import (
     cache_entries,
     child_result,
     finish_child,
+    isolated_cache_dir,
     last_query,
-    release_engine,
     run_child,
     start_child,
     start_engine,
@@ -36,13 +36,12 @@ print("RESULT", json.dumps({"rows": rows, "stats": con.stats()["total"]}))
 
 @pytest.fixture(scope="module", autouse=True)
 def eng():
-    yield start_engine()
-    release_engine()
+    return start_engine()
 
 
 @pytest.fixture(autouse=True)
 def _own_cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("LLMDB_CACHE_DIR", str(tmp_path / "default-cache"))
+    monkeypatch.setenv("LLMDB_CACHE_DIR", str(isolated_cache_dir(tmp_path / "default-cache")))
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import signal
 import sqlite3
 import threading
 import time
+from pathlib import Path
 
 import duckdb
 import pytest
@@ -22,14 +23,16 @@ from .sql_support import (
     chat,
     child_result,
     finish_child,
-    release_engine,
     run_child,
     start_child,
     start_engine,
 )
 
-LONG_QUERY = ("SELECT llm_complete('Write a long story about the number ' || i || '.', "
-              "max_tokens := 64) FROM range(200) t(i)")
+
+def long_query(rows: int) -> str:
+    return ("SELECT llm_complete('Write a long story about the number ' || i || '.', "
+            f"max_tokens := 64) FROM range({rows}) t(i)")
+
 
 SIGINT_CHILD = f"""
 import json, os, signal, threading, time
@@ -38,19 +41,21 @@ from llmdb import batch
 from llmdb.engine.sampling import SamplingParams
 from llmdb.engine.shared import shared_engine
 
-con = llmdb.connect(cache=False, dtype="fp32")  # fp32: answers do not depend on batching
+# Steps of at most 128 tokens, so that Ctrl-C never waits long for the current one; no
+# prefix cache, so that a prompt run alone is computed the same way before and after.
+con = llmdb.connect(cache=False, max_num_batched_tokens=128, enable_prefix_caching=False)
 eng = shared_engine("smollm2-135m")
 msgs = [{{"role": "user", "content": "Say hi."}}]
 ref = eng.generate([msgs], SamplingParams(max_tokens=3))[0].text
 
-def announce():
-    while not eng.has_unfinished:
+def announce():  # once the query's requests hold blocks of the engine
+    while eng.pool.num_free == eng.pool.num_blocks:
         time.sleep(0.01)
     print("RUNNING", flush=True)
 
 threading.Thread(target=announce, daemon=True).start()
 try:
-    con.execute("{LONG_QUERY}").fetchall()
+    con.execute("{long_query(200)}").fetchall()
     raise SystemExit("the query finished before the interrupt")
 except KeyboardInterrupt:
     pass
@@ -76,7 +81,7 @@ def interrupt_when_busy():
 
 threading.Thread(target=interrupt_when_busy, daemon=True).start()
 try:
-    con.execute("{LONG_QUERY}").fetchall()
+    con.execute("{long_query(200)}").fetchall()
 except KeyboardInterrupt:
     pass
 """
@@ -84,15 +89,17 @@ except KeyboardInterrupt:
 
 @pytest.fixture(scope="module", autouse=True)
 def eng():
-    yield start_engine()
-    release_engine()
+    return start_engine()
 
 
 def test_sigint_mid_query_frees_blocks_and_engine_keeps_serving(tmp_path):
+    """Ctrl-C on Connection.execute(...).fetchall(): KeyboardInterrupt, no request, block,
+    result or in-flight entry left behind, the same answers after; then a second Ctrl-C and
+    an immediate exit, which must not crash the process (the child returns 0)."""
     proc = start_child(SIGINT_CHILD, tmp_path / "cache")
     try:
-        assert proc.stdout.readline().strip() == "RUNNING"  # the rows reached the engine
-        time.sleep(1.0)  # generating now, far from done
+        assert proc.stdout.readline().strip() == "RUNNING"  # the rows hold blocks
+        time.sleep(1.0)  # the 200 rows are being computed, far from done
         proc.send_signal(signal.SIGINT)
         out = finish_child(proc, timeout=60)
     finally:
@@ -105,11 +112,16 @@ def test_sigint_mid_query_frees_blocks_and_engine_keeps_serving(tmp_path):
 
 def test_interrupt_in_process_then_both_query_paths_work(eng):
     con = llmdb.connect(cache=False)
-    timer = threading.Timer(1.0, con.interrupt)
+    budget = eng.scheduler.max_num_batched_tokens
+    eng.scheduler.max_num_batched_tokens = 64  # short steps: the interrupt lands quickly
+    timer = threading.Timer(1.0, con.interrupt)  # a user's cancel from another thread
     timer.start()
-    with pytest.raises(duckdb.Error, match="(?i)interrupt|cancel"):
-        con.execute(LONG_QUERY).fetchall()
-    timer.join()
+    try:
+        with pytest.raises(duckdb.Error, match="(?i)interrupt|cancel"):
+            con.execute(long_query(16)).fetchall()
+    finally:
+        timer.join()
+        eng.scheduler.max_num_batched_tokens = budget
     assert not eng.has_unfinished
     assert eng.pool.num_free == eng.pool.num_blocks, "blocks leaked"
     assert not batch._inflight
@@ -129,12 +141,12 @@ con = llmdb.connect(cache_path=path, **engine_options)
 print("START", flush=True)
 rows = con.execute(
     "SELECT i, llm_complete('Write one sentence about the number ' || i || '.', "
-    f"max_tokens := 32) AS c FROM range({n}) t(i) ORDER BY i").fetchall()
+    f"max_tokens := 16) AS c FROM range({n}) t(i) ORDER BY i").fetchall()
 print("RESULT", json.dumps({"stats": con.stats()["total"], "rows": rows}))
 """
 
 
-def _entries_or_zero(path) -> int:
+def _entries_or_zero(path: Path) -> int:
     try:
         return cache_entries(path) if path.exists() else 0
     except sqlite3.OperationalError:  # the child has not created the table yet

@@ -12,7 +12,7 @@ import pytest
 import llmdb
 from llmdb.engine.sampling import SamplingParams
 
-from .sql_support import chat, release_engine, start_engine
+from .sql_support import chat, isolated_cache_dir, start_engine
 
 LONG = "word " * 9000  # about 9,000 tokens: longer than the model's context of 8,192
 TOO_LONG = re.compile(r"prompt is 9,\d{3} tokens, longer than the model's context of 8,192")
@@ -20,13 +20,12 @@ TOO_LONG = re.compile(r"prompt is 9,\d{3} tokens, longer than the model's contex
 
 @pytest.fixture(scope="module", autouse=True)
 def eng():
-    yield start_engine()
-    release_engine()
+    return start_engine()
 
 
 @pytest.fixture(autouse=True)
 def _own_cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("LLMDB_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("LLMDB_CACHE_DIR", str(isolated_cache_dir(tmp_path / "cache")))
 
 
 @pytest.fixture
