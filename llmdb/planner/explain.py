@@ -17,9 +17,9 @@ import duckdb
 import pyarrow as pa
 
 from .callsites import Site
-from .drivers import Placement
 from .estimate import SiteEstimate, calibrated, cost_model, estimate_site
 from .memo import QueryRun, SiteCounts
+from .placement import Placement
 from .run import RT_MAX_CALLS, Planner
 
 _LOOKUP_TAG = re.compile(r"__llmdb_site_\w+\((\d+), (\d+)")
@@ -195,7 +195,7 @@ def explain(planner: Planner, sql: str) -> Report:
     if p is None:
         report.notes.append(f"the query runs as written: {why}")
         return report
-    if not planner._binds(p, None):
+    if not planner.binds(p, None):
         report.notes += p.notes
         return report
     session = planner.session

@@ -15,7 +15,6 @@ site returned in earlier queries (or a neutral default) and counts what would be
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import threading
 from collections import OrderedDict
@@ -143,10 +142,6 @@ class QueryRun:
             if k not in seen:
                 seen.add(k)
                 c.distinct += 1
-
-    def known(self, site: Site, key: tuple) -> bool:
-        with self._lock:
-            return self._memo_key(site, key) in self.memo
 
     # ---- computing -----------------------------------------------------------------------
 
@@ -307,9 +302,3 @@ def register(con: duckdb.DuckDBPyConnection, runs: Runs, session: Session) -> No
                             ["INTEGER", "INTEGER", *(p.sql_type for p in sig.params)],
                             sig.returns, type="arrow", null_handling="special",
                             side_effects=False)
-
-
-def counts_dict(c: SiteCounts) -> dict[str, Any]:
-    d = dataclasses.asdict(c)
-    d.pop("sampled")
-    return d

@@ -9,6 +9,7 @@ from sqlglot import exp
 
 from .callsites import call_name
 from .guards import as_copy, is_lookup
+from .shapes import TOP_ROWS, aggregated, has_window, int_literal
 
 # Functions whose value changes between evaluations: a CTE holding one must stay materialized.
 VOLATILE = {"random", "rand", "gen_random_uuid", "uuid", "uuidv4", "uuidv7", "nextval",
@@ -252,43 +253,6 @@ def top_level_selects(root: exp.Query) -> list[exp.Select]:
     return []
 
 
-# ---- shape predicates ----------------------------------------------------------------------
-
-def int_literal(e: exp.Expression | None) -> int | None:
-    if isinstance(e, exp.Limit | exp.Offset):
-        e = e.expression
-    if isinstance(e, exp.Literal) and not e.is_string and e.this.isdigit():
-        return int(e.this)
-    return None
-
-
-def contains(e: exp.Expression | None, kinds: tuple[type, ...]) -> bool:
-    """Whether e holds a node of `kinds` outside nested queries and windows."""
-    if e is None:
-        return False
-    stack = [e]
-    while stack:
-        n = stack.pop()
-        if isinstance(n, kinds):
-            return True
-        if n is not e and isinstance(n, exp.Query | exp.Subquery | exp.Window):
-            continue
-        stack.extend(n.iter_expressions())
-    return False
-
-
-def aggregated(s: exp.Select) -> bool:
-    if s.args.get("group") or s.args.get("having"):
-        return True
-    return any(contains(e, (exp.AggFunc,)) for e in s.expressions) or \
-        contains(s.args.get("order"), (exp.AggFunc,))
-
-
-def has_window(s: exp.Select) -> bool:
-    return any(any(isinstance(n, exp.Window) for n in e.walk())
-               for e in [*s.expressions, s.args.get("order")] if e is not None)
-
-
 # ---- after the guard rule ------------------------------------------------------------------
 
 def _order_key(o: exp.Ordered, s: exp.Select) -> exp.Expression:
@@ -302,14 +266,6 @@ def _order_key(o: exp.Ordered, s: exp.Select) -> exp.Expression:
             if isinstance(p, exp.Alias) and p.alias == e.name:
                 return p.this
     return e
-
-
-TOP_ROWS = "llmdb_top_rows"
-
-
-def own_qualify(s: exp.Select) -> bool:
-    q = s.args.get("qualify")
-    return q is not None and bool(q.meta.get(TOP_ROWS))
 
 
 def top_rows_before_calls(tree: exp.Expression) -> exp.Expression:

@@ -176,7 +176,7 @@ class Planner:
     def prepare(self, sql: str, parameters: Any = None) -> str:
         """The SQL to run in place of `sql`, its calls prefetched. On the query's thread."""
         p = self.plan(sql, parameters)
-        if p is None or not self._binds(p, parameters):
+        if p is None or not self.binds(p, parameters):
             return sql
         run = QueryRun(p.qid, p.sites, self.session, learned=self.learned)
         self._assign_priorities(p, run, parameters)
@@ -187,7 +187,7 @@ class Planner:
             self.history.popitem(last=False)
         return p.sql
 
-    def _binds(self, p: Plan, parameters: Any) -> bool:
+    def binds(self, p: Plan, parameters: Any) -> bool:
         """Whether DuckDB accepts the rewritten SQL (sqlglot regenerates it). Planning it
         may fold constant calls: a dry run answers those."""
         self.runs.put(QueryRun(p.qid, p.sites, self.session, dry=True, learned=self.learned))
