@@ -8,6 +8,7 @@ NULL inputs give NULL without a model call.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 from collections.abc import Callable, Sequence
@@ -84,6 +85,13 @@ def _priority(session: Session, n: int) -> str:
     return PRIORITY.get() or session.options.priority or ("RT" if n <= 32 else "BE")
 
 
+def _rows(text: Sequence, model: Sequence, on_error: Sequence,
+          build: Callable[[int, Backend], Call]) -> list[_Row]:
+    """The non-NULL rows of a call, each with how to build its model call."""
+    return [_Row(i, t, model[i], on_error[i], functools.partial(build, i))
+            for i, t in enumerate(text) if t is not None]
+
+
 def _key(backend: Backend, function: str, request: Any) -> str:
     return request_key(function, backend.identity(), request)
 
@@ -93,31 +101,27 @@ def _key(backend: Backend, function: str, request: Any) -> str:
 def llm_complete(session: Session, prompt: Sequence, max_tokens: Sequence, temperature: Sequence,
                  top_p: Sequence, seed: Sequence, stop: Sequence, system: Sequence,
                  model: Sequence, on_error: Sequence) -> list[str | None]:
-    n = len(prompt)
-    priority = _priority(session, n)
-    rows = []
-    for i in range(n):
-        if prompt[i] is None:
-            continue
+    priority = _priority(session, len(prompt))
 
-        def build(backend: Backend, i: int = i) -> Call:
-            params = SamplingParams(
-                max_tokens=256 if max_tokens[i] is None else int(max_tokens[i]),
-                temperature=0.0 if temperature[i] is None else float(temperature[i]),
-                top_p=1.0 if top_p[i] is None else float(top_p[i]),
-                seed=None if seed[i] is None else int(seed[i]),
-                stop=[s for s in (stop[i] or []) if s],
-            )
-            params.validate()
-            rendered = backend.render_chat(prompt[i], system[i])
-            req = GenerationRequest(rendered, params, priority)
-            # Unseeded sampling is a fresh draw per row: never shared, never cached.
-            key = None if not params.greedy and params.seed is None else _key(
-                backend, "complete", [rendered, params.__dict__])
-            return Call([req], key, prompt[i])
+    def build(i: int, backend: Backend) -> Call:
+        params = SamplingParams(
+            max_tokens=256 if max_tokens[i] is None else int(max_tokens[i]),
+            temperature=0.0 if temperature[i] is None else float(temperature[i]),
+            top_p=1.0 if top_p[i] is None else float(top_p[i]),
+            seed=None if seed[i] is None else int(seed[i]),
+            stop=[s for s in (stop[i] or []) if s],
+        )
+        params.validate()
+        rendered = backend.render_chat(prompt[i], system[i])
+        req = GenerationRequest(rendered, params, priority)
+        # Unseeded sampling is a fresh draw per row: never shared, never cached.
+        key = None if not params.greedy and params.seed is None else _key(
+            backend, "complete", [rendered, params.__dict__])
+        return Call([req], key, prompt[i])
 
-        rows.append(_Row(i, prompt[i], model[i], on_error[i], build))
-    return _execute(session, "llm_complete", n, rows, lambda call, parts: parts[0].text)
+    rows = _rows(prompt, model, on_error, build)
+    return _execute(session, "llm_complete", len(prompt), rows,
+                    lambda call, parts: parts[0].text)
 
 
 # ---- llm_filter / llm_filter_score ---------------------------------------------------------
@@ -127,17 +131,13 @@ def llm_filter_score(session: Session, prompt: Sequence, system: Sequence, model
     """P(yes) / (P(yes) + P(no)) for the answer's first token under the chat template."""
     n = len(prompt)
     priority = _priority(session, n)
-    rows = []
-    for i in range(n):
-        if prompt[i] is None:
-            continue
 
-        def build(backend: Backend, i: int = i) -> Call:
-            rendered = backend.render_chat(prompt[i] + FILTER_SUFFIX, system[i])
-            req = ChoiceRequest(rendered, ("yes", "no"), priority)
-            return Call([req], _key(backend, "filter", [rendered, req.words]), prompt[i])
+    def build(i: int, backend: Backend) -> Call:
+        rendered = backend.render_chat(prompt[i] + FILTER_SUFFIX, system[i])
+        req = ChoiceRequest(rendered, ("yes", "no"), priority)
+        return Call([req], _key(backend, "filter", [rendered, req.words]), prompt[i])
 
-        rows.append(_Row(i, prompt[i], model[i], on_error[i], build))
+    rows = _rows(prompt, model, on_error, build)
 
     def combine(call: Call, parts: list[BackendResult]) -> float:
         yes, no = parts[0].word_probs
@@ -155,25 +155,21 @@ def llm_filter(session: Session, *args: Sequence) -> list[bool | None]:
 def llm_classify(session: Session, text: Sequence, labels: Sequence, instruction: Sequence,
                  system: Sequence, model: Sequence, on_error: Sequence) -> list[str | None]:
     """The label whose tokens plus end of turn are most likely as the answer; ties: first."""
-    n = len(text)
-    priority = _priority(session, n)
-    rows = []
-    for i in range(n):
-        if text[i] is None or labels[i] is None:
-            continue
+    priority = _priority(session, len(text))
 
-        def build(backend: Backend, i: int = i) -> Call:
-            choices = list(labels[i])
-            if not choices or any(not isinstance(c, str) or not c for c in choices):
-                raise ValueError(f"labels must be a non-empty list of non-empty strings, "
-                                 f"got {choices!r}")
-            head = instruction[i] or CLASSIFY_INSTRUCTION.format(labels=", ".join(choices))
-            rendered = backend.render_chat(f"{head}\n\nText: {text[i]}", system[i])
-            reqs = [ScoreRequest(rendered, c, priority) for c in choices]
-            return Call(reqs, _key(backend, "classify", [rendered, choices]), text[i])
+    def build(i: int, backend: Backend) -> Call:
+        choices = list(labels[i])
+        if not choices or any(not isinstance(c, str) or not c for c in choices):
+            raise ValueError(f"labels must be a non-empty list of non-empty strings, "
+                             f"got {choices!r}")
+        head = instruction[i] or CLASSIFY_INSTRUCTION.format(labels=", ".join(choices))
+        rendered = backend.render_chat(f"{head}\n\nText: {text[i]}", system[i])
+        reqs = [ScoreRequest(rendered, c, priority) for c in choices]
+        return Call(reqs, _key(backend, "classify", [rendered, choices]), text[i])
 
-        rows.append(_Row(i, text[i], model[i], on_error[i], build))
-    return _execute(session, "llm_classify", n, rows, _best_label)
+    present = [None if lb is None else t for t, lb in zip(text, labels, strict=True)]
+    rows = _rows(present, model, on_error, build)
+    return _execute(session, "llm_classify", len(text), rows, _best_label)
 
 
 def _best_label(call: Call, parts: list[BackendResult]) -> str:
