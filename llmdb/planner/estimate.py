@@ -5,26 +5,28 @@ distinct argument tuples it would compute, in which batches, and a uniform sampl
 tuples. Here the sample is rendered into the requests the SQL functions would send (the same
 chat template, suffixes and cache keys as llmdb.functions), tokenized as the engine will,
 and looked up in the result cache. The engine's prefix cache is replayed on the sample
-(chained hashes of full blocks, as the block pool keeps them), so a shared chat template or
-instruction counts once. The batches then become requests for the engine's simulator
+(chained hashes of full blocks, as the block pool keeps them, starting from the blocks the
+pool holds now), so a shared chat template or instruction counts once, and prompts an
+earlier query computed count as cached. The batches then become requests for the engine's
+simulator
 (engine/sim.py: the engine's own scheduler and limits, the cost model as its clock), all
 arriving at once, one batch after the other as the planner submits them.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from llmdb.backends import Backend
+from llmdb.engine.cache.block_pool import block_hash
 from llmdb.engine.costmodel import CostModel, load_cost_model
 from llmdb.engine.sampling import SamplingParams
 from llmdb.functions import CLASSIFY_INSTRUCTION, FILTER_SUFFIX, _key
 from llmdb.session import Session
 
 from .callsites import Site
-from .learned import Learned
+from .learned import Learned, stable_hash
 from .memo import SiteCounts, learn_key, thaw
 
 
@@ -35,6 +37,10 @@ class Request:
     ids: list[int] | None  # prompt token ids (None: a backend without a local tokenizer)
     tokens: int  # prompt tokens (a scored continuation included)
     output: int  # tokens generated (prefill-only requests: 1, as the engine counts steps)
+    cacheable: int = 0  # tokens a prefix hit may cover (the engine computes the rest)
+
+    def __post_init__(self) -> None:
+        self.cacheable = self.cacheable or self.tokens - 1
 
 
 @dataclass
@@ -83,8 +89,7 @@ def _encode(backend: Backend, text: str) -> tuple[list[int] | None, int]:
     return None, backend.count_tokens(text)
 
 
-def row_requests(site: Site, key: tuple, backend: Backend, max_output: int | None
-                 ) -> Row | None:
+def row_requests(site: Site, key: tuple, backend: Backend, lengths: list[int]) -> Row | None:
     """Mirrors llmdb.functions: the requests and result-cache key of one row."""
     a = dict(zip((p.name for p in site.signature.params), thaw(site.signature, key),
                  strict=True))
@@ -98,7 +103,9 @@ def row_requests(site: Site, key: tuple, backend: Backend, max_output: int | Non
             seed=None if a["seed"] is None else int(a["seed"]),
             stop=[s for s in (a["stop"] or []) if s])
         rendered = backend.render_chat(a["prompt"], a["system"])
-        out = params.max_tokens if max_output is None else min(max_output, params.max_tokens)
+        # The learned output-length histogram, else max_tokens (no early end of turn).
+        out = min(lengths[stable_hash(key) % len(lengths)], params.max_tokens) if lengths \
+            else params.max_tokens
         ids, n = _encode(backend, rendered)
         return Row([Request(ids, n, max(1, out))],
                    _key(backend, "complete", [rendered, params.__dict__]))
@@ -121,28 +128,32 @@ def row_requests(site: Site, key: tuple, backend: Backend, max_output: int | Non
             requests.append(Request(None, n + backend.count_tokens(c) + 1, 1))
         else:
             cont = [*engine.tokenizer.encode(c), getattr(backend, "_end_of_turn", 0)]
-            requests.append(Request(ids + cont, n + len(cont), 1))
+            requests.append(Request(ids + cont, n + len(cont), 1, cacheable=n - 1))
     return Row(requests, _key(backend, "classify", [rendered, choices]))
 
 
-def prefix_cached(requests: list[Request], block_size: int) -> list[int]:
-    """Prompt tokens each request finds in the prefix cache, submitted in this order: the
-    full blocks that an earlier request already computed (chained block hashes)."""
+def prefix_cached(requests: list[Request], block_size: int, pool: Any | None) -> list[int]:
+    """Prompt tokens each request will find in the engine's prefix cache, submitted in this
+    order: the leading full blocks that the pool holds now (from earlier queries) or that an
+    earlier request of the batch computes. Hashes chained as the block pool chains them."""
     seen: set[int] = set()
     out = []
     for r in requests:
         if r.ids is None:
             out.append(0)
             continue
-        h, hits, leading = 0, 0, True
+        parent, hits, leading = None, 0, True
         for b in range(len(r.ids) // block_size):
-            h = hash((h, tuple(r.ids[b * block_size:(b + 1) * block_size])))
-            if leading and h in seen:
+            tokens = tuple(r.ids[b * block_size:(b + 1) * block_size])
+            h = block_hash(parent, tokens)
+            parent = h
+            cached = h in seen or (pool is not None and pool.lookup(h, tokens) is not None)
+            if leading and cached and (b + 1) * block_size <= r.cacheable:
                 hits += 1
             else:
                 leading = False
             seen.add(h)
-        out.append(min(hits * block_size, r.tokens - 1))
+        out.append(hits * block_size)
     return out
 
 
@@ -150,23 +161,26 @@ def _model_name(session: Session, site: Site, args: list[Any]) -> str | None:
     return args[site.signature.index("model")] or session.options.model
 
 
-def estimate_site(session: Session, site: Site, counts: SiteCounts, learned: Learned
-                  ) -> SiteEstimate:
+def estimate_site(session: Session, site: Site, counts: SiteCounts, learned: Learned, *,
+                  observed: bool = False) -> SiteEstimate:
+    """The estimate for a dry run's counts; with observed=True, the cost model's time for
+    what a real run did (its cache hits, unscaled), to learn the time scale from."""
     est = SiteEstimate(rows=counts.rows, distinct=counts.distinct, batches=list(counts.batches))
     sample = [k for k in counts.sampled if k[0] is not None]
     if not sample or not counts.computed:
         est.model_s = 0.0
         return est
     backend = session.backend(_model_name(session, site, thaw(site.signature, sample[0])))
-    generated = learned.generated_per_call(learn_key(session, site))
-    max_output = None if generated is None else max(1, math.ceil(generated))
-    rows = [r for r in (row_requests(site, k, backend, max_output) for k in sample) if r]
+    lengths = learned.output_lengths(learn_key(session, site))
+    rows = [r for r in (row_requests(site, k, backend, lengths) for k in sample) if r]
     if not rows:
         return est
-    cache = session.cache()
+    cache = None if observed else session.cache()
     keys = [r.cache_key for r in rows if r.cache_key is not None]
     hits = cache.get_many(keys) if cache is not None and keys else {}
     hit_rate = sum(r.cache_key in hits for r in rows) / len(rows)
+    if observed:
+        hit_rate = min(1.0, counts.cache_hits / counts.computed)
     # Rows with a NULL argument make no call: scale by the sample's non-NULL share.
     live = counts.computed * len(sample) / max(1, len(counts.sampled))
     est.cache_hits = round(live * hit_rate)
@@ -177,12 +191,18 @@ def estimate_site(session: Session, site: Site, counts: SiteCounts, learned: Lea
     if site.function == "llm_complete":  # prefill-only requests generate nothing counted
         est.output_tokens = round(est.calls * sum(q.output for q in requests) / len(requests))
     share = (live - est.cache_hits) / counts.computed
-    est.model_s = model_time(backend, counts.batches, share, per_row, requests)
+    # What a real run found in the prefix cache is known; replaying the pool after it would
+    # find its own blocks.
+    cached = [round(counts.cached_tokens / counts.calls)] * len(requests) \
+        if observed and counts.calls else None
+    est.model_s = model_time(backend, counts.batches, share, per_row, requests, cached)
+    if est.model_s is not None and not observed:
+        est.model_s *= learned.time_scale(backend.name)[0]
     return est
 
 
 def model_time(backend: Backend, batches: list[int], share: float, per_row: float,
-               requests: list[Request]) -> float | None:
+               requests: list[Request], cached: list[int] | None = None) -> float | None:
     """Simulated seconds for the batches (of rows), each submitted when the previous one is
     done; `share` of the rows miss the result cache, each sending `per_row` requests like
     the sampled ones (cycled through in order)."""
@@ -199,15 +219,16 @@ def model_time(backend: Backend, batches: list[int], share: float, per_row: floa
                     max_num_batched_tokens=sched.max_num_batched_tokens,
                     max_prefill_tokens=sched.max_prefill_tokens,
                     max_num_seqs=sched.max_num_seqs)
-    cached = prefix_cached(requests, block) if engine.pool.enable_prefix_caching else \
-        [0] * len(requests)
+    if cached is None:
+        cached = prefix_cached(requests, block, engine.pool) \
+            if engine.pool.enable_prefix_caching else [0] * len(requests)
     total, j = 0.0, 0
     for b in batches:
         specs = []
         for _ in range(round(b * share * per_row)):
             k = j % len(requests)
-            specs.append(RequestSpec(0.0, requests[k].tokens - cached[k], requests[k].output,
-                                     "BE", f"e{j}"))
+            computed = max(1, requests[k].tokens - cached[k])
+            specs.append(RequestSpec(0.0, computed, requests[k].output, "BE", f"e{j}"))
             j += 1
         if specs:
             total += simulate(specs, sched.policy.name, cm, cfg).end_time

@@ -191,6 +191,9 @@ def explain(planner: Planner, sql: str) -> Report:
     cm = cost_model()
     report.cost_model = cm.source if calibrated(cm) else \
         f"uncalibrated ({cm.source}): no time estimates"
+    scale, n = planner.learned.time_scale(planner.session.options.model)
+    if n and calibrated(cm):
+        report.cost_model += f"; times x {scale:.2f}, learned from {n} batches run here"
     p, why = planner.plan_or_reason(sql)
     if p is None:
         report.notes.append(f"the query runs as written: {why}")

@@ -1,8 +1,11 @@
 """What the planner learns from the queries it runs, for ordering predicates and estimating.
 
 Per predicate (an LLM operand of AND/OR, by its SQL text): how many rows it saw and passed.
-Per call site (by its SQL text): a sample of the values it returned, and the tokens it
-generated per call. Keys carry the model's name, since another model answers differently.
+Per call site (by its SQL text): a sample of the values it returned, and of the number of
+tokens it generated per call (the output-length histogram). Keys carry the model's name,
+since another model answers differently.
+Per model: how the model time of finished batches compares with the cost model's simulation
+of the same batches (the machine's load, or a stale calibration, scales every step alike).
 One store per process, shared by its connections.
 """
 
@@ -11,11 +14,14 @@ from __future__ import annotations
 import hashlib
 import random
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 SAMPLE_SIZE = 256
 DEFAULT_PASS_RATE = 0.5
+PRIOR_WEIGHT = 10  # a sample of n values speaks for n / (n + PRIOR_WEIGHT) of the answers
+TIME_WINDOW = 20  # batches whose model time the time scale averages over
 
 
 def stable_hash(value: Any) -> int:
@@ -34,7 +40,8 @@ class Learned:
         self._lock = threading.Lock()
         self._passes: dict[str, tuple[int, int]] = {}
         self._values: dict[str, _Values] = {}
-        self._generated: dict[str, tuple[int, int]] = {}
+        self._lengths: dict[str, _Values] = {}
+        self._times: dict[str, deque[tuple[float, float]]] = {}
         self._rng = random.Random(0)
 
     def pass_rate(self, key: str) -> float | None:
@@ -52,38 +59,54 @@ class Learned:
     def observe_values(self, key: str, values: list[Any]) -> None:
         """Reservoir sampling: every value returned so far is equally likely to be kept."""
         with self._lock:
-            v = self._values.setdefault(key, _Values())
-            for x in values:
-                v.seen += 1
-                if len(v.sample) < SAMPLE_SIZE:
-                    v.sample.append(x)
-                else:
-                    j = self._rng.randrange(v.seen)
-                    if j < SAMPLE_SIZE:
-                        v.sample[j] = x
+            self._reservoir(self._values.setdefault(key, _Values()), values)
+
+    def _reservoir(self, v: _Values, values: list[Any]) -> None:
+        for x in values:
+            v.seen += 1
+            if len(v.sample) < SAMPLE_SIZE:
+                v.sample.append(x)
+            else:
+                j = self._rng.randrange(v.seen)
+                if j < SAMPLE_SIZE:
+                    v.sample[j] = x
 
     def value_sample(self, key: str) -> list[Any]:
         with self._lock:
             v = self._values.get(key)
             return list(v.sample) if v else []
 
-    def observe_generated(self, key: str, tokens: int, calls: int) -> None:
-        if calls <= 0:
+    def observe_output_lengths(self, key: str, lengths: list[int]) -> None:
+        with self._lock:
+            v = self._lengths.setdefault(key, _Values())
+            self._reservoir(v, lengths)
+
+    def output_lengths(self, key: str) -> list[int]:
+        with self._lock:
+            v = self._lengths.get(key)
+            return list(v.sample) if v else []
+
+    def observe_time(self, model: str, simulated_s: float, actual_s: float) -> None:
+        if simulated_s <= 0 or actual_s <= 0:
             return
         with self._lock:
-            t, n = self._generated.get(key, (0, 0))
-            self._generated[key] = (t + tokens, n + calls)
+            self._times.setdefault(model, deque(maxlen=TIME_WINDOW)).append(
+                (simulated_s, actual_s))
 
-    def generated_per_call(self, key: str) -> float | None:
+    def time_scale(self, model: str) -> tuple[float, int]:
+        """Actual over simulated model time of recent batches, and how many there were."""
         with self._lock:
-            t, n = self._generated.get(key, (0, 0))
-        return t / n if n else None
+            pairs = list(self._times.get(model, ()))
+        if not pairs:
+            return 1.0, 0
+        return sum(a for _, a in pairs) / sum(s for s, _ in pairs), len(pairs)
 
     def clear(self) -> None:
         with self._lock:
             self._passes.clear()
             self._values.clear()
-            self._generated.clear()
+            self._lengths.clear()
+            self._times.clear()
 
 
 LEARNED = Learned()

@@ -30,7 +30,7 @@ from llmdb.session import Session
 
 from .callsites import SIGNATURES, Signature, Site
 from .guards import MAIN, lookup_name
-from .learned import LEARNED, Learned, stable_hash
+from .learned import LEARNED, PRIOR_WEIGHT, Learned, stable_hash
 
 ARROW_TYPES = {"BOOLEAN": pa.bool_(), "DOUBLE": pa.float64(), "VARCHAR": pa.string(),
                "INTEGER": pa.int32()}
@@ -56,6 +56,7 @@ class SiteCounts:
     dedup_hits: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the engine's prefix cache served
     model_s: float = 0.0
     sampled: list[tuple] = field(default_factory=list)  # a uniform sample of computed tuples
 
@@ -199,14 +200,28 @@ class QueryRun:
                 counts.dedup_hits += after["dedup_hits"] - before["dedup_hits"]
                 counts.prompt_tokens += after["prompt_tokens"] - before["prompt_tokens"]
                 counts.generated_tokens += after["generated_tokens"] - before["generated_tokens"]
+                counts.cached_tokens += after["cached_tokens"] - before["cached_tokens"]
                 counts.model_s += after["engine_s"] - before["engine_s"]
         key = self.learn_key(site)
         self.learned.observe_values(key, [v for v in values if v is not None])
-        calls = after["calls"] - before["calls"]
         if site.function == "llm_complete":
-            self.learned.observe_generated(key, after["generated_tokens"]
-                                           - before["generated_tokens"], calls)
+            self._learn_lengths(site, key, values, before, after)
         return values
+
+    def _learn_lengths(self, site: Site, key: str, values: list[Any], before: dict,
+                       after: dict) -> None:
+        """Output lengths per call, from the answers' tokens, scaled so that they add up to
+        the tokens the model generated (an end of turn is generated but not returned)."""
+        texts = [v for v in values if v is not None]
+        if not texts:
+            return
+        backend = self.session.backend(key.split("\x1f", 1)[0])
+        lengths = [backend.count_tokens(t) for t in texts]
+        generated = after["generated_tokens"] - before["generated_tokens"]
+        served = (after["cache_hits"] - before["cache_hits"]) + (after["dedup_hits"]
+                                                                 - before["dedup_hits"])
+        scale = generated / sum(lengths) if not served and sum(lengths) else 1.0
+        self.learned.observe_output_lengths(key, [max(1, round(n * scale)) for n in lengths])
 
     def learn_key(self, site: Site) -> str:
         return learn_key(self.session, site)
@@ -214,12 +229,14 @@ class QueryRun:
     def _pseudo(self, site: Site, keys: list[tuple]) -> list[Any]:
         """Stand-in values for a dry run: what the site returned before, else a default."""
         sample = self.learned.value_sample(self.learn_key(site))
+        # A small sample (a predicate seen on a few rows) is mixed with the neutral default.
+        trust = len(sample) / (len(sample) + PRIOR_WEIGHT)
         out = []
         for k in keys:
             h = stable_hash(k)
             if k[0] is None:
                 out.append(None)  # a NULL prompt gives NULL without a call
-            elif sample:
+            elif sample and (h >> 20) % 1000 < trust * 1000:
                 out.append(sample[h % len(sample)])
             else:
                 out.append(_default_value(site, k, h))

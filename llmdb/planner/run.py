@@ -182,10 +182,27 @@ class Planner:
         self._assign_priorities(p, run, parameters)
         self.runs.put(run)
         self.execute_steps(p, run)
+        self._learn_time_scale(p, run)
         self.history[normalized(sql)] = (p, run)
         while len(self.history) > KEPT_HISTORY:
             self.history.popitem(last=False)
         return p.sql
+
+    def _learn_time_scale(self, p: Plan, run: QueryRun) -> None:
+        """Compare the prefetched batches' model time with the cost model's."""
+        from .estimate import calibrated, cost_model, estimate_site
+
+        if not calibrated(cost_model()) or run.dry or \
+                getattr(self.session.backend(), "engine", None) is None:
+            return
+        for site in p.sites:
+            c = run.counts[site.id]
+            if site.id not in run.prefetched or c.model_s <= 0 or not c.computed:
+                continue
+            sim = estimate_site(self.session, site, c, self.learned, observed=True).model_s
+            if sim:
+                backend = self.session.backend(self.session.options.model)
+                self.learned.observe_time(backend.name, sim, c.model_s)
 
     def binds(self, p: Plan, parameters: Any) -> bool:
         """Whether DuckDB accepts the rewritten SQL (sqlglot regenerates it). Planning it
