@@ -244,21 +244,26 @@ def _opt13b_a100() -> CostModel:
 
 
 # ---- cpu: this machine --------------------------------------------------------------------
-# Built-in default for SmolLM2-135M in bf16 on a 2-core AMX-bf16 CPU (torch, 2 threads), used
-# until `llmdb calibrate` has written a file; rough numbers from a calibration run here.
+# Built-in default for SmolLM2-135M in bf16 on a 2-core AVX512-BF16 CPU (torch, 2 threads), used
+# until `llmdb calibrate` has written a file. Rough numbers from measurements on this VM
+# (bench/RESULTS.md): a 400-request decode step at ~90 tokens of context takes ~490 ms, of
+# which GEMMs ~65% (~107M non-embedding parameters at ~320-400 GFLOP/s: ~0.55 ms per token
+# computed, ~0.7 ms with the element-wise work), the vocabulary projection and sampling ~15%
+# (~0.2 ms per generated row) and paged attention ~15% (~2 us per K/V token read); a small
+# step costs ~15 ms whatever its size (reading the weights plus 30 layers of Python).
 _CPU_DEFAULT = {
-    "const": 0.0,
-    "tokens": 0.0,
-    "decode_kv": 0.0,
+    "const": 0.015,
+    "tokens": 7.0e-4,
+    "decode_kv": 2.0e-6,
     "decode_on": 0.0,
-    "n_decode": 0.0,
-    "prefill_attn": 0.0,
+    "n_decode": 2.0e-4,
+    "prefill_attn": 1.0e-9,
     "prefill_on": 0.0,
-    "n_prefill": 0.0,
-    "prefill_m": 0.0,
+    "n_prefill": 1.0e-3,
+    "prefill_m": 2.0e-6,
     "hidden_tokens": 0.0,
 }
-_CPU_DEFAULT_FLOOR_S = 0.0
+_CPU_DEFAULT_FLOOR_S = 0.015
 # A host-tier copy reads and writes: half the ~26 GB/s this machine reads at.
 CPU_SWAP_BYTES_PER_S = 13e9
 
@@ -267,7 +272,7 @@ def _cpu_default() -> CostModel:
     return CostModel(
         name="cpu",
         coefficients=dict(_CPU_DEFAULT),
-        source="built-in default for a 2-core AMX-bf16 CPU (SmolLM2-135M, bf16); run "
+        source="built-in default for a 2-core AVX512-BF16 CPU (SmolLM2-135M, bf16); run "
                "`llmdb calibrate` to measure this machine",
         floor_s=_CPU_DEFAULT_FLOOR_S,
         swap_bytes_per_s=CPU_SWAP_BYTES_PER_S,
