@@ -48,12 +48,14 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=None,
                     help="rows of table t (default 100,000; 300 with --real)")
     ap.add_argument("--only", nargs="*", default=None, help="run only these shapes")
+    ap.add_argument("--threads", type=int, default=None, help="engine threads (--real)")
     args = ap.parse_args()
     model = "smollm2-135m" if args.real else STANDIN
     rows = args.rows or (300 if args.real else 100_000)
 
     LEARNED.clear()
-    con = llmdb.connect(model=model, cache=False, progress=False)
+    engine = {"threads": args.threads} if args.real and args.threads else {}
+    con = llmdb.connect(model=model, cache=False, progress=False, **engine)
     plain = duckdb.connect()
     plain.execute("SET enable_progress_bar = false")
     plain_session = llmdb.register(plain, model=model, cache=False)
