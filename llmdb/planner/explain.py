@@ -213,13 +213,13 @@ def explain(planner: Planner, sql: str) -> Report:
         report.priority = "RT" if n <= RT_MAX_CALLS else "BE"
         report.priority_why = (f"estimated {n:,} model calls "
                                f"{'<=' if n <= RT_MAX_CALLS else '>'} {RT_MAX_CALLS}")
-    last = planner.last_run(sql)
+    last = planner.last_counts(sql)
     for site in p.sites:
         est = estimate_site(session, site, dry.counts[site.id], planner.learned)
         r = SiteReport(site, p.placements[site.id],
                        site.priority or report.priority or "", duck.get(site.id), est)
-        if last is not None and site.id in last[1].counts:
-            r.actual = actual(last[1].counts[site.id])
+        if last is not None and site.id in last:
+            r.actual = actual(last[site.id])
         report.sites.append(r)
     if last is not None:
         report.notes.append("actual: the last run of this query on this connection")

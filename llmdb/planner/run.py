@@ -27,7 +27,7 @@ from .callsites import Site, Unsupported, find_sites
 from .drivers import Fill, Incremental, Learn, Placement, Step
 from .guards import Predicate, rewrite_sites
 from .learned import DEFAULT_PASS_RATE, LEARNED, Learned
-from .memo import BudgetExceeded, QueryRun, Runs, freeze
+from .memo import BudgetExceeded, QueryRun, Runs, SiteCounts, freeze
 from .rules import (
     inline_llm_ctes,
     llm_conjuncts_to_where,
@@ -164,7 +164,8 @@ class Planner:
         self.runs = Runs()
         memo.register(con, self.runs, session)
         self._qids = itertools.count(1)
-        self.history: OrderedDict[str, tuple[Plan, QueryRun]] = OrderedDict()
+        # What each recent query did, per site (the counts alone: a run's memo can be large).
+        self.history: OrderedDict[str, dict[int, SiteCounts]] = OrderedDict()
 
     def plan(self, sql: str, parameters: Any = None) -> Plan | None:
         return self.plan_or_reason(sql, parameters)[0]
@@ -183,7 +184,7 @@ class Planner:
         self.runs.put(run)
         self.execute_steps(p, run)
         self._learn_time_scale(p, run)
-        self.history[normalized(sql)] = (p, run)
+        self.history[normalized(sql)] = run.counts
         while len(self.history) > KEPT_HISTORY:
             self.history.popitem(last=False)
         return p.sql
@@ -335,5 +336,6 @@ class Planner:
 
     # ---- EXPLAIN -------------------------------------------------------------------------
 
-    def last_run(self, sql: str) -> tuple[Plan, QueryRun] | None:
+    def last_counts(self, sql: str) -> dict[int, SiteCounts] | None:
+        """Per site, what the query did when it last ran on this connection."""
         return self.history.get(normalized(sql))

@@ -1,0 +1,129 @@
+"""Each rewrite rule of the planner on its own, on parsed SQL (no database, no model)."""
+
+from __future__ import annotations
+
+import sqlglot
+from sqlglot import exp
+
+from llmdb.planner.callsites import Unsupported, find_sites
+from llmdb.planner.guards import rewrite_sites
+from llmdb.planner.placement import main_lookups, placement
+from llmdb.planner.rules import (
+    inline_llm_ctes,
+    llm_conjuncts_to_where,
+    number_parameters,
+    push_filters_into_llm_subqueries,
+    root_query,
+    top_level_selects,
+    top_rows_before_calls,
+)
+
+
+def parse(sql: str) -> exp.Expression:
+    return sqlglot.parse_one(sql, read="duckdb")
+
+
+def sql(tree: exp.Expression) -> str:
+    return tree.sql("duckdb")
+
+
+def test_number_parameters_in_text_order():
+    tree = number_parameters(parse("SELECT ? FROM t WHERE a = ? AND (b = ? OR c = ?)"))
+    assert sql(tree) == "SELECT $1 FROM t WHERE a = $2 AND (b = $3 OR c = $4)"
+
+
+def test_only_ctes_with_calls_are_inlined():
+    tree = inline_llm_ctes(parse(
+        "WITH a AS (SELECT llm_filter(x) AS f FROM t), b AS (SELECT 1 AS one), "
+        "c AS (SELECT llm_filter(x) AS f, random() AS r FROM t) SELECT * FROM a, b, c"))
+    assert "a AS NOT MATERIALIZED" in sql(tree)
+    assert "b AS (" in sql(tree) and "c AS (" in sql(tree)  # no calls; a volatile function
+
+
+def test_filters_are_pushed_into_subqueries_with_calls():
+    tree = push_filters_into_llm_subqueries(parse(
+        "SELECT * FROM (SELECT id AS k, x, llm_complete(x) AS c FROM t) s "
+        "WHERE s.k % 50 = 0 AND c = 'yes' AND k > 3"))
+    inner = tree.find(exp.Subquery).this
+    assert sql(inner.args["where"]) == "WHERE (id) % 50 = 0 AND (id) > 3"
+    assert "s.k % 50 = 0" in sql(tree.args["where"])  # the outer query keeps its filter
+
+
+def test_filters_are_not_pushed_into_a_null_supplying_side_or_a_grouping():
+    for q in ["SELECT * FROM u LEFT JOIN (SELECT id, llm_filter(x) AS f FROM t) s "
+              "ON u.id = s.id WHERE s.id IS NULL",
+              "SELECT * FROM (SELECT id, count(*) AS n, llm_filter(x) AS f FROM t "
+              "GROUP BY id, x) s WHERE id < 3",
+              "SELECT * FROM (SELECT id, llm_filter(x) AS f FROM t LIMIT 10) s WHERE id < 3"]:
+        tree = push_filters_into_llm_subqueries(parse(q))
+        assert tree.find(exp.Subquery).this.args.get("where") is None, q
+
+
+def test_a_cte_used_twice_is_not_pushed_into():
+    tree = push_filters_into_llm_subqueries(parse(
+        "WITH s AS (SELECT id, llm_filter(x) AS f FROM t) "
+        "SELECT * FROM s WHERE id < 3 UNION ALL SELECT * FROM s WHERE id > 7"))
+    assert tree.find(exp.CTE).this.args.get("where") is None
+
+
+def test_llm_conjuncts_move_from_inner_joins_only():
+    tree = llm_conjuncts_to_where(parse(
+        "SELECT * FROM t JOIN u ON t.id = u.id AND llm_filter(u.z) WHERE t.id < 5"))
+    assert sql(tree.args["joins"][0].args["on"]) == "(t.id = u.id)"
+    assert "LLM_FILTER(u.z)" in sql(tree.args["where"])
+    left = "SELECT * FROM t LEFT JOIN u ON t.id = u.id AND llm_filter(u.z)"
+    assert sql(llm_conjuncts_to_where(parse(left))) == sql(parse(left))
+
+
+def _rewritten(q: str) -> exp.Expression:
+    tree = parse(q)
+    tree, _ = rewrite_sites(tree, find_sites(tree), qid=1, rank=lambda o, op: 0.0)
+    return tree
+
+
+def test_top_rows_before_calls_adds_a_qualify_for_expression_keys():
+    tree = top_rows_before_calls(_rewritten(
+        "SELECT id, llm_complete(x) AS c FROM t ORDER BY length(x) DESC, id LIMIT 3 OFFSET 1"))
+    q = tree.args["qualify"]
+    assert sql(q) == "QUALIFY ROW_NUMBER() OVER (ORDER BY LENGTH(x) DESC, id) <= 4"
+    plain = top_rows_before_calls(_rewritten(
+        "SELECT id, llm_complete(x) AS c FROM t ORDER BY id LIMIT 3"))
+    assert plain.args.get("qualify") is None  # DuckDB already takes the top rows first
+
+
+def _placements(q: str) -> dict[str, str]:
+    tree = top_rows_before_calls(_rewritten(q))
+    root = root_query(tree)
+    tops = top_level_selects(root)
+    sites = {s.id: s.key for s in find_sites(parse(q))}
+    return {sites[i]: placement(node, tops, root).kind
+            for i, node in main_lookups(tree).items()}
+
+
+def test_placements():
+    assert _placements("SELECT llm_complete(x) FROM t WHERE a AND llm_filter(y)") == {
+        "LLM_COMPLETE(x)": "output", "LLM_FILTER(y)": "where"}
+    assert _placements("SELECT id FROM t WHERE llm_filter(y) ORDER BY id LIMIT 5") == {
+        "LLM_FILTER(y)": "incremental"}
+    assert _placements("SELECT cat, sum(llm_filter_score(x)) FROM t GROUP BY cat "
+                       "HAVING llm_filter(cat) ORDER BY llm_filter_score(cat)") == {
+        "LLM_FILTER_SCORE(x)": "pre_agg", "LLM_FILTER(cat)": "output",
+        "LLM_FILTER_SCORE(cat)": "output"}
+    assert _placements("SELECT * FROM (SELECT llm_filter(x) AS f FROM t) s") == {
+        "LLM_FILTER(x)": "lazy"}
+    assert _placements("SELECT a FROM t WHERE llm_filter(x) UNION ALL "
+                       "SELECT b FROM u WHERE llm_filter(z)") == {
+        "LLM_FILTER(x)": "where", "LLM_FILTER(z)": "where"}
+
+
+def test_unsupported_calls():
+    for q in ["SELECT llm_complete(x, temperature := 0.8) FROM t",
+              "SELECT llm_filter(x, nonsense := 1) FROM t",
+              "SELECT llm_classify(x) FROM t"]:
+        try:
+            find_sites(parse(q))
+        except Unsupported:
+            continue
+        raise AssertionError(q)
+    [site] = find_sites(parse("SELECT llm_complete(x, temperature := 0.8, seed := 7) FROM t"))
+    assert site.arg("seed").this == "7"
