@@ -70,6 +70,13 @@ def _sql(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    from llmdb.engine.calibrate import calibrate, report
+
+    print(report(calibrate(quick=args.quick, passes=args.passes, path=args.output)))
+    return 0
+
+
 def _explain(args: argparse.Namespace) -> int:
     import llmdb
 
@@ -123,6 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     add.add_argument("path")
     msub.add_parser("list", help="list registered models")
     models.set_defaults(func=_models)
+
+    cal = sub.add_parser("calibrate", help="time the engine here and fit its step cost model")
+    cal.add_argument("--quick", action="store_true", help="a dozen small steps (seconds)")
+    cal.add_argument("--passes", type=int, default=None, help="timed passes over the steps")
+    cal.add_argument("--output", type=Path, default=None,
+                     help="where to write the JSON (default: the user cache directory)")
+    cal.set_defaults(func=_calibrate)
 
     args = ap.parse_args(argv)
     try:

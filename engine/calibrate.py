@@ -1,0 +1,451 @@
+"""`llmdb calibrate`: time the real engine's steps on this machine and fit the cost model.
+
+Each measured step is a hand-built batch (decodes at given context lengths, prefill chunks
+over given cached prefixes, mixes of both) run through ModelRunner.execute and the sampler,
+the two things an engine step spends most of its time in. The scheduler and the per-token
+bookkeeping are left out (real engine.step()s of 40-60 decodes ran ~20% above the fitted
+model, probably their cost). Requests get blocks of their own from a region of the KV cache
+written once up front, so decode attention reads real memory rather than the kernel's
+shared zero page.
+
+Timings on a shared 2-core machine are noisy, and badly so: with both cores running torch's
+threads, another process taking one of them stalls every parallel region, and a 40 ms step
+can take a second. So each timed run also reads how much CPU other processes used meanwhile
+(/proc/stat minus /proc/self/stat); a run during which they used more than a sliver is
+retried, a few times at most. Every pass runs the steps in a fresh random order, so a burst
+of load lands on different steps in different passes, and each step keeps the median of its
+quiet runs (of all its runs when none was quiet, which the report counts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+
+from .costmodel import CPU_SWAP_BYTES_PER_S, FEATURES, Chunk, CostModel, cost_model_path, features
+
+# (context m, tokens c, decode) per request of one step.
+Plan = list[tuple[int, int, bool]]
+
+
+@dataclass
+class Measured:
+    kind: str  # "decode", "prefill" or "mixed": the held-out split is stratified by it
+    plan: Plan
+    seconds: float  # median of the runs kept (the quiet ones, if any)
+    fastest: float  # the quickest run kept, for comparison on a loaded machine
+    spread: float  # slowest / fastest of the runs kept
+    quiet: int = 0  # runs during which other processes stayed (nearly) idle
+    disturbed: int = 0  # runs discarded because they did not
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        return [Chunk(m, c, d) for m, c, d in self.plan]
+
+
+def _decodes(batch: int, context: int) -> Plan:
+    return [(context, 1, True)] * batch
+
+
+def full_plan() -> list[tuple[str, Plan]]:
+    """About 70 steps covering what the engine meets with its default 1,024-token budget."""
+    rng = random.Random(0)
+    steps: list[tuple[str, Plan]] = []
+    for context in (32, 128, 512, 1024):
+        for batch in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            if batch * context <= 32 * 1024:  # the KV region written up front
+                steps.append(("decode", _decodes(batch, context)))
+    for batch in (8, 32, 96):  # uneven contexts, as in a real running batch
+        steps.append(("decode", [(rng.randint(16, 1024), 1, True) for _ in range(batch)]))
+    for tokens in (16, 32, 64, 128, 256, 512, 1024):
+        for context in (0, 256, 1024):
+            steps.append(("prefill", [(context, tokens, False)]))
+    steps += [
+        ("prefill", [(0, 128, False)] * 2),
+        ("prefill", [(0, 64, False)] * 4),
+        ("prefill", [(512, 256, False)] * 2),
+        ("prefill", [(128, 32, False)] * 3),
+    ]
+    for batch, tokens, context in ((8, 64, 0), (8, 512, 256), (32, 256, 0), (32, 64, 512),
+                                   (128, 512, 0), (128, 128, 256)):
+        steps.append(("mixed", _decodes(batch, 256) + [(context, tokens, False)]))
+    steps.append(("mixed", _decodes(16, 512) + [(0, 128, False)] * 2))
+    return steps
+
+
+def quick_plan() -> list[tuple[str, Plan]]:
+    """A dozen small steps: enough to exercise the fit end to end in a few seconds."""
+    steps: list[tuple[str, Plan]] = []
+    for batch in (1, 4, 16):
+        for context in (32, 128):
+            steps.append(("decode", _decodes(batch, context)))
+    for tokens in (16, 64):
+        for context in (0, 64):
+            steps.append(("prefill", [(context, tokens, False)]))
+    steps.append(("mixed", _decodes(4, 64) + [(0, 32, False)]))
+    steps.append(("mixed", _decodes(8, 32) + [(64, 16, False)]))
+    return steps
+
+
+# ---- timing the real engine ---------------------------------------------------------------
+
+
+class StepTimer:
+    """Runs hand-built steps on an engine's runner and sampler.
+
+    Its blocks are taken from the engine's pool (which evicts whatever prefix they cached)
+    and given back by close(), so an idle engine is left consistent, if with a colder cache.
+    """
+
+    def __init__(self, engine, max_context_tokens: int):
+        import torch
+
+        self.engine = engine
+        pool = engine.pool
+        self.block_size = bs = pool.block_size
+        self.blocks = pool.allocate(min(pool.num_free, -(-max_context_tokens // bs)))
+        # Written once so every block used below is resident, as it is in a warm engine.
+        slots = (torch.tensor(self.blocks)[:, None] * bs + torch.arange(bs)).flatten()
+        for k, v in engine.kv_cache.layers:
+            k.index_fill_(0, slots, 0.01)
+            v.index_fill_(0, slots, 0.01)
+
+    def close(self) -> None:
+        self.engine.pool.free(self.blocks)
+        self.blocks = []
+
+    def build(self, plan: Plan) -> list[tuple]:
+        from .sampling import SamplingParams
+        from .sched.request import Request
+
+        scheduled, next_block = [], 0
+        for i, (context, tokens, _decode) in enumerate(plan):
+            # The prompt ends with this chunk, so each request wants one row of logits: a
+            # decode to sample, a prefill chunk to sample its first token.
+            req = Request(f"calibrate-{i}", [100] * (context + tokens), SamplingParams())
+            need = -(-(context + tokens) // self.block_size)
+            if next_block + need > len(self.blocks):
+                raise ValueError(f"a calibration step needs more than {len(self.blocks)} blocks")
+            req.block_ids = self.blocks[next_block : next_block + need]
+            req.num_computed = context
+            next_block += need
+            scheduled.append((req, tokens))
+        return scheduled
+
+    def run(self, scheduled: list[tuple]) -> float:
+        from .sampling import sample
+
+        t0 = time.perf_counter()
+        logits, _ = self.engine.runner.execute(scheduled)
+        if logits is not None:
+            reqs = [req for req, _ in scheduled]
+            sample(logits, [r.params for r in reqs], [None] * len(reqs))
+        return time.perf_counter() - t0
+
+
+def _jiffies() -> tuple[int, int] | None:
+    """(CPU time used by the whole machine, by this process), in clock ticks; None off
+    Linux."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = map(
+                int, f.readline().split()[1:9])
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, ValueError):
+        return None
+    return user + nice + system + irq + softirq + steal, int(fields[11]) + int(fields[12])
+
+
+def _others_were_busy(before, after, seconds: float) -> bool:
+    """Did other processes use more than a tick plus 5% of the machine during the run?"""
+    if before is None or after is None:
+        return False
+    others = (after[0] - before[0]) - (after[1] - before[1])
+    capacity = seconds * os.sysconf("SC_CLK_TCK") * (os.cpu_count() or 1)
+    return others > 1 + 0.05 * capacity
+
+
+def _wait_for_quiet(timeout: float, window: float = 0.25) -> bool:
+    """Wait until other processes leave the CPU idle for `window` seconds, or timeout."""
+    deadline = time.perf_counter() + timeout
+    while time.perf_counter() < deadline:
+        before = _jiffies()
+        time.sleep(window)
+        if not _others_were_busy(before, _jiffies(), window):
+            return True
+    return False
+
+
+def measure(engine, steps: Sequence[tuple[str, Plan]], passes: int, tries: int = 3,
+            budget_s: float | None = None, seed: int = 0, progress=None) -> list[Measured]:
+    """Times every step `passes` times after one warm-up pass (which also lets the kernels
+    pick their code paths for each shape), shuffling the order on every pass; a run
+    disturbed by other processes is retried, after a pause in their load (at most 10 s), up to
+    `tries` times in all. Past `budget_s`
+    seconds there are no more retries nor passes (one pass always completes)."""
+    t0 = time.perf_counter()
+    max_tokens = max(sum(m + c + 16 for m, c, _ in plan) for _, plan in steps)
+    timer = StepTimer(engine, max_tokens)
+    quiet: list[list[float]] = [[] for _ in steps]
+    noisy: list[list[float]] = [[] for _ in steps]
+    try:
+        built = [timer.build(plan) for _, plan in steps]
+        for i in range(len(steps)):  # warm-up
+            timer.run(built[i])
+        rng = random.Random(seed)
+        order = list(range(len(steps)))
+        for p in range(passes):
+            if p and budget_s is not None and time.perf_counter() - t0 > budget_s:
+                break
+            rng.shuffle(order)
+            for i in order:
+                for attempt in range(tries):
+                    if attempt:
+                        left = budget_s - (time.perf_counter() - t0) if budget_s else 10.0
+                        if left <= 0:
+                            break
+                        # Retry once the others pause, rather than straight into their load.
+                        _wait_for_quiet(min(10.0, left))
+                    before = _jiffies()
+                    t = timer.run(built[i])
+                    if _others_were_busy(before, _jiffies(), t):
+                        noisy[i].append(t)
+                        continue
+                    quiet[i].append(t)
+                    break
+            if progress:
+                progress(p + 1, passes)
+    finally:
+        timer.close()
+    out = []
+    for (kind, plan), q, n in zip(steps, quiet, noisy, strict=True):
+        ts = q or n
+        out.append(Measured(kind, plan, statistics.median(ts), min(ts), max(ts) / min(ts),
+                            quiet=len(q), disturbed=len(n)))
+    return out
+
+
+# ---- fitting ------------------------------------------------------------------------------
+
+
+def nnls(a: np.ndarray, b: np.ndarray, tol: float | None = None) -> np.ndarray:
+    """min ||a x - b|| subject to x >= 0 (Lawson and Hanson's active-set method).
+
+    scipy.optimize.nnls does the same; a dozen columns and a hundred rows are not worth the
+    dependency."""
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    n = a.shape[1]
+    if tol is None:
+        tol = 10 * max(a.shape) * np.finfo(float).eps * max(1.0, np.abs(a).max())
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    for _ in range(3 * n + 10):
+        grad = a.T @ (b - a @ x)
+        candidates = ~passive & (grad > tol)
+        if not candidates.any():
+            break
+        passive[np.argmax(np.where(candidates, grad, -np.inf))] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if (z[passive] > tol).all():
+                x = z
+                break
+            # Step from x toward z as far as feasibility allows, and drop what hits zero.
+            bad = passive & (z <= tol)
+            gap = x[bad] - z[bad]  # > 0 but for rounding on a variable already at zero
+            alpha = np.min(np.where(gap > 0, x[bad] / np.where(gap > 0, gap, 1.0), 0.0))
+            x = x + alpha * (z - x)
+            passive &= x > tol
+            x[~passive] = 0.0
+            if not passive.any():
+                break
+    return x
+
+
+def design_matrix(steps: Sequence[Sequence[Chunk]], names: Sequence[str]) -> np.ndarray:
+    return np.array([[features(chunks)[f] for f in names] for chunks in steps])
+
+
+def fit_coefficients(steps: Sequence[Sequence[Chunk]], seconds: Sequence[float],
+                     names: Sequence[str] = FEATURES) -> dict[str, float]:
+    """Non-negative coefficients minimizing the squared *relative* error of each step (rows
+    divided by the measured time), since the target is percentage error per step."""
+    a = design_matrix(steps, names)
+    t = np.asarray(seconds, dtype=float)
+    a = a / t[:, None]
+    b = np.ones(len(t))
+    # Features span 1 to 1e6: unit columns keep the active-set tolerances meaningful.
+    scale = np.linalg.norm(a, axis=0)
+    used = scale > 0
+    x = np.zeros(len(names))
+    x[used] = nnls(a[:, used] / scale[used], b) / scale[used]
+    return {f: float(v) for f, v in zip(names, x, strict=True)}
+
+
+def mape(model: CostModel, measured: Sequence[Measured]) -> float:
+    errors = [abs(model.step_time(m.chunks) - m.seconds) / m.seconds for m in measured]
+    return 100.0 * float(np.mean(errors)) if errors else float("nan")
+
+
+def split_held_out(measured: Sequence[Measured], fraction: float = 0.25,
+                   seed: int = 0) -> tuple[list[Measured], list[Measured]]:
+    """(train, held out): about `fraction` of each kind of step held out."""
+    rng = random.Random(seed)
+    train, held = [], []
+    for kind in sorted({m.kind for m in measured}):
+        group = [m for m in measured if m.kind == kind]
+        rng.shuffle(group)
+        k = max(1, round(fraction * len(group))) if len(group) > 1 else 0
+        held += group[:k]
+        train += group[k:]
+    return train, held
+
+
+def kv_projection_fraction(config) -> float:
+    """Share of a token's linear-layer MACs spent projecting K and V from the hidden state:
+    what re-projecting a hidden-cache token costs relative to computing a token."""
+    h, q = config.hidden_size, config.num_heads * config.head_dim
+    kv = config.num_kv_heads * config.head_dim
+    mlp = (3 if config.arch == "llama" else 2) * h * config.ffn_size
+    return 2 * h * kv / (h * q + 2 * h * kv + q * h + mlp)
+
+
+# Hidden-cache re-projection cannot be measured (the engine has no hidden cache): it is
+# derived from the fitted per-token cost instead.
+FITTED = tuple(f for f in FEATURES if f != "hidden_tokens")
+
+
+@dataclass
+class Calibration:
+    model: CostModel
+    measured: list[Measured]
+    held_out: list[Measured]
+    mape_held_out: float
+    mape_train: float
+    seconds: float
+    path: Path | None = None
+
+
+def fit(measured: Sequence[Measured], config,
+        source: str) -> tuple[CostModel, list[Measured], list[Measured]]:
+    """(model, training steps, held-out steps): fitted on ~75% of the steps, to be judged on
+    the rest. The model is the one fitted on the training steps, so the error reported on
+    the held-out ones is that of the coefficients written."""
+    train, held = split_held_out(measured)
+    coef = fit_coefficients([m.chunks for m in train], [m.seconds for m in train], FITTED)
+    coef["hidden_tokens"] = coef["tokens"] * kv_projection_fraction(config)
+    decodes = [m for m in measured if m.kind == "decode"]
+    # The floor: the smallest decode step, i.e. the fastest of the one-request decodes (their
+    # context barely matters, and the fastest is the least disturbed by other load).
+    batch = min(len(m.plan) for m in decodes)
+    floor = min(m.seconds for m in decodes if len(m.plan) == batch)
+    model = CostModel("cpu", coef, source, floor_s=floor,
+                      swap_bytes_per_s=CPU_SWAP_BYTES_PER_S)
+    return model, train, held
+
+
+def machine_info(engine) -> dict:
+    import torch
+
+    from .hardware import cpu_flags
+
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": name,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "bf16_flags": sorted({"amx_bf16", "avx512_bf16"} & cpu_flags()),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "model": engine.model_name,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "load_average": list(os.getloadavg()),
+    }
+
+
+def calibrate(quick: bool = False, passes: int | None = None, path: Path | None = None,
+              engine=None, tries: int = 3, budget_s: float | None = None,
+              log=print) -> Calibration:
+    """Measure, fit, and write the cost model of this machine (to `path` or
+    cost_model_path()). The timing stops adding passes after budget_s (default 150 s, 30 s
+    with quick), which keeps a run near three minutes even on a loaded machine."""
+    t0 = time.perf_counter()
+    if engine is None:
+        from .engine import LLMEngine
+
+        log("loading the engine ...")
+        engine = LLMEngine()
+    steps = quick_plan() if quick else full_plan()
+    passes = passes or (2 if quick else 4)
+    load_before = os.getloadavg()[0]
+    log(f"timing {len(steps)} steps, {passes} passes after a warm-up pass ...")
+    if budget_s is None:
+        budget_s = 30.0 if quick else 150.0
+    measured = measure(engine, steps, passes, tries=tries, budget_s=budget_s,
+                       progress=None if quick else lambda p, n: log(f"  pass {p}/{n} done"))
+    info = machine_info(engine)
+    info["load_average_before"] = load_before
+    date = datetime.now(UTC).strftime("%Y-%m-%d")
+    model, train, held = fit(measured, engine.config, f"calibrated {date}")
+    held_mape, train_mape = mape(model, held), mape(model, train)
+    held_ids = {id(m) for m in held}
+    elapsed = time.perf_counter() - t0
+    path = Path(path) if path is not None else cost_model_path("cpu")
+    payload = {
+        **model.to_dict(),
+        "date": date,
+        "machine": info,
+        "mape_held_out_pct": held_mape,
+        "mape_train_pct": train_mape,
+        "steps": len(measured),
+        "held_out_steps": len(held),
+        "passes": passes,
+        "quick": quick,
+        "calibration_s": elapsed,
+        "disturbed_runs": sum(m.disturbed for m in measured),
+        "quiet_runs": sum(m.quiet for m in measured),
+        "measured": [{"kind": m.kind, "plan": m.plan, "seconds": m.seconds,
+                      "fastest": m.fastest, "spread": m.spread, "quiet_runs": m.quiet,
+                      "disturbed_runs": m.disturbed, "held_out": id(m) in held_ids}
+                     for m in measured],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=1))
+    tmp.replace(path)  # a reader never sees half a file
+    return Calibration(model, measured, held, held_mape, train_mape, elapsed, path)
+
+
+def report(cal: Calibration) -> str:
+    c = cal.model.coefficients
+    lines = [f"wrote {cal.path}",
+             f"held-out MAPE per step: {cal.mape_held_out:.1f}% on {len(cal.held_out)} steps "
+             f"(training {cal.mape_train:.1f}%, target <= 15%)",
+             f"floor {cal.model.floor_s * 1e3:.1f} ms; calibration took {cal.seconds:.0f} s"]
+    lines += [f"  {f:<14} {c[f]:.4g} s" for f in FEATURES]
+    disturbed = sum(m.disturbed for m in cal.measured)
+    runs = disturbed + sum(m.quiet for m in cal.measured)
+    never_quiet = sum(not m.quiet for m in cal.measured)
+    if disturbed:
+        lines.append(f"note: other processes were busy during {disturbed} of {runs} timed "
+                     f"runs (discarded and retried); {never_quiet} of {len(cal.measured)} "
+                     "steps never ran undisturbed"
+                     + (": rerun on a quiet machine." if never_quiet else "."))
+    return "\n".join(lines)
