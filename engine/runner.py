@@ -27,8 +27,6 @@ class ModelRunner:
         last one when a generating request's tokens are all computed (to sample), and every
         position >= logits_from for scoring requests; and per request id its (first row,
         row count) in them."""
-        # Shortest chunks first: the attention kernel takes decodes and short chunks together.
-        scheduled = sorted(scheduled, key=lambda rn: rn[1])
         ids, positions, rows, spans = [], [], [], {}
         for req, n in scheduled:
             start = req.num_computed

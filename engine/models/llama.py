@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from llmdb.kernels.attention import AttentionBatch, write_kv
 from llmdb.kernels.elementwise import rms_norm, silu_mul
+from llmdb.kernels.linear import Linear, linear
 
 from .config import ModelConfig
 
@@ -15,13 +15,12 @@ from .config import ModelConfig
 _VOCAB_SLICE_ROWS = 256
 
 
-def vocab_projection(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def vocab_projection(hidden: torch.Tensor, lm_head: Linear) -> torch.Tensor:
     if hidden.shape[0] <= _VOCAB_SLICE_ROWS:
-        return F.linear(hidden, weight)
-    out = torch.empty(hidden.shape[0], weight.shape[0], dtype=hidden.dtype)
+        return lm_head(hidden)
+    out = torch.empty(hidden.shape[0], lm_head.out_features, dtype=hidden.dtype)
     for i in range(0, hidden.shape[0], _VOCAB_SLICE_ROWS):
-        torch.nn.functional.linear(hidden[i : i + _VOCAB_SLICE_ROWS], weight,
-                                   out=out[i : i + _VOCAB_SLICE_ROWS])
+        out[i : i + _VOCAB_SLICE_ROWS] = lm_head(hidden[i : i + _VOCAB_SLICE_ROWS])
     return out
 
 
@@ -35,7 +34,7 @@ class LlamaModel:
             return weights[name].to(dtype).contiguous()
 
         self.embed = w("model.embed_tokens.weight")
-        self.lm_head = self.embed if c.tie_embeddings else w("lm_head.weight")
+        self.lm_head = linear(self.embed if c.tie_embeddings else w("lm_head.weight"))
         self.norm = w("model.norm.weight")
         self.layers = []
         for i in range(c.num_layers):
@@ -46,11 +45,11 @@ class LlamaModel:
                                  weights[p + "mlp.up_proj.weight"]])
             self.layers.append((
                 w(p + "input_layernorm.weight"),
-                qkv.to(dtype).contiguous(),
-                w(p + "self_attn.o_proj.weight"),
+                linear(qkv.to(dtype)),
+                linear(w(p + "self_attn.o_proj.weight")),
                 w(p + "post_attention_layernorm.weight"),
-                gate_up.to(dtype).contiguous(),
-                w(p + "mlp.down_proj.weight"),
+                linear(gate_up.to(dtype)),
+                linear(w(p + "mlp.down_proj.weight")),
             ))
         inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2).double() / c.head_dim))
         angles = torch.arange(c.max_context).double()[:, None] * inv_freq[None, :]
@@ -82,18 +81,18 @@ class LlamaModel:
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
         scale = d**-0.5
         x = self.embed[input_ids]
-        for (ln1, qkv_w, o_w, ln2, gu_w, down_w), (k_cache, v_cache) in zip(
+        for (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj), (k_cache, v_cache) in zip(
             self.layers, kv_caches, strict=True
         ):
             h = rms_norm(x, ln1, c.norm_eps)
-            qk, v = F.linear(h, qkv_w).split([(hq + hk) * d, hk * d], dim=-1)
+            qk, v = qkv_proj(h).split([(hq + hk) * d, hk * d], dim=-1)
             # Q and K heads rotate together: one pass over both.
             q, k = self._rope(qk.view(t, hq + hk, d), cos, sin).split([hq, hk], dim=1)
             write_kv(k_cache, v_cache, k, v.reshape(t, hk, d), batch.slot_mapping)
             o = attention(q, k_cache, v_cache, batch, scale)
-            x = x + F.linear(o.reshape(t, hq * d), o_w)
+            x = x + o_proj(o.reshape(t, hq * d))
             h = rms_norm(x, ln2, c.norm_eps)
-            x = x + F.linear(silu_mul(F.linear(h, gu_w)), down_w)
+            x = x + down_proj(silu_mul(gate_up_proj(h)))
         return rms_norm(x, self.norm, c.norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from llmdb.kernels.attention import AttentionBatch, write_kv
+from llmdb.kernels.linear import linear
 
 from .config import ModelConfig
 from .llama import vocab_projection
@@ -23,19 +24,20 @@ class OPTModel:
 
         self.embed = w("embed_tokens.weight")
         self.positions = w("embed_positions.weight")
-        self.project_in = w("project_in.weight")
-        self.project_out = w("project_out.weight")
+        # OPT-350m projects between a narrower embedding and the hidden size.
+        project_in, project_out = w("project_in.weight"), w("project_out.weight")
+        self.project_in = None if project_in is None else linear(project_in)
+        self.project_out = None if project_out is None else linear(project_out)
         self.final_norm = (w("final_layer_norm.weight"), w("final_layer_norm.bias"))
         lm = weights.get("lm_head.weight")
-        self.lm_head = self.embed if config.tie_embeddings or lm is None else lm.to(dtype)
+        self.lm_head = linear(self.embed if config.tie_embeddings or lm is None else lm.to(dtype))
         self.layers = []
         for i in range(config.num_layers):
             q = f"layers.{i}."
             qkv_w = torch.cat([weights[p + q + f"self_attn.{n}_proj.weight"] for n in "qkv"])
             qkv_b = torch.cat([weights[p + q + f"self_attn.{n}_proj.bias"] for n in "qkv"])
-            self.layers.append(tuple(
-                t.to(dtype).contiguous() if t is not None else None
-                for t in (
+            ln1_w, ln1_b, qkv_w, qkv_b, o_w, o_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b = (
+                t.to(dtype).contiguous() for t in (
                     weights[p + q + "self_attn_layer_norm.weight"],
                     weights[p + q + "self_attn_layer_norm.bias"],
                     qkv_w, qkv_b,
@@ -45,8 +47,9 @@ class OPTModel:
                     weights[p + q + "final_layer_norm.bias"],
                     weights[p + q + "fc1.weight"], weights[p + q + "fc1.bias"],
                     weights[p + q + "fc2.weight"], weights[p + q + "fc2.bias"],
-                )
-            ))
+                ))
+            self.layers.append((ln1_w, ln1_b, linear(qkv_w, qkv_b), linear(o_w, o_b), ln2_w,
+                                ln2_b, linear(fc1_w, fc1_b), linear(fc2_w, fc2_b)))
 
     def forward(
         self,
@@ -60,31 +63,31 @@ class OPTModel:
         t, h, d = input_ids.shape[0], c.num_heads, c.head_dim
         x = self.embed[input_ids]
         if self.project_in is not None:
-            x = F.linear(x, self.project_in)
+            x = self.project_in(x)
         x = x + self.positions[positions + c.position_offset]
         hs = (c.hidden_size,)
-        for (ln1_w, ln1_b, qkv_w, qkv_b, o_w, o_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b), (
-            k_cache, v_cache,
-        ) in zip(self.layers, kv_caches, strict=True):
+        for (ln1_w, ln1_b, qkv_proj, o_proj, ln2_w, ln2_b, fc1, fc2), (k_cache, v_cache) in zip(
+            self.layers, kv_caches, strict=True
+        ):
             res = x
             if c.norm_before:
                 x = F.layer_norm(x, hs, ln1_w, ln1_b)
-            q, k, v = F.linear(x, qkv_w, qkv_b).split(c.hidden_size, dim=-1)
+            q, k, v = qkv_proj(x).split(c.hidden_size, dim=-1)
             write_kv(k_cache, v_cache, k.reshape(t, h, d), v.reshape(t, h, d), batch.slot_mapping)
             o = attention(q.reshape(t, h, d), k_cache, v_cache, batch, d**-0.5)
-            x = res + F.linear(o.reshape(t, h * d), o_w, o_b)
+            x = res + o_proj(o.reshape(t, h * d))
             if not c.norm_before:
                 x = F.layer_norm(x, hs, ln1_w, ln1_b)
             res = x
             if c.norm_before:
                 x = F.layer_norm(x, hs, ln2_w, ln2_b)
-            x = res + F.linear(F.relu(F.linear(x, fc1_w, fc1_b)), fc2_w, fc2_b)
+            x = res + fc2(F.relu(fc1(x)))
             if not c.norm_before:
                 x = F.layer_norm(x, hs, ln2_w, ln2_b)
         if self.final_norm[0] is not None:
             x = F.layer_norm(x, hs, *self.final_norm)
         if self.project_out is not None:
-            x = F.linear(x, self.project_out)
+            x = self.project_out(x)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,48 @@
+"""Linear layers whose bf16 weights are packed once into oneDNN's blocked layout.
+
+`F.linear` on a bf16 weight hands it to oneDNN, which reorders it into its blocked layout on
+every call. Packing once at load time (the op torch's own CPU compiler uses after freezing)
+skips that: measured here with SmolLM2's shapes, 5-10% faster at 1,024 rows and 20-50% at
+1-64 rows (decode steps), including the 49k-row vocabulary projection. The results are
+bitwise those of `F.linear` (the same oneDNN kernels). fp32 weights stay with `F.linear`:
+it goes to MKL's sgemm there, and oneDNN's fp32 kernels differ in the last bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# The row count oneDNN picks its blocking for; any row count works with the packed weight.
+_ROWS_HINT = 1024
+
+
+def _can_pack(weight: torch.Tensor) -> bool:
+    return (weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+@dataclass(frozen=True)
+class Linear:
+    """y = x W^T + b for x [rows, in_features]."""
+
+    weight: torch.Tensor | None  # [out, in], dense; None when packed
+    packed: torch.Tensor | None  # oneDNN's layout of the same weight
+    bias: torch.Tensor | None
+    out_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+    """A Linear over `weight` [out, in] (and `bias`), packed where that is exact."""
+    weight = weight.contiguous()
+    if _can_pack(weight):
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, _ROWS_HINT)
+        return Linear(None, packed, bias, weight.shape[0])
+    return Linear(weight, None, bias, weight.shape[0])
