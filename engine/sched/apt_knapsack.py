@@ -71,9 +71,10 @@ options (p and m for KV, g and h for hidden), not summed from the increments.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import compress, repeat
+from itertools import accumulate, compress, repeat
 from math import isnan
 from operator import attrgetter, eq, gt, lt, truediv
 
@@ -106,24 +107,30 @@ class Selection:
 
 
 def select(cands: Sequence[Candidate], budget: float, n_queue: int, rho: float) -> Selection:
+    """The repaired greedy for one iteration over candidate objects; see select_columns."""
+    cs = sorted(cands, key=_by_key)
+    return select_columns([c.key for c in cs], [c.pending for c in cs],
+                          [c.kv_mem for c in cs], [c.hidden_mem for c in cs], budget, n_queue,
+                          rho)
+
+
+def select_columns(keys: Sequence[int], P: Sequence[float], M: Sequence[float],
+                   H: Sequence[float], budget: float, n_queue: int, rho: float) -> Selection:
     """The repaired greedy for one iteration: one sort plus linear passes, O(n log n).
 
-    Written over columns (plain lists, map and compress, which loop in C) with no object per
-    step, because the scheduler calls it every iteration with up to ~1,600 candidates: loops in
-    Python run only over the steps of the pass and over the requests that need more than a KV
-    step (a hidden option, or a KV option that does not fit alone).
+    Candidate i is (keys[i], P[i], M[i], H[i]), with the keys strictly increasing (the
+    tie-breaker order). Written over columns (plain lists, map and compress, which loop in C)
+    with no object per candidate or step, because the scheduler calls it every iteration
+    with up to ~1,600 candidates: loops in Python run only over the steps of the pass and
+    over the requests that need more than a KV step (a hidden option, or a KV option that
+    does not fit alone).
     """
     if n_queue < 0 or not rho >= 0:
         raise ValueError(f"need n_queue >= 0 and rho >= 0, got {n_queue}, {rho}")
     nr = n_queue * rho
-    # Sorting by key first makes the stable theta sort below break ties by key whatever order
-    # the caller passes (timsort is linear when the input already is in key order).
-    cs = sorted(cands, key=_by_key)
-    n = len(cs)
-    keys = [c.key for c in cs]
-    P = [c.pending for c in cs]
-    M = [c.kv_mem for c in cs]
-    H = [c.hidden_mem for c in cs]
+    n = len(keys)
+    if not (isinstance(keys, range) and keys.step > 0) and not all(map(lt, keys, keys[1:])):
+        raise ValueError("candidate keys must be unique (and, here, increasing)")
     if n and not (min(P) >= 0 and min(M) > 0 and min(H) > 0):
         raise ValueError("need pending >= 0, kv_mem > 0 and hidden_mem > 0")
     theta = list(map(truediv, P, M))
@@ -131,6 +138,11 @@ def select(cands: Sequence[Candidate], budget: float, n_queue: int, rho: float) 
     # hidden_mem compares false everywhere and just means no hidden option.
     if isnan(sum(theta)):
         raise ValueError("pending and kv_mem must not be NaN")
+    memory = sum(M, 0.0)
+    if memory <= budget:
+        # Every KV option fits at once: the pass below would take every step and end with
+        # every request in KV, the optimum (g <= p bounds every hidden choice). No sort.
+        return Selection(dict.fromkeys(keys, KV), sum(P, 0.0), memory, False)
     # Steps 0..n-1: request i's first step (KV, or hidden); steps n..: upgrades hidden -> KV,
     # of request up_req[j - n]. A first step with theta -1 does not exist (dropped); every
     # real step has theta >= 0.
@@ -185,8 +197,18 @@ def select(cands: Sequence[Candidate], budget: float, n_queue: int, rho: float) 
     if n_dropped:
         del order[-n_dropped:]  # theta -1: exactly the tail
     state = [_NONE] * n
-    used = 0.0
-    for j in order:
+    # The longest run of steps that fit one after the other is taken whole: found with one
+    # running sum in C (the same additions the loop would make), so the Python loop below
+    # only runs from the first step that does not fit.
+    cum = list(accumulate([weight[j] for j in order], initial=0.0))
+    k = bisect_right(cum, budget) - 1
+    for j in order[:k]:
+        if j < n:
+            state[j] = first[j]
+        else:
+            state[up_req[j - n]] = _IN_KV
+    used = cum[k]
+    for j in order[k:]:
         if j < n:
             i = j
             nxt = first[j]
@@ -207,14 +229,12 @@ def select(cands: Sequence[Candidate], budget: float, n_queue: int, rho: float) 
     is_kv = list(map(eq, state, repeat(_IN_KV)))
     value = sum(compress(P, state), 0.0)  # p of every chosen request; hidden ones corrected below
     memory = sum(compress(M, is_kv), 0.0)
-    choice = dict(zip(compress(keys, is_kv), repeat(KV)))
+    choice = dict.fromkeys(compress(keys, is_kv), KV)
     if _IN_HIDDEN in state:
         is_hidden = list(map(eq, state, repeat(_IN_HIDDEN)))
         value -= nr * sum(compress(M, is_hidden))
         memory += sum(compress(H, is_hidden))
-        choice.update(zip(compress(keys, is_hidden), repeat(HIDDEN)))
-    if len(choice) != n - state.count(_NONE):  # checked here, where a duplicate would bite
-        raise ValueError("candidate keys must be unique")
+        choice.update(dict.fromkeys(compress(keys, is_hidden), HIDDEN))
 
     # Without a rejection the greedy is optimal, so the single option can only win otherwise.
     if rejected and n:

@@ -18,31 +18,33 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     arrival: float = field(default_factory=time.perf_counter)
+    # The fields every scheduling decision reads come first: with slots they share cache
+    # lines, which matters when a policy sweeps ~1,600 requests per iteration.
+    output_ids: list[int] = field(default_factory=list)
+    last_token_time: float | None = None
+    # Scheduling class and targets: RT (interactive) or BE (bulk); SLOs in seconds or None.
+    priority: str = "BE"
+    slo_ttft_s: float | None = None
+    slo_tbt_s: float | None = None
+    status: Status = Status.WAITING
+    num_computed: int = 0
+    block_ids: list[int] = field(default_factory=list)
     # Generation stops after max_tokens; scoring requests generate nothing (generate=False).
     generate: bool = True
     # Positions p >= logits_from have the logits predicting token p + 1 returned (scoring).
     logits_from: int | None = None
-    output_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0
-    block_ids: list[int] = field(default_factory=list)
     # Prefix caching: chained hashes of the full blocks of token_ids (grown as needed), how
     # many of this request's blocks are published, and the prompt tokens served from cache.
     block_hashes: list[int] = field(default_factory=list)
     num_registered: int = 0
     num_cached_tokens: int | None = None
-    status: Status = Status.WAITING
-    # Scheduling class and targets: RT (interactive) or BE (bulk); SLOs in seconds or None.
-    priority: str = "BE"
-    slo_ttft_s: float | None = None
-    slo_tbt_s: float | None = None
     cache_type: str = "kv"  # "kv" or "hidden" (Apt-Serve; the simulator only, for now)
-    last_token_time: float | None = None
     finish_reason: str | None = None
     error: str | None = None
     generator: torch.Generator | None = None

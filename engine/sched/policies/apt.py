@@ -21,13 +21,19 @@ is KV, and apt degrades to pending-time-weighted selection with preemption.
 
 from __future__ import annotations
 
-from ..apt_knapsack import Candidate, select
+from ..apt_knapsack import select_columns
 from ..request import Request, Status
 from ..scheduler import Scheduler, SchedulerOutput
 from .base import Policy
 
 NEAR_ZERO = 1e-6
 DECAY = 0.4
+
+
+def _total_pending(reqs, now: float) -> float:
+    """The sum of Request.pending_time over reqs, in one pass."""
+    return len(reqs) * now - sum(
+        r.arrival if r.last_token_time is None else r.last_token_time for r in reqs)
 
 
 class AptPolicy(Policy):
@@ -40,24 +46,23 @@ class AptPolicy(Policy):
             raise ValueError(f"fallback must be 'zero' or 'decay', got {fallback!r}")
         self.fallback = fallback
 
-    def value_time(self, req: Request, now: float) -> float:
-        p = req.pending_time(now)
-        if req.last_token_time is None:
-            late = req.slo_ttft_s is not None and now - req.arrival > req.slo_ttft_s
-        else:
-            late = req.slo_tbt_s is not None and p > req.slo_tbt_s
-        if not late:
-            return max(p, 0.0)
-        return NEAR_ZERO if self.fallback == "zero" else p * DECAY
+    def values(self, since: list[float], slo: list[float | None], now: float) -> list[float]:
+        """Each request's p = now - since after the SLO-aware fallback. Before its first token
+        a request is late when now - arrival > its TTFT SLO, after it when now - last token >
+        its TBT SLO: either way, when p exceeds the SLO of the token it waits for."""
+        late = NEAR_ZERO if self.fallback == "zero" else None
+        return [(p if p > 0.0 else 0.0) if lim is None or p <= lim
+                else late if late is not None else p * DECAY
+                for p, lim in zip([now - t for t in since], slo, strict=True)]
 
     def schedule(self, s: Scheduler, now: float) -> SchedulerOutput:
-        waiting, running = list(s.waiting), list(s.running)
-        if not waiting and not running:
+        if not s.waiting and not s.running:
             return SchedulerOutput()
-        prefill_iter = (sum(r.pending_time(now) for r in waiting)
-                        > sum(r.pending_time(now) for r in running)) or not running
+        # Pending times without the fallback: the iteration type compares raw waiting time.
+        prefill_iter = not s.running or (
+            _total_pending(s.waiting, now) > _total_pending(s.running, now))
         out = self.iteration(s, now, prefill_iter)
-        if prefill_iter and not out.scheduled and running:
+        if prefill_iter and not out.scheduled and s.running:
             # Nothing waiting fits next to the running requests: serve them instead, or the
             # engine would stall on empty prefill iterations.
             out = self.iteration(s, now, False)
@@ -66,24 +71,29 @@ class AptPolicy(Policy):
     def decide(self, s: Scheduler, now: float, prefill_iter: bool
                ) -> tuple[list[Request], list[float], dict[int, str]]:
         """The candidates of this iteration, their values and the knapsack's picks."""
-        waiting, running = list(s.waiting), list(s.running)
         pool = s.pool
         if prefill_iter:
-            queue = waiting[: s.max_num_seqs - len(running)]
-            budget = pool.num_blocks - sum(len(r.block_ids) for r in running)
+            queue = list(s.waiting)[: s.max_num_seqs - len(s.running)]
+            budget = pool.num_blocks - sum(len(r.block_ids) for r in s.running)
         else:
-            queue, budget = running, pool.num_blocks
+            queue, budget = list(s.running), pool.num_blocks
         bs = pool.block_size
-        hidden_per_block = max(1, int(bs / s.hidden_ratio)) if s.hidden_ratio else 0
-        values = [self.value_time(r, now) for r in queue]
-        cands = []
-        for k, r in enumerate(queue):
-            tokens = len(r.prompt_ids) + len(r.output_ids)
-            m = -(-tokens // bs)
-            h = -(-tokens // hidden_per_block) if hidden_per_block else m + 1
-            cands.append(Candidate(k, values[k], m, h))
+        # Column by column (this runs every iteration over up to ~1,600 requests): measured
+        # faster here than one sweep building a tuple per request.
+        since = [r.arrival if r.last_token_time is None else r.last_token_time for r in queue]
+        slo = [r.slo_ttft_s if r.last_token_time is None else r.slo_tbt_s for r in queue]
+        values = self.values(since, slo, now)
+        tokens = [len(r.prompt_ids) + len(r.output_ids) for r in queue]
+        m = [(t + bs - 1) // bs for t in tokens]  # KV blocks, rounded up
+        if s.hidden_ratio:
+            per_block = max(1, int(bs / s.hidden_ratio))  # hidden-cache tokens per block
+            h = [(t + per_block - 1) // per_block for t in tokens]
+        else:
+            h = [b + 1 for b in m]  # h > m: no hidden option
         rho = (s.cost_model.rho if s.cost_model is not None else 0.0) * bs
-        return queue, values, select(cands, budget, len(waiting) + len(running), rho).choice
+        n_queue = len(s.waiting) + len(s.running)
+        picked = select_columns(range(len(queue)), values, m, h, budget, n_queue, rho).choice
+        return queue, values, picked
 
     def iteration(self, s: Scheduler, now: float, prefill_iter: bool) -> SchedulerOutput:
         out = SchedulerOutput()
