@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .compute import run_on_compute_thread
 from .costmodel import CPU_SWAP_BYTES_PER_S, FEATURES, Chunk, CostModel, cost_model_path, features
 
 # (context m, tokens c, decode) per request of one step.
@@ -116,9 +117,13 @@ class StepTimer:
         self.blocks = pool.allocate(min(pool.num_free, -(-max_context_tokens // bs)))
         # Written once so every block used below is resident, as it is in a warm engine.
         slots = (torch.tensor(self.blocks)[:, None] * bs + torch.arange(bs)).flatten()
-        for k, v in engine.kv_cache.layers:
-            k.index_fill_(0, slots, 0.01)
-            v.index_fill_(0, slots, 0.01)
+
+        def fill() -> None:
+            for k, v in engine.kv_cache.layers:
+                k.index_fill_(0, slots, 0.01)
+                v.index_fill_(0, slots, 0.01)
+
+        run_on_compute_thread(fill)
 
     def close(self) -> None:
         self.engine.pool.free(self.blocks)
@@ -143,6 +148,10 @@ class StepTimer:
         return scheduled
 
     def run(self, scheduled: list[tuple]) -> float:
+        """Seconds of one step, timed on the compute thread where the engine's steps run."""
+        return run_on_compute_thread(self._timed_step, scheduled)
+
+    def _timed_step(self, scheduled: list[tuple]) -> float:
         from .sampling import sample
 
         t0 = time.perf_counter()

@@ -246,27 +246,27 @@ def _opt13b_a100() -> CostModel:
 # ---- cpu: this machine --------------------------------------------------------------------
 # Built-in default for SmolLM2-135M in bf16 on a 2-core AVX512-BF16 CPU (torch, 2 threads),
 # used until `llmdb calibrate` has written a file: the coefficients of a full calibration on
-# this VM (2026-11-22, 66 steps x 4 passes with only 1 of 265 runs disturbed by other load;
-# held-out MAPE 4.2% per step), rounded. A lone decode takes ~46 ms (30 layers of small ops:
-# overhead, not FLOPs), each further decode ~1 ms, a prefill token ~0.85 ms plus attention.
-# Cross-check: it puts a 400-request decode step at ~90 tokens of context at ~555 ms, against
-# ~490 ms measured in bench/RESULTS.md. Real engine.step()s on a 64-request workload came out
-# at 11% per-step error, the total within 6%.
+# this VM at ad629f3 (prepacked oneDNN weights, every query through the C++ attention kernel;
+# 2026-11-22, 66 steps x 4 passes, 5 of 269 runs disturbed by other load and retried;
+# held-out MAPE 7.1% per step, training 4.2%), rounded. A lone decode takes ~30 ms (30
+# layers of small ops: overhead, not FLOPs), each further decode ~0.9 ms, a prefill token
+# ~0.72 ms plus attention. It puts a 400-request decode step at ~90 tokens of context at
+# ~455 ms. (The calibration before those kernels: lone decode 46 ms, prefill token 0.85 ms.)
 _CPU_DEFAULT = {
-    "const": 0.031,
-    "tokens": 8.4e-4,
-    "decode_kv": 2.6e-6,
-    "decode_on": 0.015,
-    "n_decode": 1.8e-4,
-    "prefill_attn": 4.3e-7,
-    "prefill_on": 0.016,
+    "const": 0.0235,
+    "tokens": 7.24e-4,
+    "decode_kv": 2.36e-6,
+    "decode_on": 0.0054,
+    "n_decode": 1.31e-4,
+    "prefill_attn": 2.66e-7,
+    "prefill_on": 0.0,
     "n_prefill": 0.0,
-    "prefill_m": 4.0e-6,
+    "prefill_m": 1.16e-5,
     # Not measurable (no hidden cache in the engine): K/V projection's share of a token's
     # linear-layer work in SmolLM2, 6.25% of "tokens" (see calibrate.kv_projection_fraction).
     "hidden_tokens": 5.2e-5,
 }
-_CPU_DEFAULT_FLOOR_S = 0.046
+_CPU_DEFAULT_FLOOR_S = 0.030
 # A host-tier copy reads and writes: half the ~26 GB/s this machine reads at.
 CPU_SWAP_BYTES_PER_S = 13e9
 

@@ -19,6 +19,7 @@ import torch
 
 from . import __version__
 from .cache.block_pool import BlockPool, KVCache
+from .compute import run_on_compute_thread
 from .hardware import default_dtype
 from .models import load_model
 from .models.llama import LlamaModel
@@ -61,19 +62,13 @@ class LLMEngine:
         rt_slo_ttft_s: float = 1.0,
         rt_slo_tbt_s: float = 0.25,
     ):
-        torch.set_num_threads(threads or os.cpu_count() or 1)
         t0 = time.perf_counter()
         self.model_name = model
         self.dtype = _parse_dtype(dtype)
-        loaded = load_model(resolve_model(model))
-        self.config, self.tokenizer = loaded.config, loaded.tokenizer
-        self.fingerprint = loaded.fingerprint
-        model_cls = {"llama": LlamaModel, "opt": OPTModel}[self.config.arch]
-        self.model = model_cls(self.config, loaded.weights, self.dtype)
-        del loaded
-        num_blocks = kv_cache_bytes // KVCache.bytes_per_block(self.config, block_size, self.dtype)
+        # Weights and caches are made on the compute thread, where the steps will run.
+        num_blocks = run_on_compute_thread(self._load, model, threads, kv_cache_bytes,
+                                           block_size)
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
-        self.kv_cache = KVCache(self.config, num_blocks, block_size, self.dtype)
         self.scheduler = Scheduler(self.pool, max_num_batched_tokens, max_num_seqs, policy,
                                    max_prefill_tokens)
         self.rt_slos = (rt_slo_ttft_s, rt_slo_tbt_s)
@@ -88,6 +83,18 @@ class LLMEngine:
         self._loop: threading.Thread | None = None
         self._stopping = False
         self._default_generator = torch.Generator().manual_seed(0)
+
+    def _load(self, model: str, threads: int | None, kv_cache_bytes: int, block_size: int
+              ) -> int:
+        torch.set_num_threads(threads or os.cpu_count() or 1)
+        loaded = load_model(resolve_model(model))
+        self.config, self.tokenizer = loaded.config, loaded.tokenizer
+        self.fingerprint = loaded.fingerprint
+        model_cls = {"llama": LlamaModel, "opt": OPTModel}[self.config.arch]
+        self.model = model_cls(self.config, loaded.weights, self.dtype)
+        num_blocks = kv_cache_bytes // KVCache.bytes_per_block(self.config, block_size, self.dtype)
+        self.kv_cache = KVCache(self.config, num_blocks, block_size, self.dtype)
+        return num_blocks
 
     # ---- submitting ----------------------------------------------------------------------
 
@@ -199,7 +206,7 @@ class LLMEngine:
     def step(self) -> list[str]:
         """One scheduler iteration; returns the ids of requests that finished in it."""
         with self._step_lock:  # threads that drive the engine themselves take turns
-            return self._step()
+            return run_on_compute_thread(self._step)
 
     def _step(self) -> list[str]:
         with self._cond:
