@@ -34,6 +34,18 @@ BASE_BATCH = 128
 T_AVG_WEIGHT = 0.2  # exponential average of iteration times
 
 
+def largest_chunk(fits, n: int) -> int:
+    """The largest m < n with fits(m), by bisection (step time grows with m); 0 if none."""
+    lo, hi = 0, n - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo if lo and fits(lo) else 0
+
+
 class BROSPolicy(Policy):
     name = "bros"
     description = ("BROS: RT by residual time to their token deadline under the cost model's "
@@ -137,6 +149,10 @@ class BROSPolicy(Policy):
                 continue
             if not in_time([(r, n)]):
                 stopped_on_time = True
+                fit = 0 if r.is_decode else largest_chunk(lambda m, r=r: in_time([(r, m)]), n)
+                if fit:  # the part of the prompt that fits the time left, as Sarathi chunks
+                    take(r, fit, s.blocks_to_run(r, fit))
+                    break
                 if chosen:
                     break
                 # The most urgent request is late whatever runs; serving it keeps the engine
