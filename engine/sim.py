@@ -36,6 +36,10 @@ class SimConfig:
     slo_ttft_s: float = 1.0
     slo_tbt_s: float = 0.25
     max_time_s: float = 1e9  # stop the clock here (requests left unfinished are reported)
+    # Prefix caching as the engine does it (it matters for specs with real prompt_ids), with
+    # these token sequences' blocks already cached at the start (earlier queries' blocks).
+    prefix_caching: bool = False
+    cached_prefixes: Sequence[Sequence[int]] = ()
 
 
 @dataclass
@@ -114,9 +118,12 @@ class SimResult:
 
 
 def _request(spec: RequestSpec, cfg: SimConfig, ids: Callable[[], int]) -> Request:
-    # Distinct token ids per request, so that prefix caching finds nothing by accident.
-    base = ids() * 100_000
-    req = Request(spec.request_id, list(range(base, base + spec.prompt_len)),
+    if spec.prompt_ids is not None:
+        prompt = list(spec.prompt_ids)
+    else:  # distinct token ids per request, so that prefix caching finds nothing by accident
+        base = ids() * 100_000
+        prompt = list(range(base, base + spec.prompt_len))
+    req = Request(spec.request_id, prompt,
                   SamplingParams(max_tokens=spec.output_len, ignore_eos=True),
                   arrival=spec.arrival)
     req.priority = spec.priority
@@ -132,10 +139,13 @@ def simulate(specs: Sequence[RequestSpec], policy: str, cost_model: CostModel,
     batch, started at time 0 and again whenever the previous one has completed."""
     import time
 
-    pool = BlockPool(cfg.num_blocks, cfg.block_size, enable_prefix_caching=False)
+    pool = BlockPool(cfg.num_blocks, cfg.block_size, enable_prefix_caching=cfg.prefix_caching)
     sched = Scheduler(pool, cfg.max_num_batched_tokens, cfg.max_num_seqs, policy,
                       cfg.max_prefill_tokens, cost_model=cost_model,
                       hidden_ratio=cfg.hidden_ratio)
+    if cfg.prefix_caching:
+        for ids in cfg.cached_prefixes:
+            sched.seed_cached(ids)
     counter = itertools.count()
     pending = sorted(specs, key=lambda s: s.arrival)
     metrics: dict[str, RequestMetrics] = {}
@@ -182,6 +192,8 @@ def simulate(specs: Sequence[RequestSpec], policy: str, cost_model: CostModel,
         steps += 1
         for req, n in out.scheduled:
             req.num_computed += n
+            if cfg.prefix_caching:
+                sched.register_computed(req)
             if req.num_computed < req.num_tokens:
                 continue
             req.output_ids.append(0)

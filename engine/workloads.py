@@ -23,6 +23,9 @@ class RequestSpec:
     output_len: int
     priority: str = "RT"
     request_id: str = ""
+    # Real token ids (len == prompt_len): shared prefixes then hit the simulator's prefix
+    # cache as they would the engine's. None: ids no other request shares.
+    prompt_ids: tuple[int, ...] | None = None
 
 
 # (prompt mean, prompt std, output mean, output std), from DESIGN.md.

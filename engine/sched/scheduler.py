@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..cache.block_pool import BlockPool, block_hash
 from ..costmodel import Chunk, CostModel
+from ..sampling import SamplingParams
 from .request import Request, Status
 
 if TYPE_CHECKING:
@@ -186,6 +188,23 @@ class Scheduler:
             if self._computing.get(hashes[i]) == req.request_id:
                 del self._computing[hashes[i]]
         req.num_registered = full
+
+    def seed_cached(self, token_ids: Sequence[int]) -> None:
+        """Leave the full blocks of token_ids cached and unreferenced in the pool, as the
+        requests of an earlier query leave them (the simulator's start state)."""
+        bs = self.pool.block_size
+        req = Request("seed", list(token_ids), SamplingParams(max_tokens=1))
+        blocks = []
+        for i, h in enumerate(self._hashes(req, len(token_ids) // bs)):
+            tokens = self._block_tokens(req, i)
+            b = self.pool.lookup(h, tokens)
+            if b is None:
+                b = self.pool.allocate(1)[0]
+                self.pool.register(b, h, tokens)
+            else:
+                self.pool.touch(b)
+            blocks.append(b)
+        self.pool.free(blocks)
 
     # ---- acting on the policy's decisions --------------------------------------------------
 

@@ -4,13 +4,13 @@ The dry run (Planner.dry_run) knows, per call site, the rows it would be evaluat
 distinct argument tuples it would compute, in which batches, and a uniform sample of those
 tuples. Here the sample is rendered into the requests the SQL functions would send (the same
 chat template, suffixes and cache keys as llmdb.functions), tokenized as the engine will,
-and looked up in the result cache. The engine's prefix cache is replayed on the sample
-(chained hashes of full blocks, as the block pool keeps them, starting from the blocks the
-pool holds now), so a shared chat template or instruction counts once, and prompts an
-earlier query computed count as cached. The batches then become requests for the engine's
-simulator
-(engine/sim.py: the engine's own scheduler and limits, the cost model as its clock), all
-arriving at once, one batch after the other as the planner submits them.
+and looked up in the result cache. The batches then become requests for the engine's
+simulator (engine/sim.py: the engine's own scheduler, limits and prefix caching, the cost
+model as its clock), with the sampled prompts' token ids, all arriving at once, one batch
+after the other as the planner submits them; the simulator's pool starts with the prompt
+blocks the engine's pool holds now, so a shared chat template or instruction counts once,
+prompts an earlier query computed count as cached, and a suffix after a cached prefix pays
+its attention over it.
 """
 
 from __future__ import annotations
@@ -132,28 +132,45 @@ def row_requests(site: Site, key: tuple, backend: Backend, lengths: list[int]) -
     return Row(requests, _key(backend, "classify", [rendered, choices]))
 
 
-def prefix_cached(requests: list[Request], block_size: int, pool: Any | None) -> list[int]:
-    """Prompt tokens each request will find in the engine's prefix cache, submitted in this
-    order: the leading full blocks that the pool holds now (from earlier queries) or that an
-    earlier request of the batch computes. Hashes chained as the block pool chains them."""
-    seen: set[int] = set()
+def _leading_blocks(ids: list[int], block_size: int, limit: int) -> list[tuple[int, tuple]]:
+    """(chained hash, tokens) of the full blocks of ids within the first `limit` tokens."""
+    out, parent = [], None
+    for b in range(min(len(ids), limit) // block_size):
+        tokens = tuple(ids[b * block_size:(b + 1) * block_size])
+        parent = block_hash(parent, tokens)
+        out.append((parent, tokens))
+    return out
+
+
+def pool_prefixes(requests: list[Request], block_size: int, pool: Any | None) -> list[int]:
+    """Prompt tokens of each request whose blocks the engine's pool holds now (left by earlier
+    queries): the leading full blocks it finds there, hashes chained as the pool chains them."""
     out = []
     for r in requests:
-        if r.ids is None:
-            out.append(0)
-            continue
-        parent, hits, leading = None, 0, True
-        for b in range(len(r.ids) // block_size):
-            tokens = tuple(r.ids[b * block_size:(b + 1) * block_size])
-            h = block_hash(parent, tokens)
-            parent = h
-            cached = h in seen or (pool is not None and pool.lookup(h, tokens) is not None)
-            if leading and cached and (b + 1) * block_size <= r.cacheable:
+        hits = 0
+        if r.ids is not None and pool is not None:
+            for h, tokens in _leading_blocks(r.ids, block_size, r.cacheable):
+                if pool.lookup(h, tokens) is None:
+                    break
                 hits += 1
-            else:
-                leading = False
-            seen.add(h)
         out.append(hits * block_size)
+    return out
+
+
+def shared_prefixes(requests: list[Request], block_size: int, held: list[int]) -> list[int]:
+    """Prompt tokens of each request that other rows can share: the leading full blocks held
+    in the pool or also leading another sampled request (a template, a system prompt)."""
+    blocks = [_leading_blocks(r.ids or [], block_size, r.cacheable) for r in requests]
+    seen: dict[int, int] = {}
+    for bl in blocks:
+        for h, _ in bl:
+            seen[h] = seen.get(h, 0) + 1
+    out = []
+    for bl, pooled in zip(blocks, held, strict=True):
+        k = 0
+        while k < len(bl) and ((k + 1) * block_size <= pooled or seen[bl[k][0]] > 1):
+            k += 1
+        out.append(k * block_size)
     return out
 
 
@@ -205,7 +222,13 @@ def model_time(backend: Backend, batches: list[int], share: float, per_row: floa
                requests: list[Request], cached: list[int] | None = None) -> float | None:
     """Simulated seconds for the batches (of rows), each submitted when the previous one is
     done; `share` of the rows miss the result cache, each sending `per_row` requests like
-    the sampled ones (cycled through in order)."""
+    the sampled ones (cycled through in order).
+
+    The simulator gets the sampled prompts' own token ids and the engine's prefix caching, so
+    a shared template is computed once and a suffix after a cached prefix pays attention over
+    it, as in the engine. Its pool starts with the prefixes the engine's pool holds now, or,
+    for a run already made, with each request's first `cached` tokens (what it found). A
+    sampled request used again stands for another row: it keeps only its shareable prefix."""
     engine = getattr(backend, "engine", None)
     cm = cost_model()
     if engine is None or not calibrated(cm):
@@ -215,20 +238,30 @@ def model_time(backend: Backend, batches: list[int], share: float, per_row: floa
 
     sched = engine.scheduler
     block = engine.pool.block_size
+    caching = engine.pool.enable_prefix_caching and all(r.ids is not None for r in requests)
+    held = cached if cached is not None else pool_prefixes(requests, block, engine.pool)
+    if not caching:
+        held = [0] * len(requests)
+    shared = shared_prefixes(requests, block, held) if caching else held
     cfg = SimConfig(num_blocks=engine.pool.num_blocks, block_size=block,
                     max_num_batched_tokens=sched.max_num_batched_tokens,
                     max_prefill_tokens=sched.max_prefill_tokens,
-                    max_num_seqs=sched.max_num_seqs)
-    if cached is None:
-        cached = prefix_cached(requests, block, engine.pool) \
-            if engine.pool.enable_prefix_caching else [0] * len(requests)
+                    max_num_seqs=sched.max_num_seqs, prefix_caching=caching,
+                    cached_prefixes=[r.ids[:h] for r, h in zip(requests, held, strict=True)
+                                     if h] if caching else ())
     total, j = 0.0, 0
     for b in batches:
         specs = []
         for _ in range(round(b * share * per_row)):
-            k = j % len(requests)
-            computed = max(1, requests[k].tokens - cached[k])
-            specs.append(RequestSpec(0.0, computed, requests[k].output, "BE", f"e{j}"))
+            k, cycle = j % len(requests), j // len(requests)
+            r = requests[k]
+            ids = None
+            if caching:
+                ids = list(r.ids)
+                if cycle:  # another row: distinct tokens after its shareable prefix
+                    ids[shared[k]:] = [-(cycle * 1_000_000 + t) for t in ids[shared[k]:]]
+            specs.append(RequestSpec(0.0, r.tokens, r.output, "BE", f"e{j}",
+                                     prompt_ids=None if ids is None else tuple(ids)))
             j += 1
         if specs:
             total += simulate(specs, sched.policy.name, cm, cfg).end_time
