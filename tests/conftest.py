@@ -18,3 +18,31 @@ def engine(engine_fp32: LLMEngine):
     sched.max_num_batched_tokens, sched.max_num_seqs = saved
     assert not engine_fp32.has_unfinished
     assert engine_fp32.pool.num_free == engine_fp32.pool.num_blocks, "blocks leaked"
+
+
+# The SQL test modules' fixtures; a module opts in with
+# `pytestmark = pytest.mark.usefixtures("eng", "own_cache_dir")`.
+@pytest.fixture(scope="module")
+def eng():
+    """The process's shared engine in fp32 (tests/sql_support.start_engine), per module."""
+    from .sql_support import start_engine
+
+    return start_engine()
+
+
+@pytest.fixture
+def own_cache_dir(tmp_path, monkeypatch):
+    """Each test gets its own result-cache directory (the kernels stay built)."""
+    from .sql_support import isolated_cache_dir
+
+    monkeypatch.setenv("LLMDB_CACHE_DIR", str(isolated_cache_dir(tmp_path / "cache")))
+
+
+@pytest.fixture
+def con(eng):
+    """A connection with the result cache off."""
+    import llmdb
+
+    c = llmdb.connect(cache=False)
+    yield c
+    c.close()

@@ -12,6 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+
 MODEL = "smollm2-135m"
 REPO = Path(__file__).resolve().parent.parent
 RESULT_MARK = "RESULT "
@@ -115,3 +117,13 @@ def child_result(out: str) -> Any:
     lines = [line for line in out.splitlines() if line.startswith(RESULT_MARK)]
     assert lines, f"the child printed no result:\n{out[-2000:]}"
     return json.loads(lines[-1][len(RESULT_MARK):])
+
+
+def register_rows(con: Any, rows: list) -> None:
+    """Table t(i, p): the rows in order."""
+    con.register("t", pa.table({"i": list(range(len(rows))), "p": pa.array(rows, pa.string())}))
+
+
+def column(con: Any, expr: str) -> list:
+    """expr over t, in row order."""
+    return [r[0] for r in con.execute(f"SELECT {expr} FROM t ORDER BY i").fetchall()]

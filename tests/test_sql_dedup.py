@@ -6,37 +6,13 @@ from __future__ import annotations
 import threading
 
 import duckdb
-import pyarrow as pa
 import pytest
 
 import llmdb
 
-from .sql_support import isolated_cache_dir, last_query, start_engine
+from .sql_support import column, last_query, register_rows
 
-
-@pytest.fixture(scope="module", autouse=True)
-def eng():
-    return start_engine()
-
-
-@pytest.fixture(autouse=True)
-def _own_cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("LLMDB_CACHE_DIR", str(isolated_cache_dir(tmp_path / "cache")))
-
-
-@pytest.fixture
-def con():
-    c = llmdb.connect(cache=False)
-    yield c
-    c.close()
-
-
-def _table(con, rows: list) -> None:
-    con.register("t", pa.table({"i": list(range(len(rows))), "p": pa.array(rows, pa.string())}))
-
-
-def _column(con, expr: str) -> list:
-    return [r[0] for r in con.execute(f"SELECT {expr} FROM t ORDER BY i").fetchall()]
+pytestmark = pytest.mark.usefixtures("eng", "own_cache_dir")
 
 
 DUPLICATED = ["Name a color.", "Name a fruit.", "Name a color.", None, "Name a city.",
@@ -47,41 +23,41 @@ def test_duplicates_in_a_vector_are_computed_once():
     # A plain DuckDB connection (no planner): the UDF itself gets the duplicated vector.
     plain = duckdb.connect()
     session = llmdb.register(plain, cache=False)
-    _table(plain, DUPLICATED)
-    got = _column(plain, "llm_complete(p, max_tokens := 4)")
+    register_rows(plain, DUPLICATED)
+    got = column(plain, "llm_complete(p, max_tokens := 4)")
     stats = session.stats()["total"]
     assert (stats["rows"], stats["calls"], stats["dedup_hits"]) == (6, 3, 3)
     assert got[3] is None
     # Every copy carries the answer that the distinct prompt gets on its own.
-    _table(plain, ["Name a color.", "Name a fruit.", "Name a city."])
+    register_rows(plain, ["Name a color.", "Name a fruit.", "Name a city."])
     alone = dict(zip(["Name a color.", "Name a fruit.", "Name a city."],
-                     _column(plain, "llm_complete(p, max_tokens := 4)"), strict=True))
+                     column(plain, "llm_complete(p, max_tokens := 4)"), strict=True))
     assert got == [None if p is None else alone[p] for p in DUPLICATED]
     plain.close()
 
 
 def test_a_connection_calls_the_model_once_per_distinct_prompt(con):
-    _table(con, DUPLICATED)
-    _column(con, "llm_complete(p, max_tokens := 4)")
+    register_rows(con, DUPLICATED)
+    column(con, "llm_complete(p, max_tokens := 4)")
     assert last_query(con)["calls"] == 3
 
 
 def test_dedup_covers_filter_and_classify(con):
-    _table(con, ["Say yes.", "Say no.", "Say yes.", "Say yes."])
-    scores = _column(con, "llm_filter_score(p)")
+    register_rows(con, ["Say yes.", "Say no.", "Say yes.", "Say yes."])
+    scores = column(con, "llm_filter_score(p)")
     assert scores[0] == scores[2] == scores[3]
     assert last_query(con)["calls"] == 2
-    labels = _column(con, "llm_classify(p, ['yes', 'no', 'maybe'])")
+    labels = column(con, "llm_classify(p, ['yes', 'no', 'maybe'])")
     assert labels[0] == labels[2] == labels[3]
     assert last_query(con)["calls"] == 2 * 3  # distinct rows x labels
 
 
 def test_sampling_without_seed_is_never_shared(con):
-    _table(con, ["Name a color."] * 3)
-    _column(con, "llm_complete(p, max_tokens := 4, temperature := 1.0)")
+    register_rows(con, ["Name a color."] * 3)
+    column(con, "llm_complete(p, max_tokens := 4, temperature := 1.0)")
     stats = last_query(con)
     assert stats["calls"] == 3 and stats["dedup_hits"] == 0  # three independent draws
-    _column(con, "llm_complete(p, max_tokens := 4, temperature := 1.0, seed := 3)")
+    column(con, "llm_complete(p, max_tokens := 4, temperature := 1.0, seed := 3)")
     assert last_query(con)["calls"] == 1  # a seeded draw is one answer
 
 
@@ -95,9 +71,9 @@ def test_identical_queries_on_two_connections_share_in_flight_work():
     def run(k: int) -> None:
         try:
             c = llmdb.connect(cache=False)
-            _table(c, rows)
+            register_rows(c, rows)
             barrier.wait()
-            results[k] = _column(c, "llm_complete(p, max_tokens := 8)")
+            results[k] = column(c, "llm_complete(p, max_tokens := 8)")
             sessions[k] = c.stats()["total"]
             c.close()
         except BaseException as e:  # noqa: BLE001 - reported by the test thread

@@ -6,41 +6,17 @@ from __future__ import annotations
 import re
 
 import duckdb
-import pyarrow as pa
 import pytest
 
 import llmdb
 from llmdb.engine.sampling import SamplingParams
 
-from .sql_support import chat, isolated_cache_dir, start_engine
+from .sql_support import chat, column, register_rows
+
+pytestmark = pytest.mark.usefixtures("eng", "own_cache_dir")
 
 LONG = "word " * 9000  # about 9,000 tokens: longer than the model's context of 8,192
 TOO_LONG = re.compile(r"prompt is 9,\d{3} tokens, longer than the model's context of 8,192")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def eng():
-    return start_engine()
-
-
-@pytest.fixture(autouse=True)
-def _own_cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("LLMDB_CACHE_DIR", str(isolated_cache_dir(tmp_path / "cache")))
-
-
-@pytest.fixture
-def con():
-    c = llmdb.connect(cache=False)
-    yield c
-    c.close()
-
-
-def _table(con, rows: list) -> None:
-    con.register("t", pa.table({"i": list(range(len(rows))), "p": pa.array(rows, pa.string())}))
-
-
-def _column(con, expr: str) -> list:
-    return [r[0] for r in con.execute(f"SELECT {expr} FROM t ORDER BY i").fetchall()]
 
 
 def _errors(con) -> list[tuple]:
@@ -53,9 +29,9 @@ def _assert_engine_clean(eng) -> None:
 
 
 def test_raise_names_the_row_the_cause_and_the_numbers(con, eng):
-    _table(con, ["Name a color.", LONG, "Name a fruit."])
+    register_rows(con, ["Name a color.", LONG, "Name a fruit."])
     with pytest.raises(duckdb.Error) as info:
-        _column(con, "llm_complete(p, max_tokens := 4)")
+        column(con, "llm_complete(p, max_tokens := 4)")
     message = str(info.value)
     assert "llm_complete" in message
     assert "'word word word" in message  # the row, by a prefix of its prompt
@@ -66,8 +42,8 @@ def test_raise_names_the_row_the_cause_and_the_numbers(con, eng):
 
 def test_null_policy_answers_the_other_rows_and_records_the_failure(con, eng):
     good = ["Name a color.", "Name a fruit."]
-    _table(con, [good[0], LONG, good[1]])
-    got = _column(con, "llm_complete(p, max_tokens := 4, on_error := 'null')")
+    register_rows(con, [good[0], LONG, good[1]])
+    got = column(con, "llm_complete(p, max_tokens := 4, on_error := 'null')")
     ref = [r.text for r in eng.generate([chat(p) for p in good], SamplingParams(max_tokens=4))]
     assert got == [ref[0], None, ref[1]]
     assert con.stats()["last_query"]["errors"] == 1
@@ -79,10 +55,10 @@ def test_null_policy_answers_the_other_rows_and_records_the_failure(con, eng):
 
 
 def test_null_policy_on_filter_and_classify(con, eng):
-    _table(con, ["Say yes.", LONG])
-    scores = _column(con, "llm_filter_score(p, on_error := 'null')")
+    register_rows(con, ["Say yes.", LONG])
+    scores = column(con, "llm_filter_score(p, on_error := 'null')")
     assert scores[0] is not None and scores[1] is None
-    labels = _column(con, "llm_classify(p, ['yes', 'no'], on_error := 'null')")
+    labels = column(con, "llm_classify(p, ['yes', 'no'], on_error := 'null')")
     assert labels[0] in ("yes", "no") and labels[1] is None
     assert [f for f, _, _ in _errors(con)] == ["llm_filter", "llm_classify"]
     _assert_engine_clean(eng)
@@ -100,12 +76,12 @@ def test_a_label_that_does_not_fit_aborts_the_labels_already_queued(con, eng):
 
 def test_connection_level_null_policy_and_per_call_override(eng):
     con = llmdb.connect(cache=False, on_error="null")
-    _table(con, [LONG, "Name a color."])
-    got = _column(con, "llm_complete(p, max_tokens := 4)")
+    register_rows(con, [LONG, "Name a color."])
+    got = column(con, "llm_complete(p, max_tokens := 4)")
     assert got[0] is None and isinstance(got[1], str)
     assert len(_errors(con)) == 1
     with pytest.raises(duckdb.Error, match="8,192"):
-        _column(con, "llm_complete(p, max_tokens := 4, on_error := 'raise')")
+        column(con, "llm_complete(p, max_tokens := 4, on_error := 'raise')")
     con.close()
     with pytest.raises(ValueError, match="on_error must be one of"):
         llmdb.connect(cache=False, on_error="ignore")
