@@ -1,0 +1,69 @@
+"""kernels/linear.py: the prepacked bf16 Linear is bitwise F.linear; fp32 stays unpacked.
+
+Proved: for bf16 weights of SmolLM2-like shapes, with and without bias, at row counts 0 to
+300, `linear(w, b)(x)` equals `F.linear(x, w, b)` exactly (`torch.equal`) and the weight is
+held only in oneDNN's packed layout; for fp32 weights nothing is packed and the result is
+exactly F.linear's; `out_features` is the weight's row count either way.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmdb.kernels.linear import linear
+
+SHAPES = [(960, 576), (3072, 576), (576, 1536)]  # [out, in]: qkv-, up- and down-like
+ROWS = [0, 1, 7, 64, 300]
+MKLDNN = torch.backends.mkldnn.is_available()
+
+
+def _operands(out_f: int, in_f: int, dtype: torch.dtype, with_bias: bool, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(out_f, in_f, generator=g) * in_f**-0.5).to(dtype)
+    b = torch.randn(out_f, generator=g).to(dtype) if with_bias else None
+    return w, b, g
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_bf16_packed_is_bitwise_f_linear(shape, with_bias):
+    out_f, in_f = shape
+    w, b, g = _operands(out_f, in_f, torch.bfloat16, with_bias, seed=out_f + in_f)
+    lin = linear(w, b)
+    assert lin.out_features == out_f
+    if MKLDNN:
+        assert lin.packed is not None and lin.weight is None
+    for rows in ROWS:
+        x = torch.randn(rows, in_f, generator=g).to(torch.bfloat16)
+        got, ref = lin(x), F.linear(x, w, b)
+        assert got.dtype == ref.dtype == torch.bfloat16
+        assert got.shape == ref.shape == (rows, out_f)
+        assert torch.equal(got, ref), f"{shape} bias={with_bias} rows={rows}"
+
+
+def test_bf16_packed_takes_non_contiguous_weight():
+    """A transposed (non-contiguous) weight is made contiguous before packing."""
+    w_t, _, g = _operands(576, 960, torch.bfloat16, False, seed=1)
+    w = w_t.t()  # [960, 576], non-contiguous
+    lin = linear(w)
+    x = torch.randn(7, 576, generator=g).to(torch.bfloat16)
+    assert lin.out_features == 960
+    assert torch.equal(lin(x), F.linear(x, w))
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fp32_is_not_packed_and_is_exactly_f_linear(shape, with_bias):
+    out_f, in_f = shape
+    w, b, g = _operands(out_f, in_f, torch.float32, with_bias, seed=2 * out_f + in_f)
+    lin = linear(w, b)
+    assert lin.packed is None
+    assert lin.weight is not None and torch.equal(lin.weight, w)
+    assert lin.out_features == out_f
+    for rows in ROWS:
+        x = torch.randn(rows, in_f, generator=g)
+        got = lin(x)
+        assert got.shape == (rows, out_f)
+        assert torch.equal(got, F.linear(x, w, b))
