@@ -243,15 +243,13 @@ def model_time(backend: Backend, batches: list[int], share: float, per_row: floa
     if not caching:
         held = [0] * len(requests)
     shared = shared_prefixes(requests, block, held) if caching else held
-    cfg = SimConfig(num_blocks=engine.pool.num_blocks, block_size=block,
-                    max_num_batched_tokens=sched.max_num_batched_tokens,
-                    max_prefill_tokens=sched.max_prefill_tokens,
-                    max_num_seqs=sched.max_num_seqs, prefix_caching=caching,
-                    cached_prefixes=[r.ids[:h] for r, h in zip(requests, held, strict=True)
-                                     if h] if caching else ())
+    # Prefixes in the pool when a batch starts (an ordered set): what the engine holds now,
+    # then what earlier batches computed that later rows share.
+    seeds = dict.fromkeys(tuple(r.ids[:h]) for r, h in zip(requests, held, strict=True) if h) \
+        if caching else {}
     total, j = 0.0, 0
     for b in batches:
-        specs = []
+        specs, used = [], set()
         for _ in range(round(b * share * per_row)):
             k, cycle = j % len(requests), j // len(requests)
             r = requests[k]
@@ -260,9 +258,18 @@ def model_time(backend: Backend, batches: list[int], share: float, per_row: floa
                 ids = list(r.ids)
                 if cycle:  # another row: distinct tokens after its shareable prefix
                     ids[shared[k]:] = [-(cycle * 1_000_000 + t) for t in ids[shared[k]:]]
+                used.add(k)
             specs.append(RequestSpec(0.0, r.tokens, r.output, "BE", f"e{j}",
                                      prompt_ids=None if ids is None else tuple(ids)))
             j += 1
-        if specs:
-            total += simulate(specs, sched.policy.name, cm, cfg).end_time
+        if not specs:
+            continue
+        cfg = SimConfig(num_blocks=engine.pool.num_blocks, block_size=block,
+                        max_num_batched_tokens=sched.max_num_batched_tokens,
+                        max_prefill_tokens=sched.max_prefill_tokens,
+                        max_num_seqs=sched.max_num_seqs, prefix_caching=caching,
+                        cached_prefixes=list(seeds))
+        total += simulate(specs, sched.policy.name, cm, cfg).end_time
+        seeds.update(dict.fromkeys(tuple(requests[k].ids[:shared[k]]) for k in sorted(used)
+                                   if shared[k]))
     return total
