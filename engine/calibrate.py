@@ -115,10 +115,11 @@ class StepTimer:
         pool = engine.pool
         self.block_size = bs = pool.block_size
         self.blocks = pool.allocate(min(pool.num_free, -(-max_context_tokens // bs)))
-        # Written once so every block used below is resident, as it is in a warm engine.
-        slots = (torch.tensor(self.blocks)[:, None] * bs + torch.arange(bs)).flatten()
-
+        # Written once so every block used below is resident, as it is in a warm engine. On
+        # the compute thread, slot arithmetic included: a parallel torch op on this thread
+        # would give it an OpenMP team of its own and slow every step (engine/compute.py).
         def fill() -> None:
+            slots = (torch.tensor(self.blocks)[:, None] * bs + torch.arange(bs)).flatten()
             for k, v in engine.kv_cache.layers:
                 k.index_fill_(0, slots, 0.01)
                 v.index_fill_(0, slots, 0.01)

@@ -246,27 +246,29 @@ def _opt13b_a100() -> CostModel:
 # ---- cpu: this machine --------------------------------------------------------------------
 # Built-in default for SmolLM2-135M in bf16 on a 2-core AVX512-BF16 CPU (torch, 2 threads),
 # used until `llmdb calibrate` has written a file: the coefficients of a full calibration on
-# this VM at ad629f3 (prepacked oneDNN weights, every query through the C++ attention kernel;
-# 2026-11-22, 66 steps x 4 passes, 5 of 269 runs disturbed by other load and retried;
-# held-out MAPE 7.1% per step, training 4.2%), rounded. A lone decode takes ~30 ms (30
-# layers of small ops: overhead, not FLOPs), each further decode ~0.9 ms, a prefill token
-# ~0.72 ms plus attention. It puts a 400-request decode step at ~90 tokens of context at
-# ~455 ms. (The calibration before those kernels: lone decode 46 ms, prefill token 0.85 ms.)
+# this VM at 0e65b37 (prepacked oneDNN weights, every query through the C++ attention kernel,
+# all model work on one compute thread; 2026-11-22, 66 steps x 4 passes, 2 of 266 runs
+# disturbed by other load and retried; held-out MAPE 7.1% per step, training 4.7%),
+# rounded. A lone decode takes ~22 ms (30 layers of small ops: overhead, not FLOPs), each
+# further decode ~0.9 ms, a prefill token ~0.69 ms plus attention. It puts a 400-request
+# decode step at ~90 tokens of context at ~440 ms. (Earlier calibrations the same day: lone
+# decode 46 ms and prefill token 0.85 ms before these kernels; 45 ms when the calibration's
+# own slot arithmetic ran off the compute thread, see engine/compute.py.)
 _CPU_DEFAULT = {
-    "const": 0.0235,
-    "tokens": 7.24e-4,
-    "decode_kv": 2.36e-6,
-    "decode_on": 0.0054,
-    "n_decode": 1.31e-4,
-    "prefill_attn": 2.66e-7,
+    "const": 0.0193,
+    "tokens": 6.92e-4,
+    "decode_kv": 1.67e-6,
+    "decode_on": 0.0012,
+    "n_decode": 1.90e-4,
+    "prefill_attn": 2.03e-7,
     "prefill_on": 0.0,
     "n_prefill": 0.0,
-    "prefill_m": 1.16e-5,
+    "prefill_m": 1.20e-5,
     # Not measurable (no hidden cache in the engine): K/V projection's share of a token's
     # linear-layer work in SmolLM2, 6.25% of "tokens" (see calibrate.kv_projection_fraction).
     "hidden_tokens": 5.2e-5,
 }
-_CPU_DEFAULT_FLOOR_S = 0.030
+_CPU_DEFAULT_FLOOR_S = 0.022
 # A host-tier copy reads and writes: half the ~26 GB/s this machine reads at.
 CPU_SWAP_BYTES_PER_S = 13e9
 
