@@ -386,7 +386,8 @@ class LLMEngine:
         result = self.wait(req.request_id)
         if result.finish_reason == "error":
             raise RuntimeError(f"logits failed: {result.error}")
-        return torch.cat(req.logit_rows)
+        # On the compute thread: a large copy here would give the caller an OpenMP team.
+        return run_on_compute_thread(torch.cat, req.logit_rows)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[int]:
         """Token ids as they are generated."""
