@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 import queue
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,51 +21,65 @@ import torch
 from . import __version__
 from .cache.block_pool import BlockPool, KVCache
 from .compute import run_on_compute_thread
-from .hardware import default_dtype
+from .device import default_dtype, device_name, resolve_device
 from .models import load_model
-from .models.llama import LlamaModel
+from .models.llama import KERNEL_SETS, LlamaModel
 from .models.opt import OPTModel
 from .outputs import RequestResult, Usage
 from .registry import resolve_model
-from .runner import ModelRunner
-from .sampling import SamplingParams, sample, top_logprobs
+from .runner import ModelRunner, StepOutput
+from .sampling import SamplingParams
 from .sched.request import Request
 from .sched.scheduler import Scheduler
 
 Prompt = str | list[int] | list[dict[str, Any]]
 
-DEFAULT_KV_CACHE_BYTES = 2 << 30
+DEFAULT_KV_CACHE_BYTES = 2 << 30  # on the CPU; a GPU gets most of its free memory
+# Of the GPU memory free once the weights are loaded, the share the KV pool takes; the rest
+# holds activations, logits and CUDA graphs.
+GPU_KV_SHARE = 0.8
+GPU_ACTIVATION_RESERVE = 2 << 30
 
 
 class LLMEngine:
     """The in-process engine for one model.
 
-    kv_cache_bytes sizes the block pool; max_num_batched_tokens is the per-step token budget
-    C (decodes plus prefill chunks), max_prefill_tokens the prefill budget P (<= C),
-    max_num_seqs the most requests running at once; policy names the scheduling policy
-    (sched/policies: sarathi, fcfs, infermax, rr, ...). RT requests get the rt_slo_* targets.
-    dtype None picks bf16 where the CPU has native bf16 and fp32 elsewhere."""
+    device: "auto" (a CUDA GPU when torch sees one, else the CPU), "cpu", "cuda" or "cuda:N".
+    kv_cache_bytes sizes the block pool (None: 2 GiB on the CPU, most of the free memory on a
+    GPU); max_num_batched_tokens is the per-step token budget C (decodes plus prefill
+    chunks), max_prefill_tokens the prefill budget P (<= C), max_num_seqs the most requests
+    running at once; policy names the scheduling policy (sched/policies: sarathi, fcfs,
+    infermax, rr, ...). RT requests get the rt_slo_* targets. dtype None picks bf16 on GPUs
+    (fp16 where bf16 is missing) and on CPUs with native bf16, fp32 elsewhere. attention picks
+    the kernel set: "auto" (C++ on the CPU, Triton on GPUs), "cpu", "triton" or
+    "reference". cuda_graphs replays decode-only steps from captured graphs on GPUs."""
 
     def __init__(
         self,
         model: str = "smollm2-135m",
         *,
+        device: str | torch.device | None = "auto",
         dtype: str | torch.dtype | None = None,
-        kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+        kv_cache_bytes: int | None = None,
         block_size: int = 16,
-        max_num_batched_tokens: int = 1024,
+        max_num_batched_tokens: int | None = None,
         max_num_seqs: int = 512,
-        attention: str = "fast",
+        attention: str = "auto",
         threads: int | None = None,
         enable_prefix_caching: bool = True,
         policy: str = "sarathi",
         max_prefill_tokens: int | None = None,
         rt_slo_ttft_s: float = 1.0,
         rt_slo_tbt_s: float = 0.25,
+        cuda_graphs: bool = True,
     ):
         t0 = time.perf_counter()
         self.model_name = model
-        self.dtype = _parse_dtype(dtype)
+        self.device = resolve_device(device)
+        self.dtype = _parse_dtype(dtype, self.device)
+        self.kernels = _kernel_set(attention, self.device)
+        if max_num_batched_tokens is None:  # GPUs take larger steps at little extra time
+            max_num_batched_tokens = 8192 if self.device.type == "cuda" else 1024
         # Weights and caches are made on the compute thread, where the steps will run.
         num_blocks = run_on_compute_thread(self._load, model, threads, kv_cache_bytes,
                                            block_size)
@@ -72,7 +87,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool, max_num_batched_tokens, max_num_seqs, policy,
                                    max_prefill_tokens)
         self.rt_slos = (rt_slo_ttft_s, rt_slo_tbt_s)
-        self.runner = ModelRunner(self.model, self.kv_cache, block_size, attention)
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, block_size, self.device, max_num_batched_tokens,
+            max_num_seqs, self.config.max_context,
+            cuda_graphs=cuda_graphs and self.kernels == "triton",
+        )
+        run_on_compute_thread(self.runner.capture_graphs)
         self.version = __version__
         self.startup_s = time.perf_counter() - t0
         self._ids = itertools.count()
@@ -82,19 +102,58 @@ class LLMEngine:
         self._results: dict[str, RequestResult] = {}
         self._loop: threading.Thread | None = None
         self._stopping = False
-        self._default_generator = torch.Generator().manual_seed(0)
+        # Seeds of unseeded sampling requests: reproducible per engine, different per request.
+        self._seeds = random.Random(0)
+        self._host_s = 0.0
+        self._wall_s = 0.0
 
-    def _load(self, model: str, threads: int | None, kv_cache_bytes: int, block_size: int
-              ) -> int:
+    def _load(self, model: str, threads: int | None, kv_cache_bytes: int | None,
+              block_size: int) -> int:
         torch.set_num_threads(threads or os.cpu_count() or 1)
         loaded = load_model(resolve_model(model))
         self.config, self.tokenizer = loaded.config, loaded.tokenizer
         self.fingerprint = loaded.fingerprint
         model_cls = {"llama": LlamaModel, "opt": OPTModel}[self.config.arch]
-        self.model = model_cls(self.config, loaded.weights, self.dtype)
+        self.model = model_cls(self.config, loaded.weights, self.dtype, self.device,
+                               self.kernels)
+        del loaded
+        if kv_cache_bytes is None:
+            kv_cache_bytes = DEFAULT_KV_CACHE_BYTES
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                kv_cache_bytes = int(free * GPU_KV_SHARE) - GPU_ACTIVATION_RESERVE
         num_blocks = kv_cache_bytes // KVCache.bytes_per_block(self.config, block_size, self.dtype)
-        self.kv_cache = KVCache(self.config, num_blocks, block_size, self.dtype)
+        self.kv_cache = KVCache(self.config, max(num_blocks, 0), block_size, self.dtype,
+                                self.device)
         return num_blocks
+
+    def describe(self) -> dict[str, Any]:
+        """What runs where: EXPLAIN and `llmdb` print this."""
+        c = self.config
+        kv_bytes = self.pool.num_blocks * KVCache.bytes_per_block(c, self.pool.block_size,
+                                                                  self.dtype)
+        graphs = self.runner.graphs
+        return {
+            "model": self.model_name,
+            "arch": c.arch,
+            "layers": c.num_layers,
+            "device": device_name(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "kernels": self.kernels,
+            "cuda_graphs": sorted(graphs.graphs) if graphs is not None else [],
+            "kv_cache": {"blocks": self.pool.num_blocks, "block_size": self.pool.block_size,
+                         "bytes": kv_bytes, "prefix_caching": self.pool.enable_prefix_caching},
+            "hidden_cache": False,
+            "policy": self.scheduler.policy.name,
+            "max_num_seqs": self.scheduler.max_num_seqs,
+            "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
+            "startup_s": round(self.startup_s, 2),
+        }
+
+    def step_timing(self) -> dict[str, float]:
+        """Steps run, and the host's time in them (scheduling, inputs, launches, outputs;
+        not the waits for the device) beside their wall time, since the engine started."""
+        return {"steps": self.runner.steps, "host_s": self._host_s, "wall_s": self._wall_s}
 
     # ---- submitting ----------------------------------------------------------------------
 
@@ -156,12 +215,12 @@ class LLMEngine:
                 f"prompt is {len(ids):,} tokens: no room to generate in the model's context of "
                 f"{self.config.max_context:,}"
             )
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         need = min(len(ids) + params.max_tokens, self.config.max_context)
         self._check_fits(need, "prompt plus max_tokens")
         req = Request(
             request_id if request_id is not None else f"req-{next(self._ids)}",
-            ids, params, generator=gen, callbacks=[on_token] if on_token else [],
+            ids, params, seed=seed, callbacks=[on_token] if on_token else [],
             on_finish=on_finish,
         )
         return self._submit(req, priority)
@@ -209,12 +268,13 @@ class LLMEngine:
             return run_on_compute_thread(self._step)
 
     def _step(self) -> list[str]:
+        t0 = time.perf_counter()
         with self._cond:
             out = self.scheduler.schedule()
         if not out.scheduled:
             return []
         try:
-            logits, spans = self.runner.execute(out.scheduled)
+            result = self.runner.execute(out.scheduled)
         except Exception as e:  # a failed step fails its requests, not the engine
             with self._cond:
                 for req, _ in out.scheduled:
@@ -222,56 +282,38 @@ class LLMEngine:
             return [req.request_id for req, _ in out.scheduled]
         finished = []
         with self._cond:
-            to_sample, sample_rows = [], []
-            for req, n in out.scheduled:
-                if req.is_finished:  # aborted while the model ran
-                    continue
-                start = req.num_computed
-                req.num_computed += n
-                self.scheduler.register_computed(req)
-                first, count = spans.get(req.request_id, (0, 0))
-                if req.logits_from is not None and count:
-                    self._collect_scores(req, start, logits[first : first + count].float())
-                if req.num_computed == req.num_tokens:
-                    if req.generate:
-                        to_sample.append(req)
-                        sample_rows.append(first + count - 1)
-                    else:
-                        self._finish(req, "stop")
-                        finished.append(req.request_id)
-            if to_sample:
-                rows = logits if sample_rows == list(range(logits.shape[0])) else logits[
-                    torch.tensor(sample_rows)]
-                tokens = sample(rows, [r.params for r in to_sample],
-                                [r.generator or self._default_generator for r in to_sample])
-                for i, (req, token) in enumerate(zip(to_sample, tokens, strict=True)):
-                    if self._append_token(req, token, rows[i]):
-                        finished.append(req.request_id)
+            self._collect_scores(out.scheduled, result)
+            for req in self.scheduler.update_from_output(out.scheduled, result.sampled,
+                                                         time.perf_counter()):
+                if not req.generate:
+                    self._finish(req, "stop")
+                    finished.append(req.request_id)
+                elif self._after_token(req, result):
+                    finished.append(req.request_id)
+        wall = time.perf_counter() - t0
+        self._wall_s += wall
+        self._host_s += wall - self.runner.last_wait_s
         return finished
 
-    def _collect_scores(self, req: Request, start: int, rows: torch.Tensor) -> None:
-        first = max(start, req.logits_from)
-        if req.keep_logits:
-            req.logit_rows.append(rows)
-            return
-        if req.candidate_ids is not None:  # only the last prompt position is asked for
-            lp = rows[-1].log_softmax(-1)
-            req.target_logprobs = lp[torch.tensor(req.candidate_ids)].tolist()
-            return
-        tokens = req.token_ids
-        positions = range(first, first + rows.shape[0])
-        targets = [tokens[p + 1] for p in positions if p + 1 < len(tokens)]
-        lp = rows[: len(targets)].log_softmax(-1)
-        req.target_logprobs.extend(lp.gather(1, torch.tensor(targets)[:, None])[:, 0].tolist())
+    @staticmethod
+    def _collect_scores(scheduled: list[tuple[Request, int]], result: StepOutput) -> None:
+        for req, _ in scheduled:
+            rid = req.request_id
+            if req.is_finished or req.logits_from is None:
+                continue
+            if rid in result.logit_rows:
+                req.logit_rows.append(result.logit_rows[rid])
+            elif rid in result.candidate_logprobs:
+                req.target_logprobs = result.candidate_logprobs[rid]
+            elif rid in result.target_logprobs:
+                req.target_logprobs.extend(result.target_logprobs[rid])
 
-    def _append_token(self, req: Request, token: int, row: torch.Tensor) -> bool:
-        now = time.perf_counter()
-        req.first_token_time = req.first_token_time or now
-        req.last_token_time = now
-        req.output_ids.append(token)
+    def _after_token(self, req: Request, result: StepOutput) -> bool:
+        """Stream the new token and finish the request if it stops here."""
+        token = req.output_ids[-1]
         p = req.params
         if p.logprobs is not None:
-            req.logprobs.append(top_logprobs(row, token, p.logprobs))
+            req.logprobs.append(result.logprobs[req.request_id])
         for cb in req.callbacks:
             cb(token)
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.config.eos_token_ids):
@@ -436,13 +478,24 @@ class LLMEngine:
             self.step()
 
 
-def _parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+def _parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     if dtype is None or dtype == "auto":
-        return default_dtype()
+        return default_dtype(device)
     if isinstance(dtype, torch.dtype):
         return dtype
     table = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
-             "float32": torch.float32}
+             "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}
     if dtype not in table:
-        raise ValueError(f"unknown dtype {dtype!r} (use 'auto', 'bf16' or 'fp32')")
+        raise ValueError(f"unknown dtype {dtype!r} (use 'auto', 'bf16', 'fp16' or 'fp32')")
     return table[dtype]
+
+
+def _kernel_set(attention: str, device: torch.device) -> str:
+    if attention in ("auto", "fast"):  # "fast": the name before there were two fast paths
+        return "triton" if device.type == "cuda" else "cpu"
+    if attention not in KERNEL_SETS:
+        raise ValueError(f"unknown attention {attention!r} (use 'auto' or one of "
+                         f"{', '.join(KERNEL_SETS)})")
+    if attention == "cpu" and device.type != "cpu":
+        raise ValueError(f"the 'cpu' kernels cannot run on {device}")
+    return attention

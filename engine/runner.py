@@ -1,63 +1,189 @@
-"""Turns a scheduled batch into tensors, runs the model and returns the logits it needs."""
+"""Turns a scheduled batch into tensors, runs the model, samples and scores.
+
+The engine hands the runner (request, tokens) pairs and gets back host values only: the
+token sampled for each generating request whose tokens are all computed, and the numbers
+scoring requests asked for. All tensor work, logits, sampling, log-probabilities, happens
+here on the engine's device, and the results come to the host in one copy per step.
+Decode-only steps on CUDA replay a captured graph (cuda_graphs.py).
+"""
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
+
 import torch
 
-from llmdb.kernels.attention import AttentionBatch, paged_attention, paged_attention_reference
-
 from .cache.block_pool import KVCache
+from .cuda_graphs import DecodeGraphs, attention_splits
+from .sampling import row_key, sample, top_logprobs
 from .sched.request import Request
+from .step_inputs import StepBuffers, StepInputs
+
+
+@dataclass
+class StepOutput:
+    """What one step produced, per request id, as host values."""
+
+    sampled: dict[str, int] = field(default_factory=dict)
+    # Per sampled token with params.logprobs: (its log-probability, {id: logprob} of top k).
+    logprobs: dict[str, tuple[float, dict[int, float]]] = field(default_factory=dict)
+    # Scoring requests: log-probabilities of their next tokens at the positions computed now.
+    target_logprobs: dict[str, list[float]] = field(default_factory=dict)
+    # Choice requests: log-probabilities of their candidate ids after the prompt.
+    candidate_logprobs: dict[str, list[float]] = field(default_factory=dict)
+    # keep_logits requests: their fp32 logit rows of this step, on the CPU.
+    logit_rows: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class _Plan:
+    """Which logit rows each request needs, in the order of the logit tensor."""
+
+    rows: list[int] = field(default_factory=list)
+    sample: list[tuple[Request, int]] = field(default_factory=list)  # (request, logit row)
+    score: list[tuple[Request, int, list[int]]] = field(default_factory=list)  # rows, targets
+    choice: list[tuple[Request, int]] = field(default_factory=list)
+    keep: list[tuple[Request, int, int]] = field(default_factory=list)  # first row, count
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: KVCache, block_size: int, attention: str = "fast"):
+    def __init__(self, model, kv_cache: KVCache, block_size: int, device: torch.device,
+                 max_num_batched_tokens: int, max_num_seqs: int, max_context: int,
+                 cuda_graphs: bool = True):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
-        self.attention = {"fast": paged_attention, "reference": paged_attention_reference}[
-            attention
-        ]
+        self.device = device
+        self.buffers = StepBuffers(device, max_num_batched_tokens + max_num_seqs, max_num_seqs,
+                                   -(-max_context // block_size))
+        self.graphs = (DecodeGraphs(self, max_num_seqs)
+                       if cuda_graphs and device.type == "cuda" else None)
+        self.steps = 0
+        self.last_wait_s = 0.0  # the last step's wait for the device (its one sync)
+
+    def capture_graphs(self) -> None:
+        if self.graphs is not None:
+            self.graphs.capture_all()
 
     @torch.inference_mode()
-    def execute(
-        self, scheduled: list[tuple[Request, int]]
-    ) -> tuple[torch.Tensor | None, dict[str, tuple[int, int]]]:
-        """Runs one step. Returns logits (model dtype) for the positions requests need: the
-        last one when a generating request's tokens are all computed (to sample), and every
-        position >= logits_from for scoring requests; and per request id its (first row,
-        row count) in them."""
-        ids, positions, rows, spans = [], [], [], {}
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Final hidden states [T, hidden] of the packed tokens."""
+        return self.model.forward(inputs.input_ids, inputs.positions, inputs.batch,
+                                  self.kv_cache.layers)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[tuple[Request, int]]) -> StepOutput:
+        tokens, starts, plan = [], [], _Plan()
+        base = 0
         for req, n in scheduled:
             start = req.num_computed
-            tokens = req.token_ids
-            ids.extend(tokens[start : start + n])
-            positions.extend(range(start, start + n))
-            base = len(ids) - n
-            if req.logits_from is not None:
-                first = max(start, req.logits_from)
-                wanted = range(first - start, n) if first < start + n else range(0)
-            elif req.generate and start + n == req.num_tokens:
-                wanted = range(n - 1, n)
+            tokens.append(req.token_ids[start : start + n])
+            starts.append(start)
+            self._plan_rows(plan, req, start, n, base)
+            base += n
+        tables = [req.block_ids for req, _ in scheduled]
+        graph = self.graphs.pick(scheduled, plan) if self.graphs is not None else None
+        if graph is not None:
+            inputs = self.buffers.fill(tokens, starts, tables, [], self.block_size,
+                                       pad_to=graph.batch_size)
+            logits = graph.replay()[: len(scheduled)]
+        else:
+            inputs = self.buffers.fill(tokens, starts, tables, plan.rows, self.block_size)
+            if self.graphs is not None and inputs.batch.max_query_len == 1:
+                inputs.batch.num_splits = attention_splits(
+                    len(scheduled), self.model.config.num_kv_heads, self.device,
+                    inputs.batch.max_seq_len)
+            hidden = self.forward(inputs)
+            logits = (self.model.logits(hidden.index_select(0, inputs.logit_rows))
+                      if plan.rows else None)
+        out = self._outputs(logits, plan)
+        self.steps += 1
+        return out
+
+    @staticmethod
+    def _plan_rows(plan: _Plan, req: Request, start: int, n: int, base: int) -> None:
+        if req.logits_from is not None:
+            first = max(start, req.logits_from)
+            if first >= start + n:
+                return
+            row0, count = len(plan.rows), start + n - first
+            plan.rows.extend(range(base + first - start, base + n))
+            if req.keep_logits:
+                plan.keep.append((req, row0, count))
+            elif req.candidate_ids is not None:  # only the last prompt position is asked for
+                plan.choice.append((req, row0 + count - 1))
             else:
-                wanted = range(0)
-            if len(wanted):
-                spans[req.request_id] = (len(rows), len(wanted))
-                rows.extend(base + j for j in wanted)
-        batch = AttentionBatch.build(
-            query_lens=[n for _, n in scheduled],
-            context_lens=[req.num_computed + n for req, n in scheduled],
-            block_tables=[req.block_ids for req, _ in scheduled],
-            block_size=self.block_size,
-        )
-        hidden = self.model.forward(
-            torch.tensor(ids, dtype=torch.long),
-            torch.tensor(positions, dtype=torch.long),
-            batch,
-            self.kv_cache.layers,
-            self.attention,
-        )
-        if not rows:
-            return None, spans
-        # The vocabulary projection is the largest matmul: only on the rows that need it.
-        return self.model.logits(hidden[torch.tensor(rows, dtype=torch.long)]), spans
+                tk = req.token_ids
+                targets = [tk[p + 1] for p in range(first, first + count) if p + 1 < len(tk)]
+                plan.score.append((req, row0, targets))
+        elif req.generate and start + n == req.num_tokens:
+            plan.sample.append((req, len(plan.rows)))
+            plan.rows.append(base + n - 1)
+
+    def _outputs(self, logits: torch.Tensor | None, plan: _Plan) -> StepOutput:
+        """Samples and scores on the device, then one copy of all results to the host."""
+        out = StepOutput()
+        self.last_wait_s = 0.0
+        if logits is None:
+            return out
+        dev = logits.device
+        parts: list[torch.Tensor] = []
+        if plan.sample:
+            reqs = [r for r, _ in plan.sample]
+            sample_rows = [i for _, i in plan.sample]
+            picked = (logits if sample_rows == list(range(logits.shape[0]))
+                      else logits[torch.tensor(sample_rows, device=dev)])
+            keys = [row_key(r.seed, len(r.output_ids)) for r in reqs]
+            tokens = sample(picked, [r.params for r in reqs], keys)
+            parts.append(tokens.double())
+            k = max((r.params.logprobs or 0 for r in reqs), default=0)
+            want_lp = any(r.params.logprobs is not None for r in reqs)
+            if want_lp:
+                chosen, top_v, top_i = top_logprobs(picked, tokens, k)
+                parts += [chosen.double(), top_v.double().flatten(), top_i.double().flatten()]
+        if plan.score:
+            rows = [row0 + j for _, row0, tg in plan.score for j in range(len(tg))]
+            targets = [t for _, _, tg in plan.score for t in tg]
+            if rows:
+                lp = logits[torch.tensor(rows, device=dev)].float().log_softmax(-1)
+                tt = torch.tensor(targets, device=dev)[:, None]
+                parts.append(lp.gather(1, tt)[:, 0].double())
+        if plan.choice:
+            lp = logits[torch.tensor([i for _, i in plan.choice], device=dev)].float()
+            lp = lp.log_softmax(-1)
+            cands = [r.candidate_ids for r, _ in plan.choice]
+            width = max(map(len, cands))
+            idx = torch.tensor([c + [0] * (width - len(c)) for c in cands], device=dev)
+            parts.append(lp.gather(1, idx).double().flatten())
+        t_wait = time.perf_counter()
+        values = torch.cat(parts).tolist() if parts else []  # the step's one device sync
+        for req, row0, count in plan.keep:
+            out.logit_rows[req.request_id] = logits[row0 : row0 + count].float().cpu()
+        self.last_wait_s = time.perf_counter() - t_wait
+        pos = 0
+        if plan.sample:
+            n = len(plan.sample)
+            for (req, _), tok in zip(plan.sample, values[:n], strict=True):
+                out.sampled[req.request_id] = int(tok)
+            pos = n
+            if want_lp:
+                chosen = values[pos : pos + n]
+                top_v = values[pos + n : pos + n + n * k]
+                top_i = values[pos + n + n * k : pos + n + 2 * n * k]
+                pos += n + 2 * n * k
+                for j, (req, _) in enumerate(plan.sample):
+                    kk = req.params.logprobs
+                    if kk is None:
+                        continue
+                    top = {int(top_i[j * k + m]): top_v[j * k + m] for m in range(kk)}
+                    out.logprobs[req.request_id] = (chosen[j], top)
+        for req, _, targets in plan.score:
+            out.target_logprobs[req.request_id] = values[pos : pos + len(targets)]
+            pos += len(targets)
+        if plan.choice:
+            width = max(len(r.candidate_ids) for r, _ in plan.choice)
+            for req, _ in plan.choice:
+                out.candidate_logprobs[req.request_id] = values[pos : pos + len(req.candidate_ids)]
+                pos += width
+        return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from .device import resolve_device
 from .engine import LLMEngine, _parse_dtype
 
 _engines: dict[str, tuple[LLMEngine, dict[str, Any]]] = {}
@@ -17,8 +18,11 @@ _lock = threading.Lock()
 
 def _normalized(options: dict[str, Any]) -> dict[str, Any]:
     out = dict(options)
+    device = resolve_device(out.get("device", "auto"))
+    if "device" in out:
+        out["device"] = device
     if "dtype" in out:
-        out["dtype"] = _parse_dtype(out["dtype"])
+        out["dtype"] = _parse_dtype(out["dtype"], device)
     return out
 
 
@@ -31,7 +35,7 @@ def shared_engine(model: str = "smollm2-135m", **options: Any) -> LLMEngine:
     with _lock:
         if model in _engines:
             engine, started_with = _engines[model]
-            effective = {**started_with, "dtype": engine.dtype}
+            effective = {**started_with, "dtype": engine.dtype, "device": engine.device}
             clash = {k: v for k, v in wanted.items() if k in effective and effective[k] != v}
             clash.update({k: v for k, v in wanted.items()
                           if k not in effective and v is not None})

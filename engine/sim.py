@@ -190,17 +190,8 @@ def simulate(specs: Sequence[RequestSpec], policy: str, cost_model: CostModel,
             continue
         now += cost_model.step_time(sched.costs(out.scheduled))
         steps += 1
-        for req, n in out.scheduled:
-            req.num_computed += n
-            if cfg.prefix_caching:
-                sched.register_computed(req)
-            if req.num_computed < req.num_tokens:
-                continue
-            req.output_ids.append(0)
-            req.first_token_time = req.first_token_time or now
-            req.last_token_time = now
-            m = metrics[req.request_id]
-            m.token_times.append(now)
+        for req in sched.update_from_output(out.scheduled, None, now):
+            metrics[req.request_id].token_times.append(now)
             if len(req.output_ids) >= req.params.max_tokens:
                 req.finish_reason = "length"
                 sched.finish(req)

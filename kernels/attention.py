@@ -24,17 +24,26 @@ from .cpu_ext import decode_attention, supports_shape
 
 @dataclass
 class AttentionBatch:
-    """Tensor-level description of one step's sequences, built once and shared by all layers."""
+    """One step's sequences in the varlen layout every attention kernel reads.
 
-    slot_mapping: torch.Tensor  # [T] slot where each new token's K/V is written
-    query_starts: list[int]  # per sequence, offset of its first query in the packed batch
-    query_lens: list[int]
-    context_lens: list[int]  # tokens in the cache after this step, including the new ones
-    block_tables: list[list[int]]
+    Queries are packed sequence by sequence: sequence i owns rows
+    query_start_loc[i]:query_start_loc[i + 1] and, after this step, seq_lens[i] tokens in the
+    cache, the last (query length) of them new. Its blocks are block_tables[i]; columns past
+    its last block hold anything. The tensors live on the engine's device and are built once
+    a step, then shared by all layers. The cache is addressed by slot = block * block_size +
+    offset, so a block's slots can hold any per-token vector (K, V, or later hidden states).
+    """
+
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    seq_lens: torch.Tensor  # [S] int32
+    block_tables: torch.Tensor  # [S, W] int32
+    slot_mapping: torch.Tensor  # [T] int64; -1 marks a padding row whose K/V is not written
     block_size: int
-    # Per query (the C++ kernel's rows): its sequence's block table and the keys it may see.
-    row_block_tables: torch.Tensor  # [Q, max_blocks] int64, padded with block 0
-    row_context_lens: torch.Tensor  # [Q] int64
+    max_query_len: int
+    max_seq_len: int
+    num_splits: int = 1  # split-KV partitions per sequence (GPU decode steps)
+    _host: tuple | None = field(default=None, repr=False)
+    _cpu_rows: tuple | None = field(default=None, repr=False)
     _slots: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -44,39 +53,65 @@ class AttentionBatch:
         context_lens: list[int],
         block_tables: list[list[int]],
         block_size: int,
+        device: torch.device | str = "cpu",
     ) -> AttentionBatch:
-        starts, new_slots, pos = [], [], 0
+        """From host lists (tests, the CPU runner); the GPU runner fills the same fields
+        from its persistent step buffers."""
+        starts, new_slots, pos = [0], [], 0
         for qlen, ctx, table in zip(query_lens, context_lens, block_tables, strict=True):
-            starts.append(pos)
             pos += qlen
+            starts.append(pos)
             new_slots.extend(table[p // block_size] * block_size + p % block_size
                              for p in range(ctx - qlen, ctx))
         width = max(map(len, block_tables), default=0)
         tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables],
-                              dtype=torch.long).view(len(block_tables), width)
-        qlens = torch.tensor(query_lens, dtype=torch.long)
-        # Causal: query i of a chunk of q over ctx keys sees ctx - q + i + 1 of them.
-        ends = torch.tensor(context_lens, dtype=torch.long).repeat_interleave(qlens)
-        firsts = torch.tensor(starts, dtype=torch.long).repeat_interleave(qlens)
-        row_lens = ends - qlens.repeat_interleave(qlens) + 1 + torch.arange(pos) - firsts
+                              dtype=torch.int32).view(len(block_tables), width)
         return cls(
-            slot_mapping=torch.tensor(new_slots, dtype=torch.long),
-            query_starts=starts,
-            query_lens=query_lens,
-            context_lens=context_lens,
-            block_tables=block_tables,
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            block_tables=tables.to(device),
+            slot_mapping=torch.tensor(new_slots, dtype=torch.long, device=device),
             block_size=block_size,
-            row_block_tables=tables.repeat_interleave(qlens, dim=0),
-            row_context_lens=row_lens,
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(context_lens, default=0),
         )
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    def host(self) -> tuple[list[int], list[int], list[int]]:
+        """(query starts, query lengths, context lengths) as host lists, read once."""
+        if self._host is None:
+            loc = self.query_start_loc.tolist()
+            lens = [b - a for a, b in zip(loc, loc[1:], strict=False)]
+            self._host = (loc[:-1], lens, self.seq_lens.tolist())
+        return self._host
+
+    def cpu_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The C++ kernel's view: one row per query with its sequence's block table [Q, W]
+        and the number of keys it may see [Q] (causal: query j of a chunk of q over ctx keys
+        sees ctx - q + j + 1), both int64."""
+        if self._cpu_rows is None:
+            starts, qlens, _ = self.host()
+            qlens_t = torch.tensor(qlens, dtype=torch.long)
+            total = int(qlens_t.sum())
+            ends = self.seq_lens.long().repeat_interleave(qlens_t)
+            firsts = torch.tensor(starts, dtype=torch.long).repeat_interleave(qlens_t)
+            lens = ends - qlens_t.repeat_interleave(qlens_t) + 1 + torch.arange(total) - firsts
+            tables = self.block_tables.long().repeat_interleave(qlens_t, dim=0)
+            self._cpu_rows = (tables, lens)
+        return self._cpu_rows
 
     def context_slots(self, i: int) -> torch.Tensor:
         """[context_len] slot indices of sequence i, in token order (computed once a step,
         not once a layer)."""
         if i not in self._slots:
-            blocks = torch.tensor(self.block_tables[i], dtype=torch.long)
-            slots = blocks[:, None] * self.block_size + torch.arange(self.block_size)
-            self._slots[i] = slots.flatten()[: self.context_lens[i]]
+            ctx = self.host()[2][i]
+            blocks = self.block_tables[i, : -(-ctx // self.block_size)].long()
+            offsets = torch.arange(self.block_size, device=blocks.device)
+            slots = blocks[:, None] * self.block_size + offsets
+            self._slots[i] = slots.flatten()[:ctx]
         return self._slots[i]
 
 
@@ -88,10 +123,10 @@ def write_kv(
     v_cache.index_copy_(0, slot_mapping, v)
 
 
-def _causal_mask(qlen: int, ctx: int) -> torch.Tensor:
+def _causal_mask(qlen: int, ctx: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Query i sits at absolute position ctx - qlen + i and sees keys up to it."""
-    q_pos = torch.arange(ctx - qlen, ctx)[:, None]
-    return torch.arange(ctx)[None, :] <= q_pos
+    q_pos = torch.arange(ctx - qlen, ctx, device=device)[:, None]
+    return torch.arange(ctx, device=device)[None, :] <= q_pos
 
 
 def paged_attention_reference(
@@ -99,17 +134,17 @@ def paged_attention_reference(
     scale: float,
 ) -> torch.Tensor:
     """q [T, H, D] -> [T, H, D]; the readable definition every fast path is tested against."""
-    out = torch.empty(q.shape, dtype=q.dtype)
+    out = torch.zeros_like(q)
     heads, kv_heads = q.shape[1], k_cache.shape[1]
-    for i, (start, qlen, ctx) in enumerate(
-        zip(batch.query_starts, batch.query_lens, batch.context_lens, strict=True)
-    ):
+    for i, (start, qlen, ctx) in enumerate(zip(*batch.host(), strict=True)):
+        if qlen == 0 or ctx == 0:
+            continue
         slots = batch.context_slots(i)
         qs = q[start : start + qlen].float().transpose(0, 1)  # [H, q, D]
         k = k_cache[slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
         v = v_cache[slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
         scores = (qs @ k.transpose(1, 2)) * scale  # [H, q, ctx]
-        scores = scores.masked_fill(~_causal_mask(qlen, ctx), float("-inf"))
+        scores = scores.masked_fill(~_causal_mask(qlen, ctx, q.device), float("-inf"))
         out[start : start + qlen] = (scores.softmax(-1) @ v).transpose(0, 1).to(q.dtype)
     return out
 
@@ -119,7 +154,7 @@ def _sdpa_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     k = k_cache.index_select(0, slots).transpose(0, 1)[None]
     v = v_cache.index_select(0, slots).transpose(0, 1)[None]
     qs = q.transpose(0, 1)[None]
-    mask = None if ctx == qlen else _causal_mask(qlen, ctx)
+    mask = None if ctx == qlen else _causal_mask(qlen, ctx, q.device)
     o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, is_causal=mask is None,
                                        scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1)
@@ -131,13 +166,15 @@ def paged_attention(
 ) -> torch.Tensor:
     """The CPU fast path: same contract as `paged_attention_reference`."""
     out = torch.empty(q.shape, dtype=q.dtype)
-    if supports_shape(q.shape[1], k_cache.shape[1], q.shape[2]):
-        decode_attention(q.contiguous(), k_cache, v_cache, batch.row_block_tables,
-                         batch.row_context_lens, batch.block_size, scale, out)
+    if q.device.type == "cpu" and supports_shape(q.shape[1], k_cache.shape[1], q.shape[2]):
+        tables, lens = batch.cpu_rows()
+        decode_attention(q.contiguous(), k_cache, v_cache, tables, lens, batch.block_size,
+                         scale, out)
         return out
-    for i, (start, qlen) in enumerate(zip(batch.query_starts, batch.query_lens, strict=True)):
+    starts, qlens, ctxs = batch.host()
+    for i, (start, qlen) in enumerate(zip(starts, qlens, strict=True)):
         out[start : start + qlen] = _sdpa_chunk(
             q[start : start + qlen], k_cache, v_cache, batch.context_slots(i), qlen,
-            batch.context_lens[i], scale,
+            ctxs[i], scale,
         )
     return out

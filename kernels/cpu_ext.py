@@ -80,15 +80,24 @@ def supports_shape(heads: int, kv_heads: int, dim: int) -> bool:
             and heads // kv_heads <= lib.llmdb_max_group() and dim <= lib.llmdb_max_dim())
 
 
+def _check_cpu(*tensors: torch.Tensor) -> None:
+    """The kernels read raw host pointers: a tensor elsewhere would be read as garbage."""
+    bad = [t.device for t in tensors if t.device.type != "cpu"]
+    if bad:
+        raise ValueError(f"the C++ CPU kernels got a tensor on {bad[0]}")
+
+
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, scale: float,
     out: torch.Tensor,
 ) -> None:
-    """out[s] = softmax(q[s] K_s^T * scale) V_s for single-query sequences, in place.
+    """out[r] = softmax(q[r] K_r^T * scale) V_r for each query row r, in place: a decode, or
+    one position of a prefill chunk, with its own block table and number of visible keys.
 
-    q, out [S, H, D] contiguous; caches [slots, KVH, D]; block_tables [S, max_blocks] int64;
-    context_lens [S] int64."""
+    q, out [R, H, D] contiguous; caches [slots, KVH, D]; block_tables [R, max_blocks] int64;
+    context_lens [R] int64."""
+    _check_cpu(q, k_cache, v_cache, block_tables, context_lens, out)
     lib = load_library()
     fn = {torch.float32: lib.llmdb_decode_attention_f32,
           torch.bfloat16: lib.llmdb_decode_attention_bf16}[q.dtype]
@@ -100,6 +109,7 @@ def decode_attention(
 
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Contiguous bf16 x [rows, dim] -> bf16 [rows, dim]; see csrc/elementwise.cpp."""
+    _check_cpu(x, weight)
     out = torch.empty_like(x)
     load_library().llmdb_rms_norm_bf16(x.data_ptr(), weight.data_ptr(), out.data_ptr(),
                                        x.shape[0], x.shape[1], eps, torch.get_num_threads())
@@ -108,6 +118,7 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
 def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:
     """Contiguous bf16 [rows, 2 * ffn] -> bf16 silu(gate) * up [rows, ffn]."""
+    _check_cpu(gate_up)
     rows, ffn = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, ffn, dtype=gate_up.dtype)
     load_library().llmdb_silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), rows, ffn,

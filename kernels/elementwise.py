@@ -21,7 +21,9 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def _fast(*tensors: torch.Tensor) -> bool:
-    return (all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in tensors)
+    # A CUDA tensor must never reach the C++ kernels, which read raw host pointers.
+    return (all(t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.is_contiguous()
+                for t in tensors)
             and tensors[0].dim() == 2 and load_library() is not None)
 
 

@@ -20,7 +20,8 @@ _ROWS_HINT = 1024
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
-    return (weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 

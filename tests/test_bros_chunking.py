@@ -76,10 +76,7 @@ def _decoding_scheduler():
         sched.add(r)
     out = sched.schedule(0.0)
     assert out.scheduled == [(r, PROMPT) for r in decoders]  # whole prompts: time to spare
-    for r, n in out.scheduled:  # what the engine does after the step
-        r.num_computed += n
-        r.output_ids.append(0)
-        r.first_token_time = r.last_token_time = 0.02
+    sched.update_from_output(out.scheduled, None, 0.02)  # what the engine does after it
     assert all(r.is_decode for r in decoders)
     return sched, cm, decoders
 

@@ -10,7 +10,6 @@ import torch
 from llmdb.engine.engine import LLMEngine
 from llmdb.engine.sampling import SamplingParams
 from llmdb.engine.sched.scheduler import SchedulerOutput
-from llmdb.kernels.attention import paged_attention_reference
 
 from .helpers import CHAT_QUESTIONS, assert_same_tokens, chat
 
@@ -79,12 +78,12 @@ def test_small_pool_preempts_and_never_overflows():
 def test_paged_logits_equal_reference_attention(engine):
     ids = engine.encode_prompt(chat(CHAT_QUESTIONS[2]))
     fast = engine.logits(ids)
-    saved = engine.runner.attention
-    engine.runner.attention = paged_attention_reference
+    saved = engine.model.kernels
+    engine.model.kernels = "reference"
     try:
         ref = engine.logits(ids)
     finally:
-        engine.runner.attention = saved
+        engine.model.kernels = saved
     assert fast.shape == (len(ids), engine.config.vocab_size) and fast.dtype == torch.float32
     torch.testing.assert_close(fast, ref, atol=1e-4, rtol=1e-4)
 

@@ -90,12 +90,15 @@ class BlockPool:
 class KVCache:
     """Per layer, K and V tensors [num_blocks * block_size, kv_heads, head_dim]."""
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
         slots = num_blocks * block_size
         shape = (slots, config.num_kv_heads, config.head_dim)
-        # torch.empty maps memory lazily: only blocks that are written cost resident memory.
+        # On the CPU torch.empty maps memory lazily: only blocks that are written cost
+        # resident memory.
         self.layers = [
-            (torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype))
+            (torch.empty(shape, dtype=dtype, device=device),
+             torch.empty(shape, dtype=dtype, device=device))
             for _ in range(config.num_layers)
         ]
 

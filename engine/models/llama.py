@@ -1,10 +1,21 @@
-"""Llama-family decoder (GQA, RoPE, RMSNorm, SwiGLU) over a paged KV cache."""
+"""Llama-family decoder (GQA, RoPE, RMSNorm, SwiGLU) over a paged KV cache.
+
+Two kernel sets behind one forward: "cpu" (the C++ attention, rmsnorm and SwiGLU kernels and
+oneDNN-packed linears; "reference" swaps in the torch reference attention) and "triton" (the
+GPU kernels of kernels/gpu: RoPE fused with the K/V write, residual add fused with RMSNorm;
+also runnable on CPU tensors under TRITON_INTERPRET=1, which is how CI tests this path).
+"""
 
 from __future__ import annotations
 
 import torch
 
-from llmdb.kernels.attention import AttentionBatch, write_kv
+from llmdb.kernels.attention import (
+    AttentionBatch,
+    paged_attention,
+    paged_attention_reference,
+    write_kv,
+)
 from llmdb.kernels.elementwise import rms_norm, silu_mul
 from llmdb.kernels.linear import Linear, linear
 
@@ -15,23 +26,34 @@ from .config import ModelConfig
 _VOCAB_SLICE_ROWS = 256
 
 
+KERNEL_SETS = ("cpu", "reference", "triton")
+
+
+def cpu_attention(kernels: str):
+    return paged_attention_reference if kernels == "reference" else paged_attention
+
+
 def vocab_projection(hidden: torch.Tensor, lm_head: Linear) -> torch.Tensor:
-    if hidden.shape[0] <= _VOCAB_SLICE_ROWS:
+    if hidden.shape[0] <= _VOCAB_SLICE_ROWS or hidden.device.type != "cpu":
         return lm_head(hidden)
-    out = torch.empty(hidden.shape[0], lm_head.out_features, dtype=hidden.dtype)
+    out = torch.empty(hidden.shape[0], lm_head.out_features, dtype=hidden.dtype,
+                      device=hidden.device)
     for i in range(0, hidden.shape[0], _VOCAB_SLICE_ROWS):
         out[i : i + _VOCAB_SLICE_ROWS] = lm_head(hidden[i : i + _VOCAB_SLICE_ROWS])
     return out
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device | str = "cpu", kernels: str = "cpu"):
         self.config = config
         self.dtype = dtype
+        self.device = device = torch.device(device)
+        self.kernels = kernels
         c = config
 
         def w(name: str) -> torch.Tensor:
-            return weights[name].to(dtype).contiguous()
+            return weights[name].to(device, dtype).contiguous()
 
         self.embed = w("model.embed_tokens.weight")
         self.lm_head = linear(self.embed if c.tie_embeddings else w("lm_head.weight"))
@@ -40,20 +62,22 @@ class LlamaModel:
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             # One matmul for Q, K and V and one for gate and up: fewer, larger GEMMs.
-            qkv = torch.cat([weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
-            gate_up = torch.cat([weights[p + "mlp.gate_proj.weight"],
-                                 weights[p + "mlp.up_proj.weight"]])
+            qkv = torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            gate_up = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
             self.layers.append((
                 w(p + "input_layernorm.weight"),
-                linear(qkv.to(dtype)),
+                linear(qkv),
                 linear(w(p + "self_attn.o_proj.weight")),
                 w(p + "post_attention_layernorm.weight"),
-                linear(gate_up.to(dtype)),
+                linear(gate_up),
                 linear(w(p + "mlp.down_proj.weight")),
             ))
         inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2).double() / c.head_dim))
         angles = torch.arange(c.max_context).double()[:, None] * inv_freq[None, :]
-        self.cos, self.sin = angles.cos().float(), angles.sin().float()
+        if kernels == "triton":  # one [positions, head_dim] table: cos half, sin half
+            self.cos_sin = torch.cat([angles.cos(), angles.sin()], -1).float().to(device)
+        else:
+            self.cos, self.sin = angles.cos().float(), angles.sin().float()
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -72,9 +96,11 @@ class LlamaModel:
         positions: torch.Tensor,
         batch: AttentionBatch,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        attention,
     ) -> torch.Tensor:
         """Final-norm hidden states [T, hidden] of the packed tokens."""
+        if self.kernels == "triton":
+            return self._forward_triton(input_ids, positions, batch, kv_caches)
+        attention = cpu_attention(self.kernels)
         c = self.config
         t = input_ids.shape[0]
         hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
@@ -94,6 +120,40 @@ class LlamaModel:
             h = rms_norm(x, ln2, c.norm_eps)
             x = x + down_proj(silu_mul(gate_up_proj(h)))
         return rms_norm(x, self.norm, c.norm_eps)
+
+    def _forward_triton(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        from llmdb.kernels.gpu.attention import paged_attention as attention
+        from llmdb.kernels.gpu.cache_write import rope_and_write_kv
+        from llmdb.kernels.gpu.norm import add_rms_norm
+        from llmdb.kernels.gpu.norm import rms_norm as rms_norm_gpu
+        from llmdb.kernels.gpu.norm import silu_mul as silu_mul_gpu
+
+        c = self.config
+        t = input_ids.shape[0]
+        hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
+        scale = d**-0.5
+        residual = self.embed[input_ids]
+        x = None
+        for (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj), (k_cache, v_cache) in zip(
+            self.layers, kv_caches, strict=True
+        ):
+            # The residual stream is added to in place, fused with the next norm.
+            if x is None:
+                h = rms_norm_gpu(residual, ln1, c.norm_eps)
+            else:
+                h, residual = add_rms_norm(x, residual, ln1, c.norm_eps)
+            q = rope_and_write_kv(qkv_proj(h), positions, self.cos_sin, batch.slot_mapping,
+                                  k_cache, v_cache, hq, hk, d)
+            o = attention(q, k_cache, v_cache, batch, scale, num_splits=batch.num_splits)
+            h, residual = add_rms_norm(o_proj(o.view(t, hq * d)), residual, ln2, c.norm_eps)
+            x = down_proj(silu_mul_gpu(gate_up_proj(h)))
+        return add_rms_norm(x, residual, self.norm, c.norm_eps)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """In the model dtype: greedy argmax needs no fp32 copy of [rows, vocab]."""

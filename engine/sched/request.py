@@ -47,7 +47,8 @@ class Request:
     cache_type: str = "kv"  # "kv" or "hidden" (Apt-Serve; the simulator only, for now)
     finish_reason: str | None = None
     error: str | None = None
-    generator: torch.Generator | None = None
+    # Sampling noise seed (params.seed, or one the engine drew): see sampling.py.
+    seed: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -180,7 +180,8 @@ class Scheduler:
     def register_computed(self, req: Request) -> None:
         """Publish the request's newly completed full blocks for reuse by others."""
         full = req.num_computed // self.pool.block_size
-        if full <= req.num_registered or req.cache_type != "kv":
+        if (full <= req.num_registered or req.cache_type != "kv"
+                or not self.pool.enable_prefix_caching):
             return
         hashes = self._hashes(req, full)
         for i in range(req.num_registered, full):
@@ -234,6 +235,29 @@ class Scheduler:
             self._hits.clear()
         out.scheduled.append((req, n))
         return n
+
+    def update_from_output(self, scheduled: list[tuple[Request, int]],
+                           sampled: Mapping[str, int] | None, now: float) -> list[Request]:
+        """After a step: computed tokens catch up, full blocks are published, and each
+        generating request whose tokens are all computed takes its sampled token (token 0
+        when `sampled` is None: the simulator, whose outputs have no values). Returns the
+        requests whose tokens are now all computed (scoring ones included), in batch order;
+        requests finished while the step ran are skipped. The engine, the simulator and the
+        tests all advance requests through here."""
+        caught_up = []
+        for req, n in scheduled:
+            if req.is_finished:  # aborted while the model ran
+                continue
+            req.num_computed += n
+            self.register_computed(req)
+            if req.num_computed < req.num_tokens:
+                continue
+            if req.generate:
+                req.output_ids.append(0 if sampled is None else sampled[req.request_id])
+                req.first_token_time = req.first_token_time or now
+                req.last_token_time = now
+            caught_up.append(req)
+        return caught_up
 
     def preempt(self, out: SchedulerOutput, req: Request) -> None:
         """Recompute later: free its blocks; its prompt and outputs so far are kept."""

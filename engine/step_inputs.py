@@ -1,0 +1,125 @@
+"""One step's model inputs, built on the host into persistent buffers and copied once.
+
+Per step the runner needs token ids, positions, the slot of each new token, the rows whose
+logits are wanted, and per sequence its query start, context length and block table. They are
+written with numpy into host buffers made once (pinned on CUDA, so the copies are
+asynchronous), then moved in three copies: the int64 part, the int32 part and the block
+tables, whatever the batch. The device tensors are views of persistent device buffers, so
+a CUDA graph captured over them sees each step's values by replaying. On the CPU the host
+buffers are the device buffers and nothing is copied.
+
+Layouts (T tokens, S sequences, R logit rows, W block-table columns):
+  int64: ids [T] | positions [T] | slot_mapping [T] | logit rows [R]
+  int32: query_start_loc [S + 1] | seq_lens [S]
+  block tables: [S, W] on the host; on the device rows of a [max_seqs, max_blocks] table,
+  so its row stride never changes (CUDA graphs bake it in).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from llmdb.kernels.attention import AttentionBatch
+
+PAD_SLOT = -1  # a padding row: its K/V is not written, its sequence has no context
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    batch: AttentionBatch
+    logit_rows: torch.Tensor  # [R] int64: rows of the packed tokens whose logits are needed
+
+
+class StepBuffers:
+    def __init__(self, device: torch.device, max_tokens: int, max_seqs: int,
+                 max_blocks: int):
+        self.device = device
+        self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
+        pin = device.type == "cuda"
+        self.host64 = torch.zeros(4 * max_tokens, dtype=torch.int64, pin_memory=pin)
+        self.host32 = torch.zeros(2 * max_seqs + 1, dtype=torch.int32, pin_memory=pin)
+        self.host_tables = torch.zeros(max_seqs * max_blocks, dtype=torch.int32,
+                                       pin_memory=pin)
+        self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
+        self.np_tables = self.host_tables.numpy()
+        if pin:
+            self.dev64 = torch.zeros_like(self.host64, device=device)
+            self.dev32 = torch.zeros_like(self.host32, device=device)
+            self.dev_tables = torch.zeros(max_seqs, max_blocks, dtype=torch.int32,
+                                          device=device)
+        else:
+            self.dev64, self.dev32 = self.host64, self.host32
+            self.dev_tables = None
+
+    def views(self, num_tokens: int, num_seqs: int, num_rows: int, width: int,
+              block_size: int, max_query_len: int, max_seq_len: int) -> StepInputs:
+        """Device views of a step laid out for these sizes (what a CUDA graph captures)."""
+        t, s = num_tokens, num_seqs
+        d64, d32 = self.dev64, self.dev32
+        if self.dev_tables is not None:
+            tables = self.dev_tables[:s]
+        else:
+            tables = self.host_tables[: s * width].view(s, width)
+        batch = AttentionBatch(
+            query_start_loc=d32[: s + 1], seq_lens=d32[s + 1 : 2 * s + 1], block_tables=tables,
+            slot_mapping=d64[2 * t : 3 * t], block_size=block_size,
+            max_query_len=max_query_len, max_seq_len=max_seq_len,
+        )
+        return StepInputs(d64[:t], d64[t : 2 * t], batch, d64[3 * t : 3 * t + num_rows])
+
+    def fill(self, tokens: list[list[int]], starts: list[int], block_tables: list[list[int]],
+             rows: list[int], block_size: int, pad_to: int | None = None) -> StepInputs:
+        """tokens[i]: the ids sequence i computes this step, from position starts[i]; rows:
+        packed rows whose logits are wanted. pad_to (decode graphs) adds sequences of one
+        padding token each, with no context, up to that many."""
+        s = len(tokens)
+        qlens = [len(t) for t in tokens]
+        t = sum(qlens)
+        total_s, total_t = (pad_to, t + pad_to - s) if pad_to else (s, t)
+        if total_t > self.max_tokens or total_s > self.max_seqs:
+            raise ValueError(f"a step of {total_t} tokens over {total_s} sequences exceeds the "
+                             f"buffers ({self.max_tokens} tokens, {self.max_seqs} sequences)")
+        ctx = [a + q for a, q in zip(starts, qlens, strict=True)]
+        width = max(-(-c // block_size) for c in ctx) if ctx else 1
+        if width > self.max_blocks:
+            raise ValueError(f"a sequence of {max(ctx)} tokens exceeds the block tables")
+        a64, a32 = self.np64, self.np32
+        ids, pos, slots = (a64[k * total_t : (k + 1) * total_t] for k in range(3))
+        loc = np.zeros(total_s + 1, dtype=np.int64)
+        np.cumsum([*qlens, *([1] * (total_s - s))], out=loc[1:])
+        tables = self.np_tables[: total_s * width].reshape(total_s, width)
+        if s and max(qlens) == 1:  # decodes: one token each, vectorized
+            ids[:s] = [tk[0] for tk in tokens]
+            pos[:s] = starts
+            for i, table in enumerate(block_tables):
+                tables[i, : len(table)] = table
+            p = np.asarray(starts, dtype=np.int64)
+            slots[:s] = tables[np.arange(s), p // block_size] * block_size + p % block_size
+        else:
+            for i, (tk, a, table) in enumerate(zip(tokens, starts, block_tables, strict=True)):
+                lo, hi = loc[i], loc[i + 1]
+                ids[lo:hi] = tk
+                p = np.arange(a, a + len(tk))
+                pos[lo:hi] = p
+                row = np.asarray(table, dtype=np.int64)
+                slots[lo:hi] = row[p // block_size] * block_size + p % block_size
+                tables[i, : len(table)] = table
+        if total_t > t:  # padding sequences: token 0 at position 0, nowhere in the cache
+            ids[t:], pos[t:], slots[t:] = 0, 0, PAD_SLOT
+            tables[s:] = 0
+        a64[3 * total_t : 3 * total_t + len(rows)] = rows
+        a32[: total_s + 1] = loc
+        a32[total_s + 1 : 2 * total_s + 1] = [*ctx, *([0] * (total_s - s))]
+        if self.dev_tables is not None:
+            n64, n32 = 3 * total_t + len(rows), 2 * total_s + 1
+            self.dev64[:n64].copy_(self.host64[:n64], non_blocking=True)
+            self.dev32[:n32].copy_(self.host32[:n32], non_blocking=True)
+            host_view = self.host_tables[: total_s * width].view(total_s, width)
+            self.dev_tables[:total_s, :width].copy_(host_view, non_blocking=True)
+        return self.views(total_t, total_s, len(rows), width, block_size,
+                          max(qlens, default=0), max(ctx, default=0))
