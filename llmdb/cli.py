@@ -39,6 +39,9 @@ def _print_table(con, max_rows: int) -> None:
         view.close()
 
 
+DEVICE_HELP = "auto (a CUDA GPU when there is one), cpu, cuda or cuda:N"
+
+
 def _sql(args: argparse.Namespace) -> int:
     import llmdb
 
@@ -49,7 +52,7 @@ def _sql(args: argparse.Namespace) -> int:
     else:
         text = sys.stdin.read()
     options = {"cache": not args.no_cache, "on_error": args.on_error,
-               "sample_rows": args.sample_rows}
+               "sample_rows": args.sample_rows, "device": args.device}
     if args.no_progress:
         options["progress"] = False
     with llmdb.connect(args.db, model=args.model, **options) as con:
@@ -73,7 +76,8 @@ def _sql(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     from llmdb.engine.calibrate import calibrate, report
 
-    print(report(calibrate(quick=args.quick, passes=args.passes, path=args.output)))
+    print(report(calibrate(quick=args.quick, passes=args.passes, path=args.output,
+                           model=args.model, device=args.device)))
     return 0
 
 
@@ -81,7 +85,8 @@ def _explain(args: argparse.Namespace) -> int:
     import llmdb
 
     query = args.query if args.query else sys.stdin.read()
-    options = {"cache": not args.no_cache, "sample_rows": args.sample_rows, "progress": False}
+    options = {"cache": not args.no_cache, "sample_rows": args.sample_rows, "progress": False,
+               "device": args.device}
     with llmdb.connect(args.db, model=args.model, **options) as con:
         report = con.explain_report(query)
         if args.analyze:  # run it, then put what it did next to the estimates made before
@@ -103,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     sql.add_argument("-f", "--file", help="a .sql file of one or more statements")
     sql.add_argument("--db", default=":memory:", help="a DuckDB database file")
     sql.add_argument("--model", default="smollm2-135m", help="a registered model name")
+    sql.add_argument("--device", default="auto", help=DEVICE_HELP)
     sql.add_argument("--on-error", choices=("raise", "null"), default="raise")
     sql.add_argument("--no-cache", action="store_true", help="do not use the result cache")
     sql.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -118,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="also run the query and show what it did next to the estimates")
     exp.add_argument("--db", default=":memory:", help="a DuckDB database file")
     exp.add_argument("--model", default="smollm2-135m", help="a registered model name")
+    exp.add_argument("--device", default="auto", help=DEVICE_HELP)
     exp.add_argument("--no-cache", action="store_true", help="do not use the result cache")
     exp.add_argument("--sample-rows", type=int, default=None,
                      help="use only the first N rows of samples.* tables")
@@ -134,8 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     cal = sub.add_parser("calibrate", help="time the engine here and fit its step cost model")
     cal.add_argument("--quick", action="store_true", help="a dozen small steps (seconds)")
     cal.add_argument("--passes", type=int, default=None, help="timed passes over the steps")
+    cal.add_argument("--model", default="smollm2-135m", help="a registered model name")
+    cal.add_argument("--device", default="auto",
+                     help="cpu, cuda, cuda:N or auto (a GPU when torch sees one)")
     cal.add_argument("--output", type=Path, default=None,
-                     help="where to write the JSON (default: the user cache directory)")
+                     help="where to write the JSON (default: the file the engine reads, in "
+                          "the user cache directory, one per model, dtype, device and "
+                          "thread count)")
     cal.set_defaults(func=_calibrate)
 
     args = ap.parse_args(argv)

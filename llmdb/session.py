@@ -21,9 +21,9 @@ from .backends import Backend, local_backend
 from .backends.standin import STANDIN_MODEL, standin_backend
 from .cache import DEFAULT_MAX_BYTES, ResultCache, open_cache
 
-ENGINE_OPTIONS = ("dtype", "kv_cache_bytes", "block_size", "max_num_batched_tokens",
+ENGINE_OPTIONS = ("device", "dtype", "kv_cache_bytes", "block_size", "max_num_batched_tokens",
                   "max_num_seqs", "attention", "threads", "enable_prefix_caching", "policy",
-                  "max_prefill_tokens")
+                  "max_prefill_tokens", "cuda_graphs")
 ON_ERROR = ("raise", "null")
 PROGRESS_MIN_ROWS = 32  # smaller jobs finish before a bar would be worth reading
 MAX_KEPT_ERRORS = 10_000

@@ -31,6 +31,8 @@ class LocalBackend:
             "model": self.name,
             "fingerprint": engine.fingerprint,
             "dtype": str(engine.dtype).removeprefix("torch."),
+            # Another device's kernels round differently: its answers are cached apart.
+            "device": engine.device.type,
             "engine_version": engine.version,
             "chat_template": hashlib.sha256(template.encode()).hexdigest()[:16],
         }

@@ -48,6 +48,7 @@ class Report:
     priority: str | None = None
     priority_why: str = ""
     cost_model: str = ""
+    engine: str = ""  # where the model runs, e.g. "cuda:0 (NVIDIA H100 80GB HBM3), bfloat16"
     notes: list[str] = field(default_factory=list)
 
     def total(self, which: str) -> SiteEstimate | None:
@@ -84,7 +85,7 @@ class Report:
             return "EXPLAIN LLM: " + ("; ".join(self.notes) or "no LLM calls") + "\n"
         has_actual = any(s.actual is not None for s in self.sites)
         lines = [f"EXPLAIN LLM  priority {self.priority} ({self.priority_why})",
-                 f"cost model: {self.cost_model}"]
+                 f"engine: {self.engine}", f"cost model: {self.cost_model}"]
         lines += [f"note: {n}" for n in self.notes]
         for s in self.sites:
             lines.append("")
@@ -188,6 +189,12 @@ def actual(c: SiteCounts) -> SiteEstimate:
 
 def explain(planner: Planner, sql: str) -> Report:
     report = Report(sql)
+    engine = getattr(planner.session.backend(), "engine", None)
+    if engine is not None:
+        d = engine.describe()
+        report.engine = f"{d['model']} on {d['device']}, {d['dtype']}, {d['kernels']} kernels"
+    else:
+        report.engine = f"{planner.session.options.model} (no local engine)"
     cm = cost_model()
     report.cost_model = cm.source if calibrated(cm) else \
         f"uncalibrated ({cm.source}): no time estimates"

@@ -1,0 +1,199 @@
+"""The engine on a CUDA GPU against the CPU engine, both in fp32, on tiny random models.
+
+Collected everywhere; without a GPU every test skips with the reason. On a GPU the Triton
+kernels, the persistent step buffers and the decode CUDA graphs run for real, and each
+answer must equal the CPU engine's greedy tokens (or differ first at a near-tie of the
+reference's logits, tests/helpers.py). `make test-gpu` runs this file.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from llmdb.engine.engine import LLMEngine
+from llmdb.engine.sampling import SamplingParams
+
+from ..helpers import assert_same_tokens
+from ..test_hf_models import VARIANTS, _randomize, _save
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU: torch sees none (tests/gpu runs where one is; make test-gpu)",
+                allow_module_level=True)
+pytest.importorskip("triton", reason="triton is not installed (it comes with CUDA torch)")
+
+GEN = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("gpu_models")
+    out = {}
+    for seed, name in enumerate(("llama-gqa", "opt")):
+        build, tok_cfg, prepend = VARIANTS[name]
+        torch.manual_seed(seed)
+        model = build()
+        _randomize(model, seed)
+        _save(model, root / name, tok_cfg, prepend)
+        out[name] = str(root / name)
+    return out
+
+
+def _engine(path: str, device: str, **kw) -> LLMEngine:
+    return LLMEngine(path, device=device, dtype="fp32", **{"kv_cache_bytes": 64 << 20, **kw})
+
+
+@pytest.fixture(scope="module", params=["llama-gqa", "opt"])
+def pair(request, model_dirs):
+    """(CPU engine, CUDA engine with graphs) on the same weights."""
+    path = model_dirs[request.param]
+    return _engine(path, "cpu"), _engine(path, "cuda")
+
+
+def _prompts(n: int, seed: int, vocab: int, max_len: int = 200) -> list[list[int]]:
+    rng = random.Random(seed)
+    lengths = [1, 15, 16, 17, 31, 32, 33] + [rng.randint(1, max_len) for _ in range(n)]
+    return [[rng.randrange(5, vocab) for _ in range(k)] for k in lengths[:n]]
+
+
+def _check(cpu: LLMEngine, prompts, results, params=GEN) -> None:
+    for p, r in zip(prompts, results, strict=True):
+        assert r.finish_reason == "length", r.error
+        ref = cpu.generate([p], params)[0].token_ids
+        assert_same_tokens(cpu, p, ref, r.token_ids)
+
+
+def _all_free(*engines: LLMEngine) -> None:
+    for e in engines:
+        assert not e.has_unfinished
+        assert e.pool.num_free == e.pool.num_blocks, "KV blocks leaked"
+
+
+def test_describe_names_the_gpu(pair):
+    _, gpu = pair
+    d = gpu.describe()
+    assert d["device"].startswith("cuda:") and torch.cuda.get_device_name() in d["device"]
+    assert d["kernels"] == "triton" and d["cuda_graphs"], d
+
+
+def test_logits_match_cpu(pair):
+    cpu, gpu = pair
+    for p in _prompts(4, seed=1, vocab=cpu.config.vocab_size):
+        ours, ref = gpu.logits(p), cpu.logits(p)
+        assert ours.device.type == "cpu" and ours.dtype == torch.float32
+        torch.testing.assert_close(ours, ref, atol=2e-4, rtol=2e-4)
+    _all_free(cpu, gpu)
+
+
+def test_greedy_alone_and_in_a_batch_of_64(pair):
+    cpu, gpu = pair
+    prompts = _prompts(64, seed=2, vocab=cpu.config.vocab_size)
+    alone = [gpu.generate([p], GEN)[0] for p in prompts[:6]]
+    _check(cpu, prompts[:6], alone)
+    _check(cpu, prompts, gpu.generate(prompts, GEN))
+    _all_free(cpu, gpu)
+
+
+def test_chunked_prefill_and_prefix_caching(pair, model_dirs):
+    cpu, _ = pair
+    path = next(p for p in model_dirs.values() if cpu.model_name == p)
+    gpu = _engine(path, "cuda", max_num_batched_tokens=48)
+    rng = random.Random(3)
+    shared = [rng.randrange(5, cpu.config.vocab_size) for _ in range(100)]
+    prompts = [shared + [rng.randrange(5, cpu.config.vocab_size) for _ in range(k)]
+               for k in (1, 7, 16, 40)]
+    first = gpu.generate(prompts, GEN)
+    again = gpu.generate(prompts, GEN)
+    _check(cpu, prompts, first)
+    assert [r.token_ids for r in again] == [r.token_ids for r in first]
+    assert all(r.usage.cached_tokens >= 96 for r in again)  # six full blocks of the prefix
+    _all_free(cpu, gpu)
+
+
+def test_preemption_keeps_tokens(pair, model_dirs):
+    cpu, _ = pair
+    path = next(p for p in model_dirs.values() if cpu.model_name == p)
+    # A pool of a few dozen blocks for 16 requests of up to ~130 tokens: some are evicted.
+    block_bytes = gpu_block_bytes(cpu)
+    gpu = _engine(path, "cuda", kv_cache_bytes=40 * block_bytes, enable_prefix_caching=False)
+    prompts = _prompts(16, seed=4, vocab=cpu.config.vocab_size, max_len=100)
+    ids = [gpu.add_request(p, GEN) for p in prompts]
+    preempted: set[str] = set()
+    while gpu.has_unfinished:
+        gpu.step()
+        preempted |= {r.request_id for r in [*gpu.scheduler.running, *gpu.scheduler.waiting]
+                      if r.num_preemptions}
+    results = [gpu.wait(i) for i in ids]
+    assert preempted, "the pool was large enough that nothing was preempted"
+    _check(cpu, prompts, results)
+    _all_free(gpu)
+
+
+def gpu_block_bytes(engine: LLMEngine) -> int:
+    from llmdb.engine.cache.block_pool import KVCache
+
+    return KVCache.bytes_per_block(engine.config, engine.pool.block_size, torch.float32)
+
+
+def test_cuda_graphs_equal_eager(pair, model_dirs):
+    cpu, graphs = pair
+    path = next(p for p in model_dirs.values() if cpu.model_name == p)
+    eager = _engine(path, "cuda", cuda_graphs=False)
+    assert not eager.describe()["cuda_graphs"]
+    prompts = _prompts(40, seed=5, vocab=cpu.config.vocab_size)
+    for a, b, p in zip(graphs.generate(prompts, GEN), eager.generate(prompts, GEN), prompts,
+                       strict=True):
+        assert_same_tokens(cpu, p, b.token_ids, a.token_ids)
+    _all_free(graphs, eager)
+
+
+def test_seeded_sampling_is_reproducible(pair):
+    _, gpu = pair
+    prompts = _prompts(8, seed=6, vocab=gpu.config.vocab_size)
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=20, seed=123,
+                            ignore_eos=True)
+    alone = gpu.generate([prompts[0]], params)[0].token_ids
+    others = [SamplingParams(max_tokens=16, temperature=1.0, seed=s, ignore_eos=True)
+              for s in range(7)]
+    batched = gpu.generate(prompts, [params, *others])[0].token_ids
+    assert alone == batched == gpu.generate([prompts[0]], params)[0].token_ids
+    other = gpu.generate([prompts[0]], SamplingParams(
+        max_tokens=16, temperature=0.9, top_p=0.95, top_k=20, seed=124, ignore_eos=True))
+    assert other[0].token_ids != alone
+    _all_free(gpu)
+
+
+def test_scores_and_logprobs_match_cpu(pair):
+    cpu, gpu = pair
+    prompt = _prompts(1, seed=7, vocab=cpu.config.vocab_size)[0] + [9, 10]
+    conts = [[11, 12, 13], [14], [15, 16]]
+    torch.testing.assert_close(torch.tensor(gpu.score(prompt, conts)),
+                               torch.tensor(cpu.score(prompt, conts)), atol=1e-3, rtol=1e-4)
+    params = SamplingParams(max_tokens=4, logprobs=3, ignore_eos=True)
+    a, b = gpu.generate([prompt], params)[0], cpu.generate([prompt], params)[0]
+    assert a.token_ids == b.token_ids
+    for (lp_a, top_a), (lp_b, top_b) in zip(a.logprobs, b.logprobs, strict=True):
+        assert abs(lp_a - lp_b) < 1e-3 and top_a.keys() == top_b.keys()
+    _all_free(cpu, gpu)
+
+
+def test_sql_on_cuda(model_dirs, tmp_path, monkeypatch):
+    duckdb = pytest.importorskip("duckdb", reason="duckdb is not installed here")
+    import llmdb
+    from llmdb.engine.registry import register_model
+
+    del duckdb
+    monkeypatch.setenv("LLMDB_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("LLMDB_CACHE_DIR", str(tmp_path / "cache"))
+    register_model("tiny-gpu", model_dirs["llama-gqa"])
+    with llmdb.connect(model="tiny-gpu", device="cuda", dtype="fp32", cache=False) as con:
+        rows = con.execute("SELECT i, llm_complete('hello world ' || i::VARCHAR, "
+                           "max_tokens := 5) AS a FROM range(6) t(i) ORDER BY i").fetchall()
+        assert len(rows) == 6 and all(isinstance(a, str) for _, a in rows)
+        assert "cuda" in con.explain_report(
+            "SELECT llm_complete('hello ' || i::VARCHAR) FROM range(3) t(i)").engine
+    from llmdb.engine.shared import shared_engine
+
+    _all_free(shared_engine("tiny-gpu"))
