@@ -59,8 +59,12 @@ from dataclasses import dataclass, field
 
 from ortools.sat.python import cp_model
 
+from .cache.block_pool import BlockPool
 from .costmodel import Chunk, CostModel
+from .sampling import SamplingParams
 from .sched.policies import Policy, make_policy
+from .sched.request import Request
+from .sched.scheduler import Scheduler, SchedulerOutput
 from .sim import SimConfig, simulate
 from .workloads import RequestSpec
 
@@ -104,44 +108,53 @@ class InvalidSchedule(ValueError):
 
 def replay(requests: Sequence[tuple[int, int]], steps: Sequence[Step], cost_model: CostModel,
            C: int, P: int, M: int, hybrid: bool = True) -> Replay:
-    """Run a schedule as the engine would, checking every constraint (InvalidSchedule)."""
-    n = len(requests)
-    seq = [inp for inp, _ in requests]  # S: prompt plus generated tokens
-    cached = [0] * n  # m
-    done = [False] * n
-    times: list[list[float]] = [[] for _ in range(n)]
+    """Run a schedule as the engine would, checking every constraint (InvalidSchedule).
+
+    The requests advance through the scheduler's own bookkeeping (run, preempt,
+    update_from_output, finish) over a pool of M one-token blocks; only the choice of
+    batches comes from the schedule instead of a policy."""
+    reqs = [Request(f"r{i}", list(range(i * 100_000, i * 100_000 + inp)),
+                    SamplingParams(max_tokens=out, ignore_eos=True))
+            for i, (inp, out) in enumerate(requests)]
+    index = {r.request_id: i for i, r in enumerate(reqs)}
+    sched = Scheduler(BlockPool(max(M, 1), 1, enable_prefix_caching=False), C, len(reqs),
+                      "fcfs", P)  # the policy is never asked: the schedule decides
+    for r in reqs:
+        sched.add(r)
+    times: list[list[float]] = [[] for _ in reqs]
     now, evictions, batches = 0.0, 0, []
     for j, step in enumerate(steps):
         for i in step.evict:
-            if done[i] or cached[i] == 0:
+            if reqs[i].is_finished or reqs[i].num_computed == 0:
                 raise InvalidSchedule(f"batch {j}: request {i} has no cache to evict")
-            cached[i] = 0
+            sched.preempt(SchedulerOutput(), reqs[i])
             evictions += 1
         work = []
         for i, c in sorted(step.tokens.items()):
-            left = seq[i] - cached[i]
-            if done[i] or i in step.evict or not 1 <= c <= left:
+            r = reqs[i]
+            if r.is_finished or i in step.evict or not 1 <= c <= r.num_tokens - r.num_computed:
                 raise InvalidSchedule(f"batch {j}: request {i} cannot process {c} tokens")
-            work.append(Work(i, cached[i], c, left == 1 and seq[i] > requests[i][0]))
+            work.append(Work(i, r.num_computed, c, r.is_decode))
         if sum(w.tokens for w in work) > C:
             raise InvalidSchedule(f"batch {j}: more than C = {C} tokens")
         if sum(w.tokens for w in work if not w.decode) > P:
             raise InvalidSchedule(f"batch {j}: more than P = {P} prefill tokens")
-        if sum(cached) + sum(w.tokens for w in work) > M:
+        live = sum(r.num_computed for r in reqs if not r.is_finished)
+        if live + sum(w.tokens for w in work) > M:
             raise InvalidSchedule(f"batch {j}: more than M = {M} cached tokens")
         if not hybrid and len({w.decode for w in work}) > 1:
             raise InvalidSchedule(f"batch {j}: prefills and decodes mixed")
+        out = SchedulerOutput()
+        for w in work:
+            sched.run(out, reqs[w.request], w.tokens)
         t = cost_model.step_time([Chunk(w.computed, w.tokens, w.decode) for w in work])
         now += t
-        for w in work:
-            cached[w.request] += w.tokens
-            if cached[w.request] == seq[w.request]:
-                seq[w.request] += 1
-                times[w.request].append(now)
-                if len(times[w.request]) == requests[w.request][1]:
-                    done[w.request], cached[w.request] = True, 0
+        for r in sched.update_from_output(out.scheduled, None, now):
+            times[index[r.request_id]].append(now)
+            if len(r.output_ids) >= r.params.max_tokens:
+                sched.finish(r)
         batches.append(Batch(list(step.evict), work, t))
-    unfinished = [i for i in range(n) if not done[i]]
+    unfinished = [i for i, r in enumerate(reqs) if not r.is_finished]
     if unfinished:
         raise InvalidSchedule(f"requests {unfinished} do not finish")
     return Replay(batches, now, evictions, times)
