@@ -3,9 +3,10 @@
 200 requests (Poisson arrivals; prompts lognormal mean 100 / std 60 tokens of random ids,
 outputs lognormal mean 32 / std 16, generated to exactly that length) run on the engine
 with its background loop, each submitted at its arrival time; the simulator replays the same
-requests with the same scheduler settings and the cost model (the calibrated CPU model when
-`llmdb calibrate` has run, else the built-in default: the line says which). Prints one JSON
-line with the mean per-request latency error (target <= 15%) and TTFT errors.
+requests with the same scheduler settings and the engine's cost model (calibrated for its
+model, dtype and device when `llmdb calibrate` has run, else an estimate: the line says
+which). Prints one JSON line with the mean per-request latency error (target <= 15%) and TTFT
+errors.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 
 import numpy as np
 
-from llmdb.engine.costmodel import load_cost_model
+from llmdb.engine.costmodel import engine_cost_model
 from llmdb.engine.engine import LLMEngine
 from llmdb.engine.sampling import SamplingParams
 from llmdb.engine.sim import SimConfig, simulate
@@ -67,7 +68,7 @@ def main() -> None:
     engine = LLMEngine()
     engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2))  # warm up
     real = run_engine(engine, specs, args.seed)
-    cm = load_cost_model("cpu")
+    cm = getattr(engine, "cost_model", None) or engine_cost_model(engine)
     sched = engine.scheduler
     cfg = SimConfig(num_blocks=engine.pool.num_blocks, block_size=engine.pool.block_size,
                     max_num_batched_tokens=sched.max_num_batched_tokens,

@@ -14,7 +14,12 @@ can take a second. So each timed run also reads how much CPU other processes use
 (/proc/stat minus /proc/self/stat); a run during which they used more than a sliver is
 retried, a few times at most. Every pass runs the steps in a fresh random order, so a burst
 of load lands on different steps in different passes, and each step keeps the median of its
-quiet runs (of all its runs when none was quiet, which the report counts).
+quiet runs (of all its runs when none was quiet, which the report counts). On a GPU the
+clock starts and stops with the device idle (torch.cuda.synchronize), other processes' CPU use
+matters little and is only counted, and the steps reach the batches and chunks a GPU runs.
+
+The result is written to the file of the engine's key (model, dtype, device, threads), where
+the engine's own cost model is looked up (costmodel.load_cost_model).
 """
 
 from __future__ import annotations
@@ -33,7 +38,18 @@ from pathlib import Path
 import numpy as np
 
 from .compute import run_on_compute_thread
-from .costmodel import CPU_SWAP_BYTES_PER_S, FEATURES, Chunk, CostModel, cost_model_path, features
+from .costmodel import (
+    CPU_SWAP_BYTES_PER_S,
+    FEATURES,
+    Chunk,
+    CostModel,
+    CostModelKey,
+    cost_model_path,
+    engine_cost_model_key,
+    features,
+    gpu_spec,
+    kv_projection_fraction,
+)
 
 # (context m, tokens c, decode) per request of one step.
 Plan = list[tuple[int, int, bool]]
@@ -58,8 +74,47 @@ def _decodes(batch: int, context: int) -> Plan:
     return [(context, 1, True)] * batch
 
 
-def full_plan() -> list[tuple[str, Plan]]:
-    """About 70 steps covering what the engine meets with its default 1,024-token budget."""
+@dataclass(frozen=True)
+class PlanLimits:
+    """What a step may hold in the engine being calibrated: a step it could never run says
+    nothing about it, and one past its runner's buffers or pool would fail."""
+
+    max_tokens: int = 1024  # the scheduler's token budget C
+    max_seqs: int = 512  # requests in one step
+    pool_blocks: int = 1 << 20  # blocks the timer can take from the pool
+    block_size: int = 16
+    max_context: int = 8192  # the model's context: prompt plus output
+    gpu: bool = False
+
+    @classmethod
+    def of(cls, engine) -> PlanLimits:
+        pool, sched = engine.pool, engine.scheduler
+        device = getattr(engine, "device", None)
+        return cls(max_tokens=sched.max_num_batched_tokens, max_seqs=sched.max_num_seqs,
+                   pool_blocks=min(pool.num_blocks, pool.num_free), block_size=pool.block_size,
+                   max_context=engine.config.max_context,
+                   gpu=device is not None and device.type == "cuda")
+
+    def blocks(self, plan: Plan) -> int:
+        return sum(-(-(m + c) // self.block_size) for m, c, _ in plan)
+
+    def fits(self, plan: Plan) -> bool:
+        return (0 < len(plan) <= self.max_seqs
+                and sum(c for _, c, _ in plan) <= self.max_tokens
+                and all(m + c <= self.max_context for m, c, _ in plan)
+                and self.blocks(plan) <= self.pool_blocks)
+
+
+def _within(steps: list[tuple[str, Plan]], limits: PlanLimits | None) -> list[tuple[str, Plan]]:
+    return steps if limits is None else [(k, p) for k, p in steps if limits.fits(p)]
+
+
+def full_plan(limits: PlanLimits | None = None) -> list[tuple[str, Plan]]:
+    """About 70 steps covering what the engine meets with its default budget: on the CPU
+    its 1,024 tokens, on a GPU batches of hundreds of decodes and chunks of thousands of
+    tokens; steps past the engine's limits are left out."""
+    if limits is not None and limits.gpu:
+        return _within(_gpu_full_plan(), limits)
     rng = random.Random(0)
     steps: list[tuple[str, Plan]] = []
     for context in (32, 128, 512, 1024):
@@ -81,10 +136,37 @@ def full_plan() -> list[tuple[str, Plan]]:
                                    (128, 512, 0), (128, 128, 256)):
         steps.append(("mixed", _decodes(batch, 256) + [(context, tokens, False)]))
     steps.append(("mixed", _decodes(16, 512) + [(0, 128, False)] * 2))
+    return _within(steps, limits)
+
+
+def _gpu_full_plan() -> list[tuple[str, Plan]]:
+    """A GPU step costs about the same up to a few hundred decodes (weights dominate), so
+    its plan reaches further: 512 decodes, contexts to 4K, prefill chunks to 8K tokens."""
+    rng = random.Random(0)
+    steps: list[tuple[str, Plan]] = []
+    for context in (128, 512, 1024, 2048, 4096):
+        for batch in (1, 4, 16, 32, 64, 128, 256, 384, 512):
+            if batch * context <= 512 * 1024:
+                steps.append(("decode", _decodes(batch, context)))
+    for batch in (16, 96, 256, 512):
+        steps.append(("decode", [(rng.randint(16, 4096), 1, True) for _ in range(batch)]))
+    for tokens in (64, 256, 512, 1024, 2048, 4096, 8192):
+        for context in (0, 1024, 4096):
+            steps.append(("prefill", [(context, tokens, False)]))
+    steps += [
+        ("prefill", [(0, 512, False)] * 4),
+        ("prefill", [(0, 1024, False)] * 4),
+        ("prefill", [(2048, 1024, False)] * 2),
+        ("prefill", [(512, 128, False)] * 8),
+    ]
+    for batch, tokens, context in ((16, 512, 0), (64, 2048, 0), (128, 1024, 1024),
+                                   (256, 4096, 0), (256, 512, 2048), (512, 2048, 512)):
+        steps.append(("mixed", _decodes(batch, 1024) + [(context, tokens, False)]))
+    steps.append(("mixed", _decodes(128, 2048) + [(0, 1024, False)] * 2))
     return steps
 
 
-def quick_plan() -> list[tuple[str, Plan]]:
+def quick_plan(limits: PlanLimits | None = None) -> list[tuple[str, Plan]]:
     """A dozen small steps: enough to exercise the fit end to end in a few seconds."""
     steps: list[tuple[str, Plan]] = []
     for batch in (1, 4, 16):
@@ -95,7 +177,7 @@ def quick_plan() -> list[tuple[str, Plan]]:
             steps.append(("prefill", [(context, tokens, False)]))
     steps.append(("mixed", _decodes(4, 64) + [(0, 32, False)]))
     steps.append(("mixed", _decodes(8, 32) + [(64, 16, False)]))
-    return steps
+    return _within(steps, limits)
 
 
 # ---- timing the real engine ---------------------------------------------------------------
@@ -121,6 +203,7 @@ class StepTimer:
         def fill() -> None:
             slots = (torch.tensor(self.blocks)[:, None] * bs + torch.arange(bs)).flatten()
             for k, v in engine.kv_cache.layers:
+                slots = slots.to(k.device)
                 k.index_fill_(0, slots, 0.01)
                 v.index_fill_(0, slots, 0.01)
 
@@ -153,14 +236,38 @@ class StepTimer:
         return run_on_compute_thread(self._timed_step, scheduled)
 
     def _timed_step(self, scheduled: list[tuple]) -> float:
+        """One step's wall time, device work included: the runner returns (logits, spans)
+        and leaves sampling to its caller (older runners), or samples itself and returns
+        host values (a StepOutput); on CUDA the clock starts and stops on an idle device."""
         from .sampling import sample
 
+        sync = _synchronizer(self.engine)
+        sync()
         t0 = time.perf_counter()
-        logits, _ = self.engine.runner.execute(scheduled)
-        if logits is not None:
+        out = self.engine.runner.execute(scheduled)
+        if isinstance(out, tuple) and out[0] is not None:
             reqs = [req for req, _ in scheduled]
-            sample(logits, [r.params for r in reqs], [None] * len(reqs))
+            sample(out[0], [r.params for r in reqs], [None] * len(reqs))
+        sync()
         return time.perf_counter() - t0
+
+
+def engine_device(engine):
+    """The engine's torch.device (engines without one run on the CPU)."""
+    import torch
+
+    return getattr(engine, "device", torch.device("cpu"))
+
+
+def _synchronizer(engine):
+    """A call that waits for the engine's device to finish its queued work (none on a CPU,
+    where every op returns when done)."""
+    import torch
+
+    device = engine_device(engine)
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
 
 
 def _jiffies() -> tuple[int, int] | None:
@@ -200,13 +307,16 @@ def _wait_for_quiet(timeout: float, window: float = 0.25) -> bool:
 def measure(engine, steps: Sequence[tuple[str, Plan]], passes: int, tries: int = 3,
             budget_s: float | None = None, seed: int = 0, progress=None) -> list[Measured]:
     """Times every step `passes` times after one warm-up pass (which also lets the kernels
-    pick their code paths for each shape), shuffling the order on every pass; a run
-    disturbed by other processes is retried, after a pause in their load (at most 10 s), up to
-    `tries` times in all. Past `budget_s`
-    seconds there are no more retries nor passes (one pass always completes)."""
+    pick their code paths for each shape), shuffling the order on every pass; on the CPU a
+    run disturbed by other processes is retried, after a pause in their load (at most 10 s),
+    up to `tries` times in all. Past `budget_s` seconds there are no more retries nor passes
+    (one pass always completes). A GPU step hardly depends on other processes' CPU use: it
+    is never retried for it, and keeps all its runs."""
     t0 = time.perf_counter()
-    max_tokens = max(sum(m + c + 16 for m, c, _ in plan) for _, plan in steps)
-    timer = StepTimer(engine, max_tokens)
+    on_gpu = engine_device(engine).type == "cuda"
+    bs = engine.pool.block_size
+    max_blocks = max(sum(-(-(m + c) // bs) for m, c, _ in plan) for _, plan in steps)
+    timer = StepTimer(engine, max_blocks * bs)
     quiet: list[list[float]] = [[] for _ in steps]
     noisy: list[list[float]] = [[] for _ in steps]
     try:
@@ -220,30 +330,39 @@ def measure(engine, steps: Sequence[tuple[str, Plan]], passes: int, tries: int =
                 break
             rng.shuffle(order)
             for i in order:
-                for attempt in range(tries):
-                    if attempt:
-                        left = budget_s - (time.perf_counter() - t0) if budget_s else 10.0
-                        if left <= 0:
-                            break
-                        # Retry once the others pause, rather than straight into their load.
-                        _wait_for_quiet(min(10.0, left))
-                    before = _jiffies()
-                    t = timer.run(built[i])
-                    if _others_were_busy(before, _jiffies(), t):
-                        noisy[i].append(t)
-                        continue
-                    quiet[i].append(t)
-                    break
+                left = budget_s - (time.perf_counter() - t0) if budget_s else 10.0
+                _time_step(timer, built[i], 1 if on_gpu else tries, left,
+                           quiet[i], noisy[i])
             if progress:
                 progress(p + 1, passes)
     finally:
         timer.close()
     out = []
     for (kind, plan), q, n in zip(steps, quiet, noisy, strict=True):
-        ts = q or n
+        ts = q + n if on_gpu else q or n
         out.append(Measured(kind, plan, statistics.median(ts), min(ts), max(ts) / min(ts),
                             quiet=len(q), disturbed=len(n)))
     return out
+
+
+def _time_step(timer: StepTimer, scheduled: list[tuple], tries: int, left_s: float,
+               quiet: list[float], noisy: list[float]) -> None:
+    """Times one step into `quiet` or `noisy`, retrying a disturbed run (up to `tries` runs
+    in all, while `left_s` of the budget lasts) once the others pause, rather than straight
+    into their load."""
+    deadline = time.perf_counter() + left_s
+    for attempt in range(tries):
+        if attempt:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            _wait_for_quiet(min(10.0, left))
+        before = _jiffies()
+        t = timer.run(scheduled)
+        if not _others_were_busy(before, _jiffies(), t):
+            quiet.append(t)
+            return
+        noisy.append(t)
 
 
 # ---- fitting ------------------------------------------------------------------------------
@@ -323,15 +442,6 @@ def split_held_out(measured: Sequence[Measured], fraction: float = 0.25,
     return train, held
 
 
-def kv_projection_fraction(config) -> float:
-    """Share of a token's linear-layer MACs spent projecting K and V from the hidden state:
-    what re-projecting a hidden-cache token costs relative to computing a token."""
-    h, q = config.hidden_size, config.num_heads * config.head_dim
-    kv = config.num_kv_heads * config.head_dim
-    mlp = (3 if config.arch == "llama" else 2) * h * config.ffn_size
-    return 2 * h * kv / (h * q + 2 * h * kv + q * h + mlp)
-
-
 # Hidden-cache re-projection cannot be measured (the engine has no hidden cache): it is
 # derived from the fitted per-token cost instead.
 FITTED = tuple(f for f in FEATURES if f != "hidden_tokens")
@@ -346,13 +456,15 @@ class Calibration:
     mape_train: float
     seconds: float
     path: Path | None = None
+    key: CostModelKey | None = None
 
 
-def fit(measured: Sequence[Measured], config,
-        source: str) -> tuple[CostModel, list[Measured], list[Measured]]:
+def fit(measured: Sequence[Measured], config, source: str, key: CostModelKey | None = None
+        ) -> tuple[CostModel, list[Measured], list[Measured]]:
     """(model, training steps, held-out steps): fitted on ~75% of the steps, to be judged on
     the rest. The model is the one fitted on the training steps, so the error reported on
-    the held-out ones is that of the coefficients written."""
+    the held-out ones is that of the coefficients written. `key` names the model and gives
+    its device's host-copy bandwidth (default: a CPU)."""
     train, held = split_held_out(measured)
     coef = fit_coefficients([m.chunks for m in train], [m.seconds for m in train], FITTED)
     coef["hidden_tokens"] = coef["tokens"] * kv_projection_fraction(config)
@@ -361,9 +473,16 @@ def fit(measured: Sequence[Measured], config,
     # context barely matters, and the fastest is the least disturbed by other load).
     batch = min(len(m.plan) for m in decodes)
     floor = min(m.seconds for m in decodes if len(m.plan) == batch)
-    model = CostModel("cpu", coef, source, floor_s=floor,
-                      swap_bytes_per_s=CPU_SWAP_BYTES_PER_S)
+    name = "cpu" if key is None or key.device == "cpu" else f"calibrated-{key.gpu}"
+    model = CostModel(name, coef, source, floor_s=floor, swap_bytes_per_s=_swap_bandwidth(key))
     return model, train, held
+
+
+def _swap_bandwidth(key: CostModelKey | None) -> float:
+    """Host-tier copies: this machine's memory on a CPU, the GPU's host link on a GPU."""
+    if key is None or key.gpu is None:
+        return CPU_SWAP_BYTES_PER_S
+    return gpu_spec(key.gpu).host_bytes_per_s
 
 
 def machine_info(engine) -> dict:
@@ -377,7 +496,8 @@ def machine_info(engine) -> dict:
             name = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return {
+    device = engine_device(engine)
+    info = {
         "cpu": name,
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
@@ -386,26 +506,50 @@ def machine_info(engine) -> dict:
         "python": platform.python_version(),
         "model": engine.model_name,
         "dtype": str(engine.dtype).removeprefix("torch."),
+        "device": str(device),
         "load_average": list(os.getloadavg()),
     }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def load_engine(model: str | None = None, device: str | None = None, log=print):
+    """The engine to calibrate: `model` (default: the default model) on `device` ("cpu",
+    "cuda", "cuda:N" or "auto"; None or "auto" on a machine without CUDA means the CPU,
+    and the CPU is asked for with no device argument, as engines before devices took it)."""
+    import torch
+
+    from .engine import LLMEngine
+    from .registry import DEFAULT_MODEL
+
+    if device in (None, "auto") and not torch.cuda.is_available():
+        device = "cpu"
+    log(f"loading the engine ({model or DEFAULT_MODEL} on {device}) ...")
+    kwargs = {} if device == "cpu" else {"device": device}
+    return LLMEngine(model or DEFAULT_MODEL, **kwargs)
 
 
 def calibrate(quick: bool = False, passes: int | None = None, path: Path | None = None,
-              engine=None, tries: int = 3, budget_s: float | None = None,
-              log=print) -> Calibration:
-    """Measure, fit, and write the cost model of this machine (to `path` or
-    cost_model_path()). The timing stops adding passes after budget_s (default 150 s, 30 s
-    with quick), which keeps a run near three minutes even on a loaded machine."""
+              engine=None, tries: int = 3, budget_s: float | None = None, log=print,
+              model: str | None = None, device: str | None = None) -> Calibration:
+    """Measure, fit, and write the cost model of an engine: `engine`, or one loaded for
+    `model` on `device` (see load_engine). It goes to `path`, default the file of the
+    engine's key (cost_model_path), where the engine will look for it. The timing stops
+    adding passes after budget_s (default 150 s, 30 s with quick), which keeps a run near
+    three minutes even on a loaded machine."""
     t0 = time.perf_counter()
     if engine is None:
-        from .engine import LLMEngine
-
-        log("loading the engine ...")
-        engine = LLMEngine()
-    steps = quick_plan() if quick else full_plan()
+        engine = load_engine(model, device, log)
+    key = engine_cost_model_key(engine)
+    limits = PlanLimits.of(engine)
+    steps = quick_plan(limits) if quick else full_plan(limits)
+    if not any(kind == "decode" for kind, _ in steps):
+        raise ValueError(f"no calibration step fits this engine's limits ({limits})")
     passes = passes or (2 if quick else 4)
     load_before = os.getloadavg()[0]
-    log(f"timing {len(steps)} steps, {passes} passes after a warm-up pass ...")
+    log(f"timing {len(steps)} steps of {key.label()}, {passes} passes after a warm-up pass ...")
     if budget_s is None:
         budget_s = 30.0 if quick else 150.0
     measured = measure(engine, steps, passes, tries=tries, budget_s=budget_s,
@@ -413,13 +557,14 @@ def calibrate(quick: bool = False, passes: int | None = None, path: Path | None 
     info = machine_info(engine)
     info["load_average_before"] = load_before
     date = datetime.now(UTC).strftime("%Y-%m-%d")
-    model, train, held = fit(measured, engine.config, f"calibrated {date}")
+    model, train, held = fit(measured, engine.config, f"calibrated {date}", key)
     held_mape, train_mape = mape(model, held), mape(model, train)
     held_ids = {id(m) for m in held}
     elapsed = time.perf_counter() - t0
-    path = Path(path) if path is not None else cost_model_path("cpu")
+    path = Path(path) if path is not None else cost_model_path(key)
     payload = {
         **model.to_dict(),
+        "key": key.to_dict(),
         "date": date,
         "machine": info,
         "mape_held_out_pct": held_mape,
@@ -440,12 +585,12 @@ def calibrate(quick: bool = False, passes: int | None = None, path: Path | None 
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(payload, indent=1))
     tmp.replace(path)  # a reader never sees half a file
-    return Calibration(model, measured, held, held_mape, train_mape, elapsed, path)
+    return Calibration(model, measured, held, held_mape, train_mape, elapsed, path, key)
 
 
 def report(cal: Calibration) -> str:
     c = cal.model.coefficients
-    lines = [f"wrote {cal.path}",
+    lines = [f"wrote {cal.path}" + (f" for {cal.key.label()}" if cal.key else ""),
              f"held-out MAPE per step: {cal.mape_held_out:.1f}% on {len(cal.held_out)} steps "
              f"(training {cal.mape_train:.1f}%, target <= 15%)",
              f"floor {cal.model.floor_s * 1e3:.1f} ms; calibration took {cal.seconds:.0f} s"]
@@ -453,7 +598,10 @@ def report(cal: Calibration) -> str:
     disturbed = sum(m.disturbed for m in cal.measured)
     runs = disturbed + sum(m.quiet for m in cal.measured)
     never_quiet = sum(not m.quiet for m in cal.measured)
-    if disturbed:
+    if disturbed and cal.key is not None and cal.key.gpu is not None:
+        lines.append(f"note: other processes were busy on the CPU during {disturbed} of {runs} "
+                     "timed runs (kept: a GPU step hardly depends on them).")
+    elif disturbed:
         lines.append(f"note: other processes were busy during {disturbed} of {runs} timed "
                      f"runs (discarded and retried); {never_quiet} of {len(cal.measured)} "
                      "steps never ran undisturbed"

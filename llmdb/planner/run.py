@@ -193,8 +193,9 @@ class Planner:
         """Compare the prefetched batches' model time with the cost model's."""
         from .estimate import calibrated, cost_model, estimate_site
 
-        if not calibrated(cost_model()) or run.dry or \
-                getattr(self.session.backend(), "engine", None) is None:
+        backend = self.session.backend()
+        if run.dry or getattr(backend, "engine", None) is None or \
+                not calibrated(cost_model(backend)):
             return
         for site in p.sites:
             c = run.counts[site.id]

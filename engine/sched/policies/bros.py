@@ -58,6 +58,9 @@ class BROSPolicy(Policy):
         self._cost: CostModel | None = None
 
     def cost_model(self, s: Scheduler) -> CostModel:
+        """The scheduler's: the engine's own (its model, dtype and device) or the
+        simulator's. A scheduler made without one times steps as the default engine on
+        this CPU would."""
         if s.cost_model is not None:
             return s.cost_model
         if self._cost is None:
