@@ -113,7 +113,9 @@ def read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
     for f in files:
         try:
-            weights.update({k: v.float() for k, v in load_file(str(f)).items()})
+            # As stored: the model casts each tensor once to its dtype on its device (an
+            # fp32 copy of a 7B model on the host would take 27 GB and seconds).
+            weights.update(load_file(str(f)))
         except Exception as e:
             raise ModelLoadError(f"cannot read {f}: {e}") from e
     # Some OPT checkpoints drop the "model." prefix.

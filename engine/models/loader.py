@@ -1,4 +1,4 @@
-"""Open a model (GGUF file or HF directory) into config, fp32 weights and tokenizer.
+"""Open a model (GGUF file or HF directory) into config, weights and tokenizer.
 
 Dequantizing a GGUF and parsing its tokenizer metadata take seconds; both are cached on
 disk (safetensors and JSON), keyed by the file's content hash, so later starts only read
@@ -31,7 +31,7 @@ class LoadedModel:
     path: Path
     config: ModelConfig
     tokenizer: ModelTokenizer
-    weights: dict[str, torch.Tensor]  # HF names and layout, fp32
+    weights: dict[str, torch.Tensor]  # HF names and layout; fp32 from GGUF, as stored from HF
     fingerprint: str  # sha256 of the weight files' bytes
 
 
@@ -40,12 +40,22 @@ def cache_dir() -> Path:
 
 
 def _fingerprint(files: list[Path]) -> str:
+    """sha256 of the files' bytes, remembered by path, size and modification time: hashing a
+    7B model's 13 GB takes most of a start-up, and its files do not change between starts."""
+    stamp = json.dumps([[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns]
+                        for f in files])
+    memo = cache_dir() / "fingerprints" / (hashlib.sha256(stamp.encode()).hexdigest() + ".txt")
+    if memo.exists():
+        return memo.read_text().strip()
     h = hashlib.sha256()
     for f in files:
         with open(f, "rb") as fh:
             while chunk := fh.read(1 << 22):
                 h.update(chunk)
-    return h.hexdigest()
+    digest = h.hexdigest()
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(memo, lambda tmp: tmp.write_text(digest))
+    return digest
 
 
 def load_model(path: str | Path) -> LoadedModel:
