@@ -1,0 +1,144 @@
+"""RoPE on Q and K and the KV-cache write, fused into one Triton kernel.
+
+Why: between the QKV projection and attention the CPU path does a rotate (a read and write of
+Q and K), a split, and two index copies into the cache; on a GPU each is a launch and a trip
+through memory. Here one program per token reads its row of the fused projection once,
+rotates Q and K in fp32 and rounds them to the model dtype (as the CPU path does), writes K and
+V into their cache slot and Q into a contiguous [T, H, D] output for attention.
+
+RoPE is rotate-half in Hugging Face's layout: with x = (x1, x2) halves and per-position
+angles a, out = (x1 cos a - x2 sin a, x2 cos a + x1 sin a). The table cos_sin [positions, D]
+holds cos a in its first D/2 columns and sin a in its last D/2. A slot < 0 marks a padding
+row: its Q is still written, its K/V are not.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_heads(x_ptr, head_idx, head_ok, cos, sin, halves, half_ok,
+                  HALF: tl.constexpr, HAS_ROPE: tl.constexpr):
+    """Load heads [NH_PAD, D] of one token as two halves and return them rotated, in fp32."""
+    base = x_ptr + head_idx[:, None] * (2 * HALF) + halves[None, :]
+    mask = head_ok[:, None] & half_ok[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
+    if HAS_ROPE:
+        y1 = x1 * cos[None, :] - x2 * sin[None, :]
+        x2 = x2 * cos[None, :] + x1 * sin[None, :]
+        x1 = y1
+    return x1, x2
+
+
+@triton.jit
+def _rope_write_kernel(
+    qkv_ptr, positions_ptr, cos_sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_out_ptr,
+    stride_qkv, stride_cs, stride_ks, stride_kh, stride_vs, stride_vh,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr, H_PAD: tl.constexpr, KVH_PAD: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    halves = tl.arange(0, HALF_PAD)
+    half_ok = halves < HALF
+    if HAS_ROPE:
+        pos = tl.load(positions_ptr + tok)
+        cos = tl.load(cos_sin_ptr + pos * stride_cs + halves, mask=half_ok, other=0.0)
+        sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + halves, mask=half_ok, other=0.0)
+    else:
+        cos = tl.zeros([HALF_PAD], tl.float32)
+        sin = tl.zeros([HALF_PAD], tl.float32)
+    row = qkv_ptr + tok * stride_qkv
+    dt = q_out_ptr.dtype.element_ty
+
+    q_heads = tl.arange(0, H_PAD)
+    q_ok = q_heads < NUM_HEADS
+    q1, q2 = _rotate_heads(row, q_heads, q_ok, cos, sin, halves, half_ok, HALF, HAS_ROPE)
+    q_out = q_out_ptr + tok * (NUM_HEADS * 2 * HALF) + q_heads[:, None] * (2 * HALF)
+    q_out += halves[None, :]
+    mask = q_ok[:, None] & half_ok[None, :]
+    tl.store(q_out, q1.to(dt), mask=mask)
+    tl.store(q_out + HALF, q2.to(dt), mask=mask)
+
+    slot = tl.load(slot_ptr + tok)
+    if slot >= 0:
+        kv_heads = tl.arange(0, KVH_PAD)
+        kv_ok = kv_heads < NUM_KV_HEADS
+        kv_mask = kv_ok[:, None] & half_ok[None, :]
+        k_row = row + NUM_HEADS * 2 * HALF
+        k1, k2 = _rotate_heads(k_row, kv_heads, kv_ok, cos, sin, halves, half_ok, HALF,
+                               HAS_ROPE)
+        k_dst = k_cache_ptr + slot * stride_ks + kv_heads[:, None] * stride_kh + halves[None, :]
+        tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(k_dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+        # V is copied as is, in two halves like the rest so one HALF_PAD serves any D.
+        v_src = row + (NUM_HEADS + NUM_KV_HEADS) * 2 * HALF + kv_heads[:, None] * (2 * HALF)
+        v_src += halves[None, :]
+        v_dst = v_cache_ptr + slot * stride_vs + kv_heads[:, None] * stride_vh + halves[None, :]
+        v1 = tl.load(v_src, mask=kv_mask, other=0.0)
+        v2 = tl.load(v_src + HALF, mask=kv_mask, other=0.0)
+        tl.store(v_dst, v1.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(v_dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+
+
+def rope_and_write_kv(
+    qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor | None,
+    slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    num_heads: int, num_kv_heads: int, head_dim: int,
+) -> torch.Tensor:
+    """qkv [T, (H + 2 KVH) D] (unit stride in the last dim) -> rotated q [T, H, D], contiguous,
+    in qkv's dtype; K (rotated) and V land in k_cache/v_cache [slots, KVH, D] at slot_mapping.
+
+    positions [T] int64, slot_mapping [T] int64 (-1: do not write), cos_sin fp32 [P, D] with
+    unit stride in its last dim, or None for a model without RoPE. Caches need a unit stride
+    in their last dim."""
+    num_tokens = qkv.shape[0]
+    assert head_dim % 2 == 0 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
+    assert qkv.stride(1) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1
+    q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if num_tokens == 0:
+        return q
+    has_rope = cos_sin is not None
+    if has_rope:
+        assert cos_sin.shape[1] == head_dim and cos_sin.stride(1) == 1
+    half = head_dim // 2
+    _rope_write_kernel[(num_tokens,)](
+        qkv, positions, cos_sin if has_rope else qkv, slot_mapping, k_cache, v_cache, q,
+        qkv.stride(0), cos_sin.stride(0) if has_rope else 0,
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
+        HALF_PAD=triton.next_power_of_2(half), H_PAD=triton.next_power_of_2(num_heads),
+        KVH_PAD=triton.next_power_of_2(num_kv_heads), HAS_ROPE=has_rope,
+        num_warps=4 if num_heads * head_dim >= 2048 else 2,
+    )
+    return q
+
+
+def rope_and_write_kv_reference(
+    qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor | None,
+    slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    num_heads: int, num_kv_heads: int, head_dim: int,
+) -> torch.Tensor:
+    """The torch definition `rope_and_write_kv` is tested against (same contract)."""
+    t = qkv.shape[0]
+    q, k, v = qkv.view(t, -1, head_dim).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    if cos_sin is not None:
+        half = head_dim // 2
+        cs = cos_sin[positions].float()
+        cos, sin = cs[:, None, :half], cs[:, None, half:]
+
+        def rotate(x: torch.Tensor) -> torch.Tensor:
+            xf = x.float()
+            x1, x2 = xf[..., :half], xf[..., half:]
+            return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+        q, k = rotate(q), rotate(k)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache[slots] = k[keep].to(k_cache.dtype)
+    v_cache[slots] = v[keep].to(v_cache.dtype)
+    return q.contiguous()
