@@ -134,7 +134,7 @@ class ModelRunner:
             sample_rows = [i for _, i in plan.sample]
             picked = (logits if sample_rows == list(range(logits.shape[0]))
                       else logits[torch.tensor(sample_rows, device=dev)])
-            keys = [row_key(r.seed, len(r.output_ids)) for r in reqs]
+            keys = [0 if r.params.greedy else row_key(r.seed, len(r.output_ids)) for r in reqs]
             tokens = sample(picked, [r.params for r in reqs], keys)
             parts.append(tokens.double())
             k = max((r.params.logprobs or 0 for r in reqs), default=0)

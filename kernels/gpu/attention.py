@@ -47,7 +47,9 @@ def _find_sequence(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
     return lo
 
 
-@triton.jit
+# Step sizes change every step: specializing on them (Triton compiles a variant for values
+# divisible by 16 and for 1) would compile new variants mid-run, a second or so each.
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens"])
 def _attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
@@ -154,7 +156,7 @@ def _attention_kernel(
         tl.store(lse_ptr + row_idx, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _merge_splits_kernel(
     part_ptr, lse_ptr, out_ptr, num_tokens,
     stride_ot, stride_oh,
