@@ -78,7 +78,7 @@ class ModelRunner:
         base = 0
         for req, n in scheduled:
             start = req.num_computed
-            tokens.append(req.token_ids[start : start + n])
+            tokens.append(req.token_slice(start, n))
             starts.append(start)
             self._plan_rows(plan, req, start, n, base)
             base += n

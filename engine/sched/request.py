@@ -71,6 +71,15 @@ class Request:
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_slice(self, start: int, n: int) -> list[int]:
+        """token_ids[start : start + n] without building token_ids (a decode's one token)."""
+        p = len(self.prompt_ids)
+        if start >= p:
+            return self.output_ids[start - p : start - p + n]
+        if start + n <= p:
+            return self.prompt_ids[start : start + n]
+        return (self.prompt_ids + self.output_ids)[start : start + n]
+
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
@@ -78,7 +87,8 @@ class Request:
     @property
     def is_decode(self) -> bool:
         """Its only token left to compute is the last one it generated."""
-        return bool(self.output_ids) and self.num_tokens - self.num_computed == 1
+        out = self.output_ids
+        return bool(out) and len(self.prompt_ids) + len(out) - self.num_computed == 1
 
     def pending_time(self, now: float) -> float:
         """Apt-Serve's p: since arrival before the first token, since the last one after."""

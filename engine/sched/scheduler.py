@@ -245,12 +245,14 @@ class Scheduler:
         requests finished while the step ran are skipped. The engine, the simulator and the
         tests all advance requests through here."""
         caught_up = []
+        bs = self.pool.block_size
         for req, n in scheduled:
-            if req.is_finished:  # aborted while the model ran
+            if req.status is Status.FINISHED:  # aborted while the model ran
                 continue
             req.num_computed += n
-            self.register_computed(req)
-            if req.num_computed < req.num_tokens:
+            if req.num_computed // bs > req.num_registered:  # a block was completed
+                self.register_computed(req)
+            if req.num_computed < len(req.prompt_ids) + len(req.output_ids):
                 continue
             if req.generate:
                 req.output_ids.append(0 if sampled is None else sampled[req.request_id])
@@ -258,6 +260,22 @@ class Scheduler:
                 req.last_token_time = now
             caught_up.append(req)
         return caught_up
+
+    def run_decode_if_fits(self, out: SchedulerOutput, req: Request) -> bool:
+        """`run(out, req, 1)` for a running KV-cache decode when its block fits the free
+        pool outright (no reservations to honour); False, doing nothing, otherwise. The
+        common case of every step, taken without the general path's calls."""
+        if self.policy.reserves_memory or req.cache_type != "kv":
+            return False
+        bs = self.pool.block_size
+        need = (req.num_computed + bs) // bs - len(req.block_ids)  # blocks for one more token
+        if need > 0:
+            if need > self.pool.num_free:
+                return False
+            req.block_ids.extend(self.pool.allocate(need))
+            self._hits.clear()
+        out.scheduled.append((req, 1))
+        return True
 
     def preempt(self, out: SchedulerOutput, req: Request) -> None:
         """Recompute later: free its blocks; its prompt and outputs so far are kept."""

@@ -49,11 +49,11 @@ def _find_sequence(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
 
 # Step sizes change every step: specializing on them (Triton compiles a variant for values
 # divisible by 16 and for 1) would compile new variants mid-run, a second or so each.
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens"])
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits"])
 def _attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    num_seqs, num_tokens, qk_scale,
+    num_seqs, num_tokens, num_splits, qk_scale,
     stride_qt, stride_qh, stride_qd,
     stride_ks, stride_kh, stride_kd,
     stride_vs, stride_vh, stride_vd,
@@ -61,7 +61,7 @@ def _attention_kernel(
     stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     IEEE_DOT: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -101,7 +101,7 @@ def _attention_kernel(
     key_end = tl.minimum(ctx, prefix + tl.minimum(q_len, (q_block + 1) * BLOCK_Q))
     key_end = tl.maximum(key_end, 0)
     num_tiles = tl.cdiv(key_end, BLOCK_N)
-    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    per_split = tl.cdiv(num_tiles, num_splits)
     tile_lo = split * per_split
     tile_hi = tl.minimum(num_tiles, tile_lo + per_split)
 
@@ -145,28 +145,28 @@ def _attention_kernel(
     l_safe = tl.where(has_keys, l_i, 1.0)
     o = acc / l_safe[:, None]
     store_mask = row_ok[:, None] & dim_ok[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         o_off = tok_abs[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
         tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
-        # Scratch is [NUM_SPLITS, T, H, D] and [NUM_SPLITS, T, H], contiguous.
+        # Scratch is [num_splits, T, H, D] and [num_splits, T, H], contiguous.
         row_idx = (split * num_tokens + tok_abs) * NUM_HEADS + head
         lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_ptr + row_idx[:, None] * HEAD_DIM + dims[None, :], o, mask=store_mask)
         tl.store(lse_ptr + row_idx, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def _merge_splits_kernel(
-    part_ptr, lse_ptr, out_ptr, num_tokens,
+    part_ptr, lse_ptr, out_ptr, num_tokens, num_splits,
     stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
-    split_ok = splits < NUM_SPLITS
+    split_ok = splits < num_splits
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_ok = dims < HEAD_DIM
     row_idx = (splits * num_tokens + tok) * NUM_HEADS + head
@@ -181,6 +181,11 @@ def _merge_splits_kernel(
     o = tl.sum(part * w[:, None], 0)
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + dims, o.to(out_ptr.dtype.element_ty),
              mask=dim_ok)
+
+
+# The split count is a runtime argument and the merge reads a fixed-width row of splits, so
+# every split count shares one compiled kernel (graphs of each batch size pick their own).
+_SPLITS_PAD = 16
 
 
 def choose_num_splits(num_seqs: int, kv_heads: int, max_seq_len: int, num_sms: int,
@@ -247,13 +252,13 @@ def paged_attention(
         lse = torch.empty((num_splits, num_tokens, num_heads), dtype=torch.float32,
                           device=q.device)
     else:
-        part = lse = out  # unused by the kernel when NUM_SPLITS == 1
+        part = lse = out  # unused by the kernel without splits
     head_dim_pad = triton.next_power_of_2(head_dim)
     grid = (num_tokens // block_q + num_seqs + 1, kv_heads, num_splits)
     _attention_kernel[grid](
         q, k_cache, v_cache, out, part, lse,
         batch.query_start_loc, batch.seq_lens, batch.block_tables,
-        num_seqs, num_tokens, scale * _LOG2E,
+        num_seqs, num_tokens, num_splits, scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -261,14 +266,14 @@ def paged_attention(
         batch.block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=batch.block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, IEEE_DOT=q.dtype == torch.float32,
+        SPLIT=num_splits > 1, IEEE_DOT=q.dtype == torch.float32,
         num_warps=num_warps,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
-            part, lse, out, num_tokens, out.stride(0), out.stride(1),
+            part, lse, out, num_tokens, num_splits, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            SPLITS_PAD=max(_SPLITS_PAD, triton.next_power_of_2(num_splits)),
             num_warps=1 if head_dim <= 64 else 2,
         )
     return out

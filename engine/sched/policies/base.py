@@ -62,6 +62,12 @@ class Policy:
                 if cand in batch or cand.status is Status.FINISHED or cand in out.preempted:
                     continue
                 waiting = cand.status is Status.WAITING
+                if (not waiting and cand.is_decode and (self.hybrid or phase is not True)
+                        and s.run_decode_if_fits(out, cand)):
+                    batch[cand] = 1
+                    c_left -= 1
+                    phase = False if phase is None else phase
+                    continue
                 if waiting and (len(s.running) >= s.max_num_seqs or (
                         out.preempted and not self.admit_after_eviction)):
                     continue  # memory is short this step: admit nobody new

@@ -16,8 +16,10 @@ class SarathiPolicy(Policy):
         return decodes  # oldest first
 
     def groups(self, s: Scheduler, now: float) -> list[Group]:
-        decodes = [r for r in s.running if r.is_decode]
-        prefills = [r for r in s.running if not r.is_decode]
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for r in s.running:
+            (decodes if r.is_decode else prefills).append(r)
         return [Group(self.decode_order(s, decodes), evict=True),
                 Group(prefills, evict=True),
                 Group(list(s.waiting), evict=False, stop_on_short=True)]
