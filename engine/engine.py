@@ -90,9 +90,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool, max_num_batched_tokens, max_num_seqs, policy,
                                    max_prefill_tokens, cost_model=self.cost_model)
         self.rt_slos = (rt_slo_ttft_s, rt_slo_tbt_s)
-        self.runner = ModelRunner(
-            self.model, self.kv_cache, block_size, self.device, max_num_batched_tokens,
-            max_num_seqs, self.config.max_context,
+        # On the compute thread too: zero-filling its buffers here would start an OpenMP
+        # team on the caller's thread (engine/compute.py).
+        self.runner = run_on_compute_thread(
+            ModelRunner, self.model, self.kv_cache, block_size, self.device,
+            max_num_batched_tokens, max_num_seqs, self.config.max_context,
             cuda_graphs=cuda_graphs and self.kernels == "triton",
         )
         run_on_compute_thread(self.runner.capture_graphs)

@@ -55,8 +55,10 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
-        self.buffers = StepBuffers(device, max_num_batched_tokens + max_num_seqs, max_num_seqs,
-                                   -(-max_context // block_size))
+        # Whole-prompt policies run a prompt longer than the token budget alone: the buffers
+        # take any step up to the model's context (a few MB).
+        self.buffers = StepBuffers(device, max(max_num_batched_tokens, max_context) + max_num_seqs,
+                                   max_num_seqs, -(-max_context // block_size))
         self.graphs = (DecodeGraphs(self, max_num_seqs)
                        if cuda_graphs and device.type == "cuda" else None)
         self.steps = 0
@@ -123,67 +125,73 @@ class ModelRunner:
 
     def _outputs(self, logits: torch.Tensor | None, plan: _Plan) -> StepOutput:
         """Samples and scores on the device, then one copy of all results to the host."""
-        out = StepOutput()
         self.last_wait_s = 0.0
         if logits is None:
-            return out
+            return StepOutput()
+        parts = self._device_results(logits, plan)
+        t_wait = time.perf_counter()
+        values = torch.cat(parts).tolist() if parts else []  # the step's one device sync
+        keep = {req.request_id: logits[row0 : row0 + count].float().cpu()
+                for req, row0, count in plan.keep}
+        self.last_wait_s = time.perf_counter() - t_wait
+        out = _unpack(values, plan)
+        out.logit_rows = keep
+        return out
+
+    @staticmethod
+    def _device_results(logits: torch.Tensor, plan: _Plan) -> list[torch.Tensor]:
+        """fp64 vectors in _unpack's order: sampled ids; with logprobs the chosen ones' and
+        the top k's values and ids; scoring targets' log-probs; candidates' log-probs."""
         dev = logits.device
         parts: list[torch.Tensor] = []
         if plan.sample:
             reqs = [r for r, _ in plan.sample]
-            sample_rows = [i for _, i in plan.sample]
-            picked = (logits if sample_rows == list(range(logits.shape[0]))
-                      else logits[torch.tensor(sample_rows, device=dev)])
+            rows = [i for _, i in plan.sample]
+            picked = (logits if rows == list(range(logits.shape[0]))
+                      else logits[torch.tensor(rows, device=dev)])
             keys = [0 if r.params.greedy else row_key(r.seed, len(r.output_ids)) for r in reqs]
             tokens = sample(picked, [r.params for r in reqs], keys)
             parts.append(tokens.double())
-            k = max((r.params.logprobs or 0 for r in reqs), default=0)
-            want_lp = any(r.params.logprobs is not None for r in reqs)
-            if want_lp:
+            if any(r.params.logprobs is not None for r in reqs):
+                k = max(r.params.logprobs or 0 for r in reqs)
                 chosen, top_v, top_i = top_logprobs(picked, tokens, k)
                 parts += [chosen.double(), top_v.double().flatten(), top_i.double().flatten()]
-        if plan.score:
-            rows = [row0 + j for _, row0, tg in plan.score for j in range(len(tg))]
-            targets = [t for _, _, tg in plan.score for t in tg]
-            if rows:
-                lp = logits[torch.tensor(rows, device=dev)].float().log_softmax(-1)
-                tt = torch.tensor(targets, device=dev)[:, None]
-                parts.append(lp.gather(1, tt)[:, 0].double())
+        rows = [row0 + j for _, row0, tg in plan.score for j in range(len(tg))]
+        if rows:
+            lp = logits[torch.tensor(rows, device=dev)].float().log_softmax(-1)
+            targets = torch.tensor([t for _, _, tg in plan.score for t in tg], device=dev)
+            parts.append(lp.gather(1, targets[:, None])[:, 0].double())
         if plan.choice:
             lp = logits[torch.tensor([i for _, i in plan.choice], device=dev)].float()
-            lp = lp.log_softmax(-1)
             cands = [r.candidate_ids for r, _ in plan.choice]
             width = max(map(len, cands))
             idx = torch.tensor([c + [0] * (width - len(c)) for c in cands], device=dev)
-            parts.append(lp.gather(1, idx).double().flatten())
-        t_wait = time.perf_counter()
-        values = torch.cat(parts).tolist() if parts else []  # the step's one device sync
-        for req, row0, count in plan.keep:
-            out.logit_rows[req.request_id] = logits[row0 : row0 + count].float().cpu()
-        self.last_wait_s = time.perf_counter() - t_wait
-        pos = 0
-        if plan.sample:
-            n = len(plan.sample)
-            for (req, _), tok in zip(plan.sample, values[:n], strict=True):
-                out.sampled[req.request_id] = int(tok)
-            pos = n
-            if want_lp:
-                chosen = values[pos : pos + n]
-                top_v = values[pos + n : pos + n + n * k]
-                top_i = values[pos + n + n * k : pos + n + 2 * n * k]
-                pos += n + 2 * n * k
-                for j, (req, _) in enumerate(plan.sample):
-                    kk = req.params.logprobs
-                    if kk is None:
-                        continue
-                    top = {int(top_i[j * k + m]): top_v[j * k + m] for m in range(kk)}
-                    out.logprobs[req.request_id] = (chosen[j], top)
-        for req, _, targets in plan.score:
-            out.target_logprobs[req.request_id] = values[pos : pos + len(targets)]
-            pos += len(targets)
-        if plan.choice:
-            width = max(len(r.candidate_ids) for r, _ in plan.choice)
-            for req, _ in plan.choice:
-                out.candidate_logprobs[req.request_id] = values[pos : pos + len(req.candidate_ids)]
-                pos += width
-        return out
+            parts.append(lp.log_softmax(-1).gather(1, idx).double().flatten())
+        return parts
+
+
+def _unpack(values: list[float], plan: _Plan) -> StepOutput:
+    """The host side of ModelRunner._device_results: the same order, read back."""
+    out = StepOutput()
+    n, pos = len(plan.sample), len(plan.sample)
+    for (req, _), tok in zip(plan.sample, values[:n], strict=True):
+        out.sampled[req.request_id] = int(tok)
+    if any(r.params.logprobs is not None for r, _ in plan.sample):
+        k = max(r.params.logprobs or 0 for r, _ in plan.sample)
+        chosen = values[pos : pos + n]
+        top_v = values[pos + n : pos + n + n * k]
+        top_i = values[pos + n + n * k : pos + n + 2 * n * k]
+        pos += n + 2 * n * k
+        for j, (req, _) in enumerate(plan.sample):
+            if req.params.logprobs is not None:
+                top = {int(top_i[j * k + m]): top_v[j * k + m] for m in range(req.params.logprobs)}
+                out.logprobs[req.request_id] = (chosen[j], top)
+    for req, _, targets in plan.score:
+        out.target_logprobs[req.request_id] = values[pos : pos + len(targets)]
+        pos += len(targets)
+    if plan.choice:
+        width = max(len(r.candidate_ids) for r, _ in plan.choice)
+        for req, _ in plan.choice:
+            out.candidate_logprobs[req.request_id] = values[pos : pos + len(req.candidate_ids)]
+            pos += width
+    return out
