@@ -236,18 +236,12 @@ class StepTimer:
         return run_on_compute_thread(self._timed_step, scheduled)
 
     def _timed_step(self, scheduled: list[tuple]) -> float:
-        """One step's wall time, device work included: the runner returns (logits, spans)
-        and leaves sampling to its caller (older runners), or samples itself and returns
-        host values (a StepOutput); on CUDA the clock starts and stops on an idle device."""
-        from .sampling import sample
-
+        """One step's wall time, sampling and the device's work included (the runner copies
+        the sampled ids to the host); on CUDA the clock starts on an idle device."""
         sync = _synchronizer(self.engine)
         sync()
         t0 = time.perf_counter()
-        out = self.engine.runner.execute(scheduled)
-        if isinstance(out, tuple) and out[0] is not None:
-            reqs = [req for req, _ in scheduled]
-            sample(out[0], [r.params for r in reqs], [None] * len(reqs))
+        self.engine.runner.execute(scheduled)
         sync()
         return time.perf_counter() - t0
 

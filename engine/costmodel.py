@@ -20,6 +20,8 @@ from pathlib import Path
 
 import platformdirs
 
+from .models.config import ModelConfig
+
 FEATURES = (
     "const",
     "tokens",
@@ -474,59 +476,22 @@ def _read_legacy(key: CostModelKey) -> CostModel | None:
 # ---- estimates for keys never calibrated --------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """The sizes a roofline needs (ModelConfig has them all; this lets the cost model be
-    used without loading a model)."""
-
-    arch: str  # "llama" (gated MLP: 3 matrices) or "opt" (2)
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    ffn_size: int
-    tie_embeddings: bool = False
-
-    @classmethod
-    def of(cls, config) -> ModelShape:
-        return cls(config.arch, config.vocab_size, config.hidden_size, config.num_layers,
-                   config.num_heads, config.num_kv_heads, config.head_dim, config.ffn_size,
-                   bool(getattr(config, "tie_embeddings", False)))
-
-    @property
-    def layer_params(self) -> int:
-        """Weights of one layer's linear maps (Q, K, V, O, MLP); norms and biases are noise."""
-        h, q = self.hidden_size, self.num_heads * self.head_dim
-        kv = self.num_kv_heads * self.head_dim
-        mlp = (3 if self.arch == "llama" else 2) * h * self.ffn_size
-        return h * q + 2 * h * kv + q * h + mlp
-
-    @property
-    def params(self) -> int:
-        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2)
-        return self.num_layers * self.layer_params + embeddings
-
-    @property
-    def kv_elems_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
-
-    @property
-    def attention_width(self) -> int:
-        """Query heads x head dim x layers: what prefill attention's FLOPs grow with."""
-        return self.num_layers * self.num_heads * self.head_dim
+# The default model's shape, for estimates made before (or without) loading it.
+SMOLLM2_SHAPE = ModelConfig("llama", vocab_size=49152, hidden_size=576, num_layers=30,
+                            num_heads=9, num_kv_heads=3, head_dim=64, ffn_size=1536,
+                            max_context=8192, tie_embeddings=True)
 
 
-SMOLLM2_SHAPE = ModelShape("llama", 49152, 576, 30, 9, 3, 64, 1536, tie_embeddings=True)
+def _attention_width(shape: ModelConfig) -> int:
+    """Query heads x head dim x layers: what prefill attention's FLOPs grow with."""
+    return shape.num_layers * shape.num_heads * shape.head_dim
 
 
 def kv_projection_fraction(config) -> float:
     """Share of a token's linear-layer MACs spent projecting K and V from the hidden state:
     what re-projecting a hidden-cache token costs relative to computing a token."""
-    shape = config if isinstance(config, ModelShape) else ModelShape.of(config)
-    kv = shape.num_kv_heads * shape.head_dim
-    return 2 * shape.hidden_size * kv / shape.layer_params
+    kv = config.num_kv_heads * config.head_dim
+    return 2 * config.hidden_size * kv / config.layer_params
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -542,7 +507,7 @@ def fallback_cost_model(key: CostModelKey, config=None) -> CostModel:
     machine ran GEMMs 2-4x faster, DESIGN.md), while its largest term, a lone decode's
     ~22 ms of per-op overhead, does not shrink with threads; scaling it by threads would
     add a made-up factor to a number that is already only indicative."""
-    shape = ModelShape.of(config) if config is not None else \
+    shape = config if config is not None else \
         SMOLLM2_SHAPE if key.model_name == DEFAULT_MODEL else None
     if key.device == "cpu":
         if key.model_name == DEFAULT_MODEL and key.dtype == "bf16":
@@ -561,7 +526,7 @@ def _default_for(key: CostModelKey) -> CostModel:
     return model
 
 
-def scaled_cpu_default(key: CostModelKey, shape: ModelShape | None) -> CostModel:
+def scaled_cpu_default(key: CostModelKey, shape: ModelConfig | None) -> CostModel:
     """The built-in CPU default stretched to another model or dtype: per-step, per-token and
     per-request work by the parameter count, K/V reads by the K/V per token, prefill
     attention by its width; fp32 reads twice the bytes and multiplies at ~1/3 the bf16 rate
@@ -575,8 +540,8 @@ def scaled_cpu_default(key: CostModelKey, shape: ModelShape | None) -> CostModel
     base, f = SMOLLM2_SHAPE, dtype_bytes(key.dtype) / 2
     params = shape.params / base.params
     by_params = f * params
-    by_kv = f * shape.kv_elems_per_token / base.kv_elems_per_token
-    by_attention = f * shape.attention_width / base.attention_width
+    by_kv = f * shape.kv_bytes_per_token / base.kv_bytes_per_token  # (elements, in fact)
+    by_attention = f * _attention_width(shape) / _attention_width(base)
     scale = dict.fromkeys(FEATURES, by_params)
     scale.update(decode_kv=by_kv, prefill_m=by_kv, prefill_attn=by_attention)
     coef = {k: v * scale[k] for k, v in model.coefficients.items()}
@@ -687,7 +652,7 @@ def _spec_from_properties(p) -> GPUSpec:
                    origin="torch's device properties")
 
 
-def gpu_roofline(key: CostModelKey, shape: ModelShape, spec: GPUSpec | None = None
+def gpu_roofline(key: CostModelKey, shape: ModelConfig, spec: GPUSpec | None = None
                  ) -> CostModel:
     """A roofline of one model on one GPU (the shape of the opt13b-a100 preset, without its
     fitted overhead): every step reads the weights; a token costs 2 FLOPs per linear weight;
@@ -697,7 +662,7 @@ def gpu_roofline(key: CostModelKey, shape: ModelShape, spec: GPUSpec | None = No
     nbytes = dtype_bytes(key.dtype)
     bw = spec.bytes_per_s * BANDWIDTH_EFFICIENCY
     flops = (spec.flops_32 if key.dtype == "fp32" else spec.flops_16) * FLOPS_EFFICIENCY
-    kv_read = shape.kv_elems_per_token * nbytes / bw
+    kv_read = shape.kv_bytes_per_token * nbytes / bw  # kv_bytes_per_token counts elements
     lm_head = 2 * shape.hidden_size * shape.vocab_size / flops
     per_token = 2 * shape.num_layers * shape.layer_params / flops
     const = shape.params * nbytes / bw + shape.num_layers * LAYER_OVERHEAD_S + STEP_OVERHEAD_S
@@ -707,7 +672,7 @@ def gpu_roofline(key: CostModelKey, shape: ModelShape, spec: GPUSpec | None = No
         "decode_kv": kv_read,
         "n_decode": lm_head,
         # sum(c^2 + 2cm) counts each query-key pair twice; QK^T and PV are 4 x width FLOPs.
-        "prefill_attn": 2 * shape.attention_width / flops,
+        "prefill_attn": 2 * _attention_width(shape) / flops,
         "n_prefill": lm_head,
         "prefill_m": kv_read,
         "hidden_tokens": per_token * kv_projection_fraction(shape),

@@ -16,7 +16,6 @@ from llmdb.engine.costmodel import (
     Chunk,
     CostModel,
     CostModelKey,
-    ModelShape,
     cost_model_key,
     cost_model_path,
     default_cost_model_key,
@@ -26,6 +25,7 @@ from llmdb.engine.costmodel import (
     load_cost_model,
     preset,
 )
+from llmdb.engine.models.config import ModelConfig
 
 
 def test_features_of_hand_made_steps():
@@ -211,7 +211,9 @@ def test_quick_calibration_end_to_end(tmp_path, monkeypatch):
 
 # ---- keys, keyed files and estimates for keys never calibrated ----------------------------
 
-LLAMA2_7B = ModelShape("llama", 32000, 4096, 32, 32, 32, 128, 11008)
+LLAMA2_7B = ModelConfig("llama", vocab_size=32000, hidden_size=4096, num_layers=32,
+                        num_heads=32, num_kv_heads=32, head_dim=128, ffn_size=11008,
+                        max_context=4096)
 H100 = "cuda:NVIDIA H100 80GB HBM3"
 SMOL_FP = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
@@ -307,7 +309,7 @@ def test_cpu_estimate_for_another_model_or_dtype_is_the_default_scaled(tmp_path,
     assert 45 < ratio < 55 and "scaled" in big.source and "llmdb calibrate" in big.source
     assert big.coefficients["tokens"] == pytest.approx(default.coefficients["tokens"] * ratio)
     assert big.floor_s == pytest.approx(default.floor_s * ratio)
-    kv = LLAMA2_7B.kv_elems_per_token / SMOLLM2_SHAPE.kv_elems_per_token
+    kv = LLAMA2_7B.kv_bytes_per_token / SMOLLM2_SHAPE.kv_bytes_per_token
     assert big.coefficients["decode_kv"] == pytest.approx(default.coefficients["decode_kv"] * kv)
 
 

@@ -33,6 +33,19 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
     @property
+    def layer_params(self) -> int:
+        """Weights of one layer's linear maps (Q, K, V, O, MLP); norms and biases are noise."""
+        h, q = self.hidden_size, self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        mlp = (3 if self.arch == "llama" else 2) * h * self.ffn_size  # gated MLP: 3 matrices
+        return h * q + 2 * h * kv + q * h + mlp
+
+    @property
+    def params(self) -> int:
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2)
+        return self.num_layers * self.layer_params + embeddings
+
+    @property
     def hidden_elems_per_token(self) -> int:
         """Elements of the layer-input hidden states per token over all layers."""
         return self.num_layers * self.hidden_size
