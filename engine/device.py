@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .hardware import default_dtype as cpu_default_dtype
 
 
 def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
-    """"auto" (or None) takes the first CUDA GPU when torch sees one, else the CPU;
-    "cpu", "cuda" and "cuda:N" are taken as given, and fail clearly when absent."""
+    """"auto" (or None) takes the LLMDB_DEVICE environment variable when set, else the first
+    CUDA GPU when torch sees one, else the CPU; "cpu", "cuda" and "cuda:N" are taken as
+    given, and fail clearly when absent."""
+    if (device is None or device == "auto") and os.environ.get("LLMDB_DEVICE"):
+        device = os.environ["LLMDB_DEVICE"]
     if device is None or device == "auto":
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")

@@ -7,6 +7,9 @@ import torch
 # it needs no triton: where triton is missing, its tests skip.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The suite tests the CPU engine (its references: llama.cpp, transformers on the CPU) on any
+# machine; tests/gpu asks for device="cuda" explicitly.
+os.environ.setdefault("LLMDB_DEVICE", "cpu")
 
 import pytest
 

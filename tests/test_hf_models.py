@@ -214,7 +214,9 @@ def test_triton_path_matches_transformers(name, hf_dirs, hf_ref):
     attention launch per mixed step), run on CPU tensors by Triton's interpreter in CI:
     whole and chunked prompts give transformers' logits, and greedy tokens the CPU path's."""
     pytest.importorskip("triton", reason="triton is not installed")
-    engine = LLMEngine(model=str(hf_dirs[name]), device="cpu", attention="triton",
+    # Compiled on a GPU; in the interpreter on CPU tensors elsewhere (conftest).
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = LLMEngine(model=str(hf_dirs[name]), device=device, attention="triton",
                        dtype="fp32", kv_cache_bytes=4 << 20, threads=2,
                        max_num_batched_tokens=24)
     ref_model = hf_ref(name)
