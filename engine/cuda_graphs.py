@@ -12,6 +12,7 @@ Graphs share one memory pool, captured largest first so the smaller ones reuse i
 from __future__ import annotations
 
 import bisect
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,13 +24,17 @@ if TYPE_CHECKING:
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def attention_splits(num_seqs: int, kv_heads: int, device: torch.device,
                      max_seq_len: int) -> int:
     """Split-KV for decode steps that would leave most of the GPU's SMs idle."""
     from llmdb.kernels.gpu.attention import choose_num_splits
 
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return choose_num_splits(num_seqs, kv_heads, max_seq_len, sms)
+    return choose_num_splits(num_seqs, kv_heads, max_seq_len, _num_sms(device))
 
 
 class DecodeGraph:
@@ -47,7 +52,6 @@ class DecodeGraphs:
         self.sizes = [b for b in BUCKETS if b < max_num_seqs] + [max_num_seqs]
         self.graphs: dict[int, DecodeGraph] = {}
         self.pool = None
-        self.capture_s = 0.0
 
     def pick(self, scheduled: list[tuple[Request, int]], plan: _Plan) -> DecodeGraph | None:
         """The graph for this step, if it is one token per request, each sampled."""
@@ -60,13 +64,9 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        import time
-
-        t0 = time.perf_counter()
         for bs in reversed(self.sizes):
             self.graphs[bs] = self._capture(bs)
         torch.cuda.synchronize(self.runner.device)
-        self.capture_s = time.perf_counter() - t0
 
     def _capture(self, bs: int) -> DecodeGraph:
         r = self.runner
