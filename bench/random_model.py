@@ -107,6 +107,12 @@ SHAPES: dict[str, Shape] = {
         "llama", vocab=320, hidden=64, layers=3, heads=4, kv_heads=2, ffn=160, max_pos=512,
         rope_theta=100000.0, tie=False, bos=1, eos=2, pad=0, add_bos=False,
         specials=_LLAMA2_SPECIALS),
+    # MHA (kv_heads = heads): a Llama whose hidden states are smaller than its K/V, the
+    # shape of Llama-2-7B for the hidden cache (Apt-Serve).
+    "tiny-llama-mha": Shape(
+        "llama", vocab=320, hidden=64, layers=3, heads=4, kv_heads=4, ffn=160, max_pos=512,
+        rope_theta=100000.0, tie=False, bos=1, eos=2, pad=0, add_bos=False,
+        specials=_LLAMA2_SPECIALS),
     "tiny-opt": Shape(
         "opt", vocab=288, hidden=64, layers=3, heads=4, kv_heads=4, ffn=160, max_pos=512,
         bos=2, eos=2, pad=1, add_bos=True, specials=_OPT_SPECIALS),

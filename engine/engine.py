@@ -39,6 +39,9 @@ DEFAULT_KV_CACHE_BYTES = 2 << 30  # on the CPU; a GPU gets most of its free memo
 # Of the GPU memory free once the weights are loaded, the share the KV pool takes; the rest
 # holds activations, logits and CUDA graphs.
 GPU_KV_SHARE = 0.8
+# A hidden-cache token takes one of a block's 2 x block_size slots (cache/block_pool.py): the
+# scheduler's hidden/KV memory ratio.
+HIDDEN_RATIO = 0.5
 GPU_ACTIVATION_RESERVE = 2 << 30
 
 
@@ -53,7 +56,11 @@ class LLMEngine:
     infermax, rr, ...). RT requests get the rt_slo_* targets. dtype None picks bf16 on GPUs
     (fp16 where bf16 is missing) and on CPUs with native bf16, fp32 elsewhere. attention picks
     the kernel set: "auto" (C++ on the CPU, Triton on GPUs), "cpu", "triton" or
-    "reference". cuda_graphs replays decode-only steps from captured graphs on GPUs."""
+    "reference". cuda_graphs replays decode-only steps from captured graphs on GPUs.
+    hidden_cache lets the scheduler keep a request's hidden states instead of its K/V
+    (Apt-Serve; only the apt policy chooses it): None turns it on where the model's hidden
+    states are smaller than its K/V (MHA models such as OPT), True insists (an error where
+    they are not), False turns it off."""
 
     def __init__(
         self,
@@ -73,6 +80,7 @@ class LLMEngine:
         rt_slo_ttft_s: float = 1.0,
         rt_slo_tbt_s: float = 0.25,
         cuda_graphs: bool = True,
+        hidden_cache: bool | None = None,
     ):
         t0 = time.perf_counter()
         self.model_name = model
@@ -85,10 +93,17 @@ class LLMEngine:
         num_blocks = run_on_compute_thread(self._load, model, threads, kv_cache_bytes,
                                            block_size)
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+        supported, self.hidden_cache_reason = self.config.hidden_cache_support()
+        if hidden_cache and not supported:
+            raise ValueError(f"no hidden cache for {model}: {self.hidden_cache_reason}")
+        self.hidden_cache = supported if hidden_cache is None else hidden_cache
+        if supported and not self.hidden_cache:
+            self.hidden_cache_reason = "turned off (hidden_cache=False)"
         # This model's, dtype's and device's calibration, or a labelled estimate.
         self.cost_model = engine_cost_model(self)
         self.scheduler = Scheduler(self.pool, max_num_batched_tokens, max_num_seqs, policy,
-                                   max_prefill_tokens, cost_model=self.cost_model)
+                                   max_prefill_tokens, cost_model=self.cost_model,
+                                   hidden_ratio=HIDDEN_RATIO if self.hidden_cache else None)
         self.rt_slos = (rt_slo_ttft_s, rt_slo_tbt_s)
         # On the compute thread too: zero-filling its buffers here would start an OpenMP
         # team on the caller's thread (engine/compute.py).
@@ -148,7 +163,11 @@ class LLMEngine:
             "cuda_graphs": sorted(graphs.graphs) if graphs is not None else [],
             "kv_cache": {"blocks": self.pool.num_blocks, "block_size": self.pool.block_size,
                          "bytes": kv_bytes, "prefix_caching": self.pool.enable_prefix_caching},
-            "hidden_cache": False,
+            "hidden_cache": {
+                "enabled": self.hidden_cache,
+                "why": self.hidden_cache_reason,
+                "tokens_per_block": 2 * self.pool.block_size if self.hidden_cache else 0,
+            },
             "policy": self.scheduler.policy.name,
             "max_num_seqs": self.scheduler.max_num_seqs,
             "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmdb.kernels.hidden_cache import HiddenBatch
+
 from .cache.block_pool import KVCache
 from .cuda_graphs import DecodeGraphs, attention_splits
 from .sampling import row_key, sample, top_logprobs
@@ -71,11 +73,20 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Final hidden states [T, hidden] of the packed tokens."""
+        if inputs.hidden is None:
+            return self.model.forward(inputs.input_ids, inputs.positions, inputs.batch,
+                                      self.kv_cache.layers)
         return self.model.forward(inputs.input_ids, inputs.positions, inputs.batch,
-                                  self.kv_cache.layers)
+                                  self.kv_cache.layers, inputs.hidden, self.kv_cache.hidden)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]]) -> StepOutput:
+        num_kv = len(scheduled)
+        if any(req.cache_type == "hidden" for req, _ in scheduled):
+            # KV-cache sequences first: the attention batch is a prefix of the step.
+            scheduled = ([x for x in scheduled if x[0].cache_type != "hidden"]
+                         + [x for x in scheduled if x[0].cache_type == "hidden"])
+            num_kv = sum(1 for req, _ in scheduled if req.cache_type != "hidden")
         tokens, starts, plan = [], [], _Plan()
         base = 0
         for req, n in scheduled:
@@ -85,13 +96,21 @@ class ModelRunner:
             self._plan_rows(plan, req, start, n, base)
             base += n
         tables = [req.block_ids for req, _ in scheduled]
-        graph = self.graphs.pick(scheduled, plan) if self.graphs is not None else None
+        graph = (self.graphs.pick(scheduled, plan)
+                 if self.graphs is not None and num_kv == len(scheduled) else None)
         if graph is not None:
             inputs = self.buffers.fill(tokens, starts, tables, [], self.block_size,
                                        pad_to=graph.batch_size)
             logits = graph.replay()[: len(scheduled)]
         else:
-            inputs = self.buffers.fill(tokens, starts, tables, plan.rows, self.block_size)
+            inputs = self.buffers.fill(tokens, starts, tables, plan.rows, self.block_size,
+                                       num_kv_seqs=num_kv)
+            if num_kv < len(scheduled):
+                qlens = [n for _, n in scheduled[num_kv:]]
+                inputs.hidden = HiddenBatch.build(
+                    sum(n for _, n in scheduled[:num_kv]), qlens,
+                    [a + q for a, q in zip(starts[num_kv:], qlens, strict=True)],
+                    tables[num_kv:], self.block_size, self.kv_cache.num_slots, self.device)
             if self.graphs is not None and inputs.batch.max_query_len == 1:
                 inputs.batch.num_splits = attention_splits(
                     len(scheduled), self.model.config.num_kv_heads, self.device,

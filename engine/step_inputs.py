@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from llmdb.kernels.attention import AttentionBatch
+from llmdb.kernels.hidden_cache import HiddenBatch
 
 PAD_SLOT = -1  # a padding row: its K/V is not written, its sequence has no context
 
@@ -33,6 +34,8 @@ class StepInputs:
     positions: torch.Tensor  # [T] int64
     batch: AttentionBatch
     logit_rows: torch.Tensor  # [R] int64: rows of the packed tokens whose logits are needed
+    # Hidden-cache sequences (after the KV-cache ones, which alone make up `batch`).
+    hidden: HiddenBatch | None = None
 
 
 class StepBuffers:
@@ -57,27 +60,34 @@ class StepBuffers:
             self.dev_tables = None
 
     def views(self, num_tokens: int, num_seqs: int, num_rows: int, width: int,
-              block_size: int, max_query_len: int, max_seq_len: int) -> StepInputs:
-        """Device views of a step laid out for these sizes (what a CUDA graph captures)."""
+              block_size: int, max_query_len: int, max_seq_len: int,
+              batch_seqs: int | None = None) -> StepInputs:
+        """Device views of a step laid out for these sizes (what a CUDA graph captures); the
+        attention batch holds the first batch_seqs sequences (default: all)."""
         t, s = num_tokens, num_seqs
+        b = s if batch_seqs is None else batch_seqs
         d64, d32 = self.dev64, self.dev32
         if self.dev_tables is not None:
-            tables = self.dev_tables[:s]
+            tables = self.dev_tables[:b]
         else:
-            tables = self.host_tables[: s * width].view(s, width)
+            tables = self.host_tables[: s * width].view(s, width)[:b]
         batch = AttentionBatch(
-            query_start_loc=d32[: s + 1], seq_lens=d32[s + 1 : 2 * s + 1], block_tables=tables,
+            query_start_loc=d32[: b + 1], seq_lens=d32[s + 1 : s + 1 + b], block_tables=tables,
             slot_mapping=d64[2 * t : 3 * t], block_size=block_size,
             max_query_len=max_query_len, max_seq_len=max_seq_len,
         )
         return StepInputs(d64[:t], d64[t : 2 * t], batch, d64[3 * t : 3 * t + num_rows])
 
     def fill(self, tokens: list[list[int]], starts: list[int], block_tables: list[list[int]],
-             rows: list[int], block_size: int, pad_to: int | None = None) -> StepInputs:
+             rows: list[int], block_size: int, pad_to: int | None = None,
+             num_kv_seqs: int | None = None) -> StepInputs:
         """tokens[i]: the ids sequence i computes this step, from position starts[i]; rows:
         packed rows whose logits are wanted. pad_to (decode graphs) adds sequences of one
-        padding token each, with no context, up to that many."""
+        padding token each, with no context, up to that many. Sequences from num_kv_seqs on
+        keep hidden states, not K/V: their tokens get slot PAD_SLOT and the attention batch
+        leaves them out (the runner adds their HiddenBatch)."""
         s = len(tokens)
+        sk = s if num_kv_seqs is None else num_kv_seqs
         qlens = [len(t) for t in tokens]
         t = sum(qlens)
         total_s, total_t = (pad_to, t + pad_to - s) if pad_to else (s, t)
@@ -85,7 +95,7 @@ class StepBuffers:
             raise ValueError(f"a step of {total_t} tokens over {total_s} sequences exceeds the "
                              f"buffers ({self.max_tokens} tokens, {self.max_seqs} sequences)")
         ctx = [a + q for a, q in zip(starts, qlens, strict=True)]
-        width = max(-(-c // block_size) for c in ctx) if ctx else 1
+        width = max((-(-c // block_size) for c in ctx[:sk]), default=1)
         if width > self.max_blocks:
             raise ValueError(f"a sequence of {max(ctx)} tokens exceeds the block tables")
         a64, a32 = self.np64, self.np32
@@ -96,16 +106,20 @@ class StepBuffers:
         if s and max(qlens) == 1:  # decodes: one token each, vectorized
             ids[:s] = [tk[0] for tk in tokens]
             pos[:s] = starts
-            for i, table in enumerate(block_tables):
+            for i, table in enumerate(block_tables[:sk]):
                 tables[i, : len(table)] = table
-            p = np.asarray(starts, dtype=np.int64)
-            slots[:s] = tables[np.arange(s), p // block_size] * block_size + p % block_size
+            p = np.asarray(starts[:sk], dtype=np.int64)
+            slots[:sk] = tables[np.arange(sk), p // block_size] * block_size + p % block_size
+            slots[sk:s] = PAD_SLOT
         else:
             for i, (tk, a, table) in enumerate(zip(tokens, starts, block_tables, strict=True)):
                 lo, hi = loc[i], loc[i + 1]
                 ids[lo:hi] = tk
                 p = np.arange(a, a + len(tk))
                 pos[lo:hi] = p
+                if i >= sk:
+                    slots[lo:hi] = PAD_SLOT
+                    continue
                 row = np.asarray(table, dtype=np.int64)
                 slots[lo:hi] = row[p // block_size] * block_size + p % block_size
                 tables[i, : len(table)] = table
@@ -122,4 +136,5 @@ class StepBuffers:
             host_view = self.host_tables[: total_s * width].view(total_s, width)
             self.dev_tables[:total_s, :width].copy_(host_view, non_blocking=True)
         return self.views(total_t, total_s, len(rows), width, block_size,
-                          max(qlens, default=0), max(ctx, default=0))
+                          max(qlens[:sk], default=0), max(ctx[:sk], default=0),
+                          None if pad_to else sk)

@@ -49,3 +49,23 @@ class ModelConfig:
     def hidden_elems_per_token(self) -> int:
         """Elements of the layer-input hidden states per token over all layers."""
         return self.num_layers * self.hidden_size
+
+    def hidden_cache_support(self) -> tuple[bool, str]:
+        """Can the engine keep this model's hidden states instead of K/V (Apt-Serve), and
+        does that save memory? With the reason, for describe().
+
+        A hidden-state row (hidden_size values) is stored in one K or V slot (kv_heads x
+        head_dim values), so a block holds 2 x block_size tokens as hidden states instead of
+        block_size as K/V: half the memory per token, where the row fits a slot. That is
+        every MHA model (OPT, GPT-2, Llama-2-7B/13B: hidden_size = kv_heads x head_dim). GQA
+        models (SmolLM2, Llama-3) have hidden states larger than a token's K and V together:
+        re-projecting them would cost memory, not save it."""
+        kv_dim = self.num_kv_heads * self.head_dim
+        if self.hidden_size >= 2 * kv_dim:
+            return False, (f"hidden states ({self.hidden_size} values a token and layer) are "
+                           f"not smaller than K and V ({2 * kv_dim})")
+        if self.hidden_size > kv_dim:
+            return False, (f"hidden states ({self.hidden_size}) do not fit one K/V slot "
+                           f"({kv_dim})")
+        return True, (f"hidden states ({self.hidden_size} values a token and layer) take half "
+                      f"the memory of K and V ({2 * kv_dim})")

@@ -8,6 +8,8 @@ also runnable on CPU tensors under TRITON_INTERPRET=1, which is how CI tests thi
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from llmdb.kernels.attention import (
@@ -17,9 +19,11 @@ from llmdb.kernels.attention import (
     write_kv,
 )
 from llmdb.kernels.elementwise import rms_norm, silu_mul
+from llmdb.kernels.hidden_cache import HiddenBatch
 from llmdb.kernels.linear import Linear, linear
 
 from .config import ModelConfig
+from .hidden_attention import mixed_attention
 
 # Measured here: the [rows, vocab] GEMM runs ~15% slower per row above 256 rows (its output
 # no longer fits the caches), so larger batches are projected in slices.
@@ -59,10 +63,15 @@ class LlamaModel:
         self.lm_head = linear(self.embed if c.tie_embeddings else w("lm_head.weight"))
         self.norm = w("model.norm.weight")
         self.layers = []
+        # K and V alone, for re-projecting hidden-cache states (a view of the QKV weight,
+        # except on the CPU where packing copies it).
+        self.kv_projs: list[Linear] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             # One matmul for Q, K and V and one for gate and up: fewer, larger GEMMs.
             qkv = torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            if c.hidden_cache_support()[0]:
+                self.kv_projs.append(linear(qkv[c.num_heads * c.head_dim :]))
             gate_up = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
             self.layers.append((
                 w(p + "input_layernorm.weight"),
@@ -96,26 +105,35 @@ class LlamaModel:
         positions: torch.Tensor,
         batch: AttentionBatch,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        hidden: HiddenBatch | None = None,
+        stores: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Final-norm hidden states [T, hidden] of the packed tokens."""
+        """Final-norm hidden states [T, hidden] of the packed tokens. With `hidden`, the rows
+        from hidden.first_row on belong to hidden-cache sequences, whose per-layer states go
+        to `stores` (KVCache.hidden) and whose K/V are re-projected from them."""
         if self.kernels == "triton":
-            return self._forward_triton(input_ids, positions, batch, kv_caches)
+            return self._forward_triton(input_ids, positions, batch, kv_caches, hidden, stores)
         attention = cpu_attention(self.kernels)
         c = self.config
         t = input_ids.shape[0]
         hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
         scale = d**-0.5
+        nk = t if hidden is None else hidden.first_row
         x = self.embed[input_ids]
-        for (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj), (k_cache, v_cache) in zip(
-            self.layers, kv_caches, strict=True
+        for i, ((ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj), (k_cache, v_cache)) in (
+            enumerate(zip(self.layers, kv_caches, strict=True))
         ):
             h = rms_norm(x, ln1, c.norm_eps)
             qk, v = qkv_proj(h).split([(hq + hk) * d, hk * d], dim=-1)
             # Q and K heads rotate together: one pass over both.
             q, k = self._rope(qk.view(t, hq + hk, d), cos, sin).split([hq, hk], dim=1)
-            write_kv(k_cache, v_cache, k, v.reshape(t, hk, d), batch.slot_mapping)
-            o = attention(q, k_cache, v_cache, batch, scale)
+            write_kv(k_cache, v_cache, k[:nk], v.reshape(t, hk, d)[:nk], batch.slot_mapping[:nk])
+            if hidden is None:
+                o = attention(q, k_cache, v_cache, batch, scale)
+            else:
+                o = mixed_attention(q, h, (k_cache, v_cache), batch, scale, attention, hidden,
+                                    stores[i], partial(self._reproject, i))
             x = x + o_proj(o.reshape(t, hq * d))
             h = rms_norm(x, ln2, c.norm_eps)
             x = x + down_proj(silu_mul(gate_up_proj(h)))
@@ -127,6 +145,8 @@ class LlamaModel:
         positions: torch.Tensor,
         batch: AttentionBatch,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        hidden: HiddenBatch | None,
+        stores: list[torch.Tensor] | None,
     ) -> torch.Tensor:
         from llmdb.kernels.gpu.attention import paged_attention as attention
         from llmdb.kernels.gpu.cache_write import rope_and_write_kv
@@ -140,20 +160,44 @@ class LlamaModel:
         scale = d**-0.5
         residual = self.embed[input_ids]
         x = None
-        for (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj), (k_cache, v_cache) in zip(
-            self.layers, kv_caches, strict=True
+        for i, ((ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj), (k_cache, v_cache)) in (
+            enumerate(zip(self.layers, kv_caches, strict=True))
         ):
             # The residual stream is added to in place, fused with the next norm.
             if x is None:
                 h = rms_norm_gpu(residual, ln1, c.norm_eps)
             else:
                 h, residual = add_rms_norm(x, residual, ln1, c.norm_eps)
+            # Hidden-cache rows have slot -1: their K/V are not written.
             q = rope_and_write_kv(qkv_proj(h), positions, self.cos_sin, batch.slot_mapping,
                                   k_cache, v_cache, hq, hk, d)
-            o = attention(q, k_cache, v_cache, batch, scale, num_splits=batch.num_splits)
+            if hidden is None:
+                o = attention(q, k_cache, v_cache, batch, scale, num_splits=batch.num_splits)
+            else:
+                o = mixed_attention(q, h, (k_cache, v_cache), batch, scale, attention, hidden,
+                                    stores[i], partial(self._reproject, i),
+                                    triton=True)
             h, residual = add_rms_norm(o_proj(o.view(t, hq * d)), residual, ln2, c.norm_eps)
             x = down_proj(silu_mul_gpu(gate_up_proj(h)))
         return add_rms_norm(x, residual, self.norm, c.norm_eps)[0]
+
+    def _reproject(self, layer: int, states: torch.Tensor, positions: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (rotated at `positions`) and V [R, KVH, D] of hidden-cache states [R, hidden]."""
+        c = self.config
+        r, hk, d = states.shape[0], c.num_kv_heads, c.head_dim
+        kv = self.kv_projs[layer](states)
+        if self.kernels == "triton":
+            from llmdb.kernels.gpu.cache_write import rope_and_write_kv
+
+            k, v = (torch.empty(r, hk, d, dtype=kv.dtype, device=kv.device) for _ in "kv")
+            slots = torch.arange(r, device=kv.device)
+            rope_and_write_kv(kv, positions, self.cos_sin, slots, k, v, 0, hk, d)
+            return k, v
+        kv = kv.view(r, 2 * hk, d)
+        k = self._rope(kv[:, :hk], self.cos[positions][:, None, :],
+                       self.sin[positions][:, None, :])
+        return k, kv[:, hk:].contiguous()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """In the model dtype: greedy argmax needs no fp32 copy of [rows, vocab]."""

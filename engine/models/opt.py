@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
 from llmdb.kernels.attention import AttentionBatch, write_kv
-from llmdb.kernels.linear import linear
+from llmdb.kernels.hidden_cache import HiddenBatch
+from llmdb.kernels.linear import Linear, linear
 
 from .config import ModelConfig
+from .hidden_attention import mixed_attention
 from .llama import cpu_attention, vocab_projection
 
 
@@ -36,6 +40,7 @@ class OPTModel:
         self.lm_head = linear(self.embed if config.tie_embeddings or lm is None
                               else lm.to(device, dtype))
         self.layers = []
+        self.kv_projs: list[Linear] = []  # K and V alone: hidden-cache re-projection
         for i in range(config.num_layers):
             q = f"layers.{i}."
             qkv_w = torch.cat([weights[p + q + f"self_attn.{n}_proj.weight"] for n in "qkv"])
@@ -54,6 +59,9 @@ class OPTModel:
                 ))
             self.layers.append((ln1_w, ln1_b, linear(qkv_w, qkv_b), linear(o_w, o_b), ln2_w,
                                 ln2_b, linear(fc1_w, fc1_b), linear(fc2_w, fc2_b)))
+            if config.hidden_cache_support()[0]:
+                h = config.hidden_size
+                self.kv_projs.append(linear(qkv_w[h:], qkv_b[h:]))
 
     def forward(
         self,
@@ -61,7 +69,10 @@ class OPTModel:
         positions: torch.Tensor,
         batch: AttentionBatch,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        hidden: HiddenBatch | None = None,
+        stores: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """Final hidden states [T, hidden]; `hidden` and `stores` as in LlamaModel.forward."""
         triton = self.kernels == "triton"
         if triton:
             from llmdb.kernels.gpu.attention import paged_attention as attention
@@ -75,22 +86,29 @@ class OPTModel:
             x = self.project_in(x)
         x = x + self.positions[positions + c.position_offset]
         hs = (c.hidden_size,)
-        for (ln1_w, ln1_b, qkv_proj, o_proj, ln2_w, ln2_b, fc1, fc2), (k_cache, v_cache) in zip(
-            self.layers, kv_caches, strict=True
+        nk = t if hidden is None else hidden.first_row
+        for i, ((ln1_w, ln1_b, qkv_proj, o_proj, ln2_w, ln2_b, fc1, fc2), kv_layer) in (
+            enumerate(zip(self.layers, kv_caches, strict=True))
         ):
             res = x
             if c.norm_before:
                 x = F.layer_norm(x, hs, ln1_w, ln1_b)
             qkv = qkv_proj(x)
-            if triton:  # no RoPE: the kernel only writes K/V into their slots
-                q = rope_and_write_kv(qkv, positions, None, batch.slot_mapping, k_cache,
-                                      v_cache, h, h, d)
-                o = attention(q, k_cache, v_cache, batch, d**-0.5, num_splits=batch.num_splits)
+            if triton:  # no RoPE: the kernel only writes K/V (not hidden-cache rows: slot -1)
+                q = rope_and_write_kv(qkv, positions, None, batch.slot_mapping, *kv_layer,
+                                      h, h, d)
             else:
                 q, k, v = qkv.split(c.hidden_size, dim=-1)
-                write_kv(k_cache, v_cache, k.reshape(t, h, d), v.reshape(t, h, d),
-                         batch.slot_mapping)
-                o = attention(q.reshape(t, h, d), k_cache, v_cache, batch, d**-0.5)
+                write_kv(*kv_layer, k.reshape(t, h, d)[:nk], v.reshape(t, h, d)[:nk],
+                         batch.slot_mapping[:nk])
+                q = q.reshape(t, h, d)
+            if hidden is not None:
+                o = mixed_attention(q, x, kv_layer, batch, d**-0.5, attention, hidden,
+                                    stores[i], partial(self._reproject, i), triton=triton)
+            elif triton:
+                o = attention(q, *kv_layer, batch, d**-0.5, num_splits=batch.num_splits)
+            else:
+                o = attention(q, *kv_layer, batch, d**-0.5)
             x = res + o_proj(o.reshape(t, h * d))
             if not c.norm_before:
                 x = F.layer_norm(x, hs, ln1_w, ln1_b)
@@ -105,6 +123,14 @@ class OPTModel:
         if self.project_out is not None:
             x = self.project_out(x)
         return x
+
+    def _reproject(self, layer: int, states: torch.Tensor, positions: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [R, H, D] of hidden-cache states [R, hidden] (learned positions were added
+        before the first layer: nothing position-dependent here)."""
+        c = self.config
+        kv = self.kv_projs[layer](states).view(states.shape[0], 2, c.num_heads, c.head_dim)
+        return kv[:, 0].contiguous(), kv[:, 1].contiguous()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """In the model dtype: greedy argmax needs no fp32 copy of [rows, vocab]."""

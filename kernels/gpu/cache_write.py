@@ -95,7 +95,7 @@ def rope_and_write_kv(
 
     positions [T] int64, slot_mapping [T] int64 (-1: do not write), cos_sin fp32 [P, D] with
     unit stride in its last dim, or None for a model without RoPE. Caches need a unit stride
-    in their last dim."""
+    in their last dim. num_heads may be 0: K/V alone (hidden-cache re-projection)."""
     num_tokens = qkv.shape[0]
     assert head_dim % 2 == 0 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
     assert qkv.stride(1) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1
@@ -111,7 +111,7 @@ def rope_and_write_kv(
         qkv.stride(0), cos_sin.stride(0) if has_rope else 0,
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
-        HALF_PAD=triton.next_power_of_2(half), H_PAD=triton.next_power_of_2(num_heads),
+        HALF_PAD=triton.next_power_of_2(half), H_PAD=triton.next_power_of_2(max(num_heads, 1)),
         KVH_PAD=triton.next_power_of_2(num_kv_heads), HAS_ROPE=has_rope,
         num_warps=4 if num_heads * head_dim >= 2048 else 2,
     )

@@ -1,0 +1,41 @@
+"""One layer's attention for a step that mixes KV-cache and hidden-cache sequences.
+
+The KV-cache sequences' queries come first and attend over the paged KV cache as always.
+The hidden-cache sequences (Apt-Serve) store this step's QKV-projection inputs in their
+blocks, then their whole context's hidden states are gathered, re-projected to K/V (RoPE at
+each token's own position where the model has it) into a scratch paged cache, and their
+queries attend over that with the same kernel. The models supply the re-projection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from llmdb.kernels.attention import AttentionBatch
+from llmdb.kernels.hidden_cache import HiddenBatch
+
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionBatch, float],
+                     torch.Tensor]
+# (gathered hidden states [R, hidden], their positions [R]) -> scratch (K, V) [R, KVH, D]
+Reproject = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def mixed_attention(q: torch.Tensor, h: torch.Tensor, kv_layer: tuple[torch.Tensor, torch.Tensor],
+                    batch: AttentionBatch, scale: float, attention: Attention,
+                    hidden: HiddenBatch, store: torch.Tensor, reproject: Reproject,
+                    triton: bool = False) -> torch.Tensor:
+    """q [T, H, D], h [T, hidden] (this step's QKV-projection inputs) -> [T, H, D]. The
+    KV-cache rows' K/V must already be in the cache."""
+    if triton:
+        from llmdb.kernels.gpu.hidden_cache import gather_hidden, write_hidden
+    else:
+        from llmdb.kernels.hidden_cache import gather_hidden, write_hidden
+    nk = hidden.first_row
+    write_hidden(store, h[nk:], hidden.new_rows)
+    k, v = reproject(gather_hidden(store, hidden.context_rows), hidden.context_positions)
+    o_hidden = attention(q[nk:], k, v, hidden.attention, scale)
+    if nk == 0:
+        return o_hidden
+    return torch.cat([attention(q[:nk], *kv_layer, batch, scale), o_hidden])

@@ -1,0 +1,210 @@
+"""Apt-Serve's hidden cache: kernels against their reference, and the engine's tokens.
+
+A request served from hidden states (K/V re-projected at attention time) must produce the
+same greedy tokens in fp32 as the same request served from its KV cache: alone, in mixed
+batches, and when switched between the two mid-generation; and no block may leak. The
+models are tiny random MHA ones (OPT, and a Llama with kv_heads = heads) built by
+bench/random_model.py.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from llmdb.engine.engine import LLMEngine
+from llmdb.engine.sampling import SamplingParams
+from llmdb.engine.sched.request import Status
+from llmdb.engine.sched.scheduler import SchedulerOutput
+from llmdb.kernels.attention import AttentionBatch, paged_attention_reference, write_kv
+from llmdb.kernels.hidden_cache import (
+    HiddenBatch,
+    gather_hidden,
+    gather_hidden_reference,
+    hidden_rows,
+    write_hidden,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from random_model import write_random_model  # noqa: E402
+
+MODELS = ["tiny-opt", "tiny-llama-mha"]
+BLOCK = 4
+TRITON = (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hidden_models")
+    return {name: write_random_model(name, root / name, seed=5, dtype=torch.float32,
+                                     device="cpu") for name in [*MODELS, "tiny-llama"]}
+
+
+def _engine(path: Path, **kw) -> LLMEngine:
+    return LLMEngine(str(path), device="cpu", dtype="float32", kv_cache_bytes=1 << 21,
+                     block_size=BLOCK, **kw)
+
+
+def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, vocab) for _ in range(rng.randrange(2, 30))] for _ in range(n)]
+
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+def _generate(eng: LLMEngine, prompts: list[list[int]], types: list[str],
+              switch: dict[int, list[str]] | None = None,
+              params: SamplingParams = GREEDY) -> list[list[int]]:
+    """Greedy tokens of each prompt served with the given cache types; switch maps a step
+    number to the types every running request is recomputed in from then on."""
+    ids = [eng.add_request(p, params) for p in prompts]
+    reqs = [eng._requests[i] for i in ids]
+    for req, kind in zip(reqs, types, strict=True):
+        req.cache_type = kind
+    step = 0
+    while eng.has_unfinished:
+        for k, kind in enumerate((switch or {}).get(step, [])):
+            req = reqs[k]
+            if req.status is Status.RUNNING and req.cache_type != kind:
+                eng.scheduler.preempt(SchedulerOutput(), req)
+                req.cache_type = kind
+        eng.step()
+        step += 1
+    if switch:
+        assert sum(r.num_preemptions for r in reqs) > 0, "nothing was switched"
+    assert eng.pool.num_free == eng.pool.num_blocks, "blocks leaked"
+    return [eng.wait(i).token_ids for i in ids]
+
+
+# ---- kernels ----------------------------------------------------------------------------------
+
+def _store_and_tables(hidden: int, slot_width: int, seed: int):
+    torch.manual_seed(seed)
+    num_blocks = 24
+    kv = torch.zeros(2, num_blocks * BLOCK, slot_width)
+    store = kv.view(2 * num_blocks * BLOCK, slot_width)[:, :hidden]
+    pool = list(range(num_blocks))
+    random.Random(seed).shuffle(pool)
+    ctx = [5, 17, 8, 1]
+    tables = [[pool.pop() for _ in range(-(-c // (2 * BLOCK)))] for c in ctx]
+    return store, tables, ctx
+
+
+@pytest.mark.parametrize("triton", [False, True] if TRITON else [False])
+@pytest.mark.parametrize("slot_width", [32, 48])  # hidden = a slot, hidden < a slot
+def test_write_then_gather_reads_the_block_layout(triton, slot_width):
+    if triton:
+        from llmdb.kernels.gpu.hidden_cache import gather_hidden as gather
+        from llmdb.kernels.gpu.hidden_cache import write_hidden as write
+    else:
+        gather, write = gather_hidden, write_hidden
+    store, tables, ctx = _store_and_tables(32, slot_width, seed=1)
+    states = [torch.randn(c, 32) for c in ctx]
+    # Written in two steps (a prefill chunk, then the rest), as a request grows.
+    for s, table, c in zip(states, tables, ctx, strict=True):
+        for lo, hi in ((0, c // 2), (c // 2, c)):
+            rows = hidden_rows(table, np.arange(lo, hi), BLOCK, store.shape[0] // 2)
+            write(store, s[lo:hi], torch.from_numpy(rows))
+    want = gather_hidden_reference(store, tables, ctx, BLOCK)
+    for s, w in zip(states, want, strict=True):
+        torch.testing.assert_close(w, s, rtol=0, atol=0)
+    hb = HiddenBatch.build(0, [1] * len(ctx), ctx, tables, BLOCK, store.shape[0] // 2)
+    got = gather(store, hb.context_rows)
+    start = 0
+    for c, w in zip(ctx, want, strict=True):
+        torch.testing.assert_close(got[start : start + c], w, rtol=0, atol=0)
+        start += -(-c // BLOCK) * BLOCK  # each sequence padded to whole blocks
+
+
+def test_no_hidden_row_is_shared():
+    num_slots = 64
+    rows = [hidden_rows([b], np.arange(2 * BLOCK), BLOCK, num_slots) for b in range(16)]
+    flat = np.concatenate(rows)
+    assert len(set(flat.tolist())) == len(flat) and flat.max() < 2 * num_slots
+
+
+def test_attention_over_reprojected_kv_equals_kv_cache():
+    """Queries over K/V re-projected from stored hidden states = over the same K/V cached."""
+    from llmdb.engine.models.hidden_attention import mixed_attention
+
+    torch.manual_seed(0)
+    heads, d, hidden = 4, 8, 32
+    wk, wv = torch.randn(heads * d, hidden) / 6, torch.randn(heads * d, hidden) / 6
+    store, tables, ctx = _store_and_tables(hidden, heads * d, seed=2)
+    qlens = [3, 17, 2, 1]
+    states = [torch.randn(c, hidden) for c in ctx]
+    num_slots = store.shape[0] // 2
+    for s, table, c, q in zip(states, tables, ctx, qlens, strict=True):  # the cached part
+        write_hidden(store, s[: c - q], torch.from_numpy(
+            hidden_rows(table, np.arange(c - q), BLOCK, num_slots)))
+    q = torch.randn(sum(qlens), heads, d)
+    new = torch.cat([s[c - ql :] for s, c, ql in zip(states, ctx, qlens, strict=True)])
+    hb = HiddenBatch.build(0, qlens, ctx, tables, BLOCK, num_slots)
+
+    def reproject(h, _pos):
+        return (h @ wk.T).view(-1, heads, d), (h @ wv.T).view(-1, heads, d)
+
+    empty = AttentionBatch.build([], [], [], BLOCK)
+    got = mixed_attention(q, new, (None, None), empty, d**-0.5, paged_attention_reference, hb,
+                          store, reproject)
+    # The same sequences from a KV cache.
+    k_cache, v_cache = torch.zeros(256, heads, d), torch.zeros(256, heads, d)
+    kv_tables = [list(range(i * 16, i * 16 + -(-c // BLOCK))) for i, c in enumerate(ctx)]
+    batch = AttentionBatch.build(qlens, ctx, kv_tables, BLOCK)
+    for i, s in enumerate(states):
+        write_kv(k_cache, v_cache, *reproject(s, None), batch.context_slots(i))
+    want = paged_attention_reference(q, k_cache, v_cache, batch, d**-0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ---- the engine ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", MODELS)
+def test_hidden_mode_generates_the_kv_tokens(name, model_dirs):
+    eng = _engine(model_dirs[name])
+    assert eng.describe()["hidden_cache"]["enabled"]
+    prompts = _prompts(6, 280)
+    want = _generate(eng, prompts, ["kv"] * 6)
+    assert _generate(eng, prompts, ["hidden"] * 6) == want
+    assert _generate(eng, prompts, ["kv", "hidden"] * 3) == want  # mixed batches
+    # Switched mid-generation: KV -> hidden after 3 steps, back to KV after 7.
+    switched = _generate(eng, prompts, ["kv"] * 6, switch={3: ["hidden"] * 6, 7: ["kv"] * 6})
+    assert switched == want
+
+
+def test_reference_attention_serves_hidden_mode(model_dirs):
+    eng = _engine(model_dirs["tiny-opt"], attention="reference")
+    prompts = _prompts(3, 280, seed=1)
+    assert _generate(eng, prompts, ["hidden"] * 3) == _generate(eng, prompts, ["kv"] * 3)
+
+
+@pytest.mark.skipif(not TRITON, reason="triton needs a GPU or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("name", MODELS)
+def test_triton_path_serves_hidden_mode(name, model_dirs):
+    pytest.importorskip("triton", reason="triton is not installed")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    eng = LLMEngine(str(model_dirs[name]), device=device, dtype="float32",
+                    kv_cache_bytes=1 << 20, block_size=BLOCK, attention="triton",
+                    cuda_graphs=False)
+    prompts = [p[:10] for p in _prompts(3, 280, seed=2)]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    want = _generate(eng, prompts, ["kv"] * 3, params=params)
+    assert _generate(eng, prompts, ["kv", "hidden", "hidden"], params=params) == want
+
+
+def test_gqa_model_keeps_kv_only(model_dirs):
+    eng = _engine(model_dirs["tiny-llama"])
+    info = eng.describe()["hidden_cache"]
+    assert not info["enabled"] and "not smaller than K and V" in info["why"]
+    assert eng.scheduler.hidden_ratio is None
+    with pytest.raises(ValueError, match="no hidden cache"):
+        _engine(model_dirs["tiny-llama"], hidden_cache=True)
+    off = _engine(model_dirs["tiny-opt"], hidden_cache=False).describe()["hidden_cache"]
+    assert not off["enabled"] and "turned off" in off["why"]
