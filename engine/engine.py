@@ -295,10 +295,10 @@ class LLMEngine:
         t0 = time.perf_counter()
         with self._cond:
             out = self.scheduler.schedule()
-        if not out.scheduled:
+        if not out.scheduled and not out.converted:
             return []
         try:
-            result = self.runner.execute(out.scheduled)
+            result = self.runner.execute(out.scheduled, out.converted)
         except Exception as e:  # a failed step fails its requests, not the engine
             with self._cond:
                 for req, _ in out.scheduled:

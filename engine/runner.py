@@ -12,9 +12,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from llmdb.kernels.hidden_cache import HiddenBatch
+from llmdb.kernels.attention import write_kv
+from llmdb.kernels.hidden_cache import HiddenBatch, hidden_rows
 
 from .cache.block_pool import KVCache
 from .cuda_graphs import DecodeGraphs, attention_splits
@@ -80,7 +82,37 @@ class ModelRunner:
                                   self.kv_cache.layers, inputs.hidden, self.kv_cache.hidden)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Request, int]]) -> StepOutput:
+    def convert_to_kv(self, converted: list[tuple[Request, list[int]]]) -> None:
+        """K/V projected from the hidden states in the old blocks of requests switched to the
+        KV cache (Scheduler.convert_to_kv), written into their new blocks: one gather and one
+        projection per layer for all of them."""
+        bs, num_slots = self.block_size, self.kv_cache.num_slots
+        rows, slots, positions = [], [], []
+        for req, old_blocks in converted:
+            pos = np.arange(req.num_computed, dtype=np.int64)
+            rows.append(hidden_rows(old_blocks, pos, bs, num_slots))
+            table = np.asarray(req.block_ids, dtype=np.int64)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            positions.append(pos)
+        rows_t, slots_t, pos_t = (torch.from_numpy(np.concatenate(x)).to(self.device)
+                                  for x in (rows, slots, positions))
+        if self.model.kernels == "triton":
+            from llmdb.kernels.gpu.hidden_cache import gather_hidden
+        else:
+            from llmdb.kernels.hidden_cache import gather_hidden
+        for layer, (store, (k_cache, v_cache)) in enumerate(
+                zip(self.kv_cache.hidden, self.kv_cache.layers, strict=True)):
+            k, v = self.model.reproject_kv(layer, gather_hidden(store, rows_t), pos_t)
+            write_kv(k_cache, v_cache, k, v, slots_t)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[tuple[Request, int]],
+                converted: list[tuple[Request, list[int]]] = ()) -> StepOutput:
+        """Run one step (after the KV conversions the scheduler decided, if any)."""
+        if converted:
+            self.convert_to_kv(converted)
+        if not scheduled:
+            return StepOutput()
         num_kv = len(scheduled)
         if any(req.cache_type == "hidden" for req, _ in scheduled):
             # KV-cache sequences first: the attention batch is a prefix of the step.

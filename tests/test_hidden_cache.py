@@ -61,24 +61,33 @@ GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
 def _generate(eng: LLMEngine, prompts: list[list[int]], types: list[str],
               switch: dict[int, list[str]] | None = None,
-              params: SamplingParams = GREEDY) -> list[list[int]]:
+              params: SamplingParams = GREEDY, project: bool = False) -> list[list[int]]:
     """Greedy tokens of each prompt served with the given cache types; switch maps a step
-    number to the types every running request is recomputed in from then on."""
+    number to the types running requests switch to then: by discard and recompute, or for
+    hidden -> KV with `project`, by projecting their hidden states (Scheduler.convert_to_kv)."""
     ids = [eng.add_request(p, params) for p in prompts]
     reqs = [eng._requests[i] for i in ids]
     for req, kind in zip(reqs, types, strict=True):
         req.cache_type = kind
-    step = 0
+    step = switched = 0
     while eng.has_unfinished:
+        out = SchedulerOutput()
         for k, kind in enumerate((switch or {}).get(step, [])):
             req = reqs[k]
-            if req.status is Status.RUNNING and req.cache_type != kind:
-                eng.scheduler.preempt(SchedulerOutput(), req)
+            if req.status is not Status.RUNNING or req.cache_type == kind:
+                continue
+            switched += 1
+            if kind == "kv" and project:
+                assert eng.scheduler.convert_to_kv(out, req)
+            else:  # discard and recompute in the new type
+                eng.scheduler.preempt(out, req)
                 req.cache_type = kind
+        if out.converted:
+            eng.runner.convert_to_kv(out.converted)
         eng.step()
         step += 1
     if switch:
-        assert sum(r.num_preemptions for r in reqs) > 0, "nothing was switched"
+        assert switched, "nothing was switched"
     assert eng.pool.num_free == eng.pool.num_blocks, "blocks leaked"
     return [eng.wait(i).token_ids for i in ids]
 
@@ -175,8 +184,12 @@ def test_hidden_mode_generates_the_kv_tokens(name, model_dirs):
     assert _generate(eng, prompts, ["hidden"] * 6) == want
     assert _generate(eng, prompts, ["kv", "hidden"] * 3) == want  # mixed batches
     # Switched mid-generation: KV -> hidden after 3 steps, back to KV after 7.
-    switched = _generate(eng, prompts, ["kv"] * 6, switch={3: ["hidden"] * 6, 7: ["kv"] * 6})
-    assert switched == want
+    to_hidden_and_back = {3: ["hidden"] * 6, 7: ["kv"] * 6}
+    assert _generate(eng, prompts, ["kv"] * 6, switch=to_hidden_and_back) == want
+    assert _generate(eng, prompts, ["kv"] * 6, switch=to_hidden_and_back, project=True) == want
+    # Projection, with half of the requests still in hidden mode beside them.
+    assert _generate(eng, prompts, ["hidden"] * 6, switch={5: ["kv", "hidden"] * 3},
+                     project=True) == want
 
 
 def test_reference_attention_serves_hidden_mode(model_dirs):
@@ -197,6 +210,8 @@ def test_triton_path_serves_hidden_mode(name, model_dirs):
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     want = _generate(eng, prompts, ["kv"] * 3, params=params)
     assert _generate(eng, prompts, ["kv", "hidden", "hidden"], params=params) == want
+    assert _generate(eng, prompts, ["hidden"] * 3, switch={2: ["kv"] * 3}, params=params,
+                     project=True) == want
 
 
 def test_gqa_model_keeps_kv_only(model_dirs):

@@ -133,7 +133,7 @@ class LlamaModel:
                 o = attention(q, k_cache, v_cache, batch, scale)
             else:
                 o = mixed_attention(q, h, (k_cache, v_cache), batch, scale, attention, hidden,
-                                    stores[i], partial(self._reproject, i))
+                                    stores[i], partial(self.reproject_kv, i))
             x = x + o_proj(o.reshape(t, hq * d))
             h = rms_norm(x, ln2, c.norm_eps)
             x = x + down_proj(silu_mul(gate_up_proj(h)))
@@ -175,13 +175,13 @@ class LlamaModel:
                 o = attention(q, k_cache, v_cache, batch, scale, num_splits=batch.num_splits)
             else:
                 o = mixed_attention(q, h, (k_cache, v_cache), batch, scale, attention, hidden,
-                                    stores[i], partial(self._reproject, i),
+                                    stores[i], partial(self.reproject_kv, i),
                                     triton=True)
             h, residual = add_rms_norm(o_proj(o.view(t, hq * d)), residual, ln2, c.norm_eps)
             x = down_proj(silu_mul_gpu(gate_up_proj(h)))
         return add_rms_norm(x, residual, self.norm, c.norm_eps)[0]
 
-    def _reproject(self, layer: int, states: torch.Tensor, positions: torch.Tensor
+    def reproject_kv(self, layer: int, states: torch.Tensor, positions: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """K (rotated at `positions`) and V [R, KVH, D] of hidden-cache states [R, hidden]."""
         c = self.config

@@ -104,7 +104,7 @@ class OPTModel:
                 q = q.reshape(t, h, d)
             if hidden is not None:
                 o = mixed_attention(q, x, kv_layer, batch, d**-0.5, attention, hidden,
-                                    stores[i], partial(self._reproject, i), triton=triton)
+                                    stores[i], partial(self.reproject_kv, i), triton=triton)
             elif triton:
                 o = attention(q, *kv_layer, batch, d**-0.5, num_splits=batch.num_splits)
             else:
@@ -124,7 +124,7 @@ class OPTModel:
             x = self.project_out(x)
         return x
 
-    def _reproject(self, layer: int, states: torch.Tensor, positions: torch.Tensor
+    def reproject_kv(self, layer: int, states: torch.Tensor, positions: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [R, H, D] of hidden-cache states [R, hidden] (learned positions were added
         before the first layer: nothing position-dependent here)."""

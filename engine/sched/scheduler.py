@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens)
     preempted: list[Request] = field(default_factory=list)
+    # Hidden-cache requests switched to the KV cache this step: (request, its old hidden
+    # blocks). The executor projects their K/V from those blocks before the step runs.
+    converted: list[tuple[Request, list[int]]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -275,6 +278,32 @@ class Scheduler:
             req.block_ids.extend(self.pool.allocate(need))
             self._hits.clear()
         out.scheduled.append((req, 1))
+        return True
+
+    def convert_to_kv(self, out: SchedulerOutput, req: Request) -> bool:
+        """Switch a running hidden-cache request to the KV cache by projecting its cached
+        hidden states to K/V once, instead of Apt-Serve's discard and recompute (which redoes
+        the whole model over its tokens, where this redoes the K/V projections only). False,
+        changing nothing, when its KV blocks do not fit the free pool with its hidden blocks
+        back.
+
+        The hidden blocks are freed now and may go to other requests in this same step: the
+        executor reads them (each layer's gather is a copy made before that layer's K/V
+        write) before the step writes anything."""
+        if req.status is not Status.RUNNING or req.cache_type != "hidden":
+            raise ValueError(f"{req.request_id} is not a running hidden-cache request")
+        need = self.pool.blocks_for(req.num_computed)
+        if need > self.pool.num_free + len(req.block_ids):
+            return False
+        old = req.block_ids
+        self.pool.free(old)
+        req.block_ids = self.pool.allocate(need)
+        self._hits.clear()
+        req.cache_type = "kv"
+        # Projected K/V are not published as prefix blocks: published blocks hold exactly
+        # what a prefill computes.
+        req.num_registered = req.num_computed // self.pool.block_size
+        out.converted.append((req, old))
         return True
 
     def preempt(self, out: SchedulerOutput, req: Request) -> None:
