@@ -223,3 +223,23 @@ def test_gqa_model_keeps_kv_only(model_dirs):
         _engine(model_dirs["tiny-llama"], hidden_cache=True)
     off = _engine(model_dirs["tiny-opt"], hidden_cache=False).describe()["hidden_cache"]
     assert not off["enabled"] and "turned off" in off["why"]
+
+
+def test_apt_serves_both_cache_types_at_saturation(model_dirs):
+    """apt on a pool too small for the batch in KV form: its knapsack keeps some requests as
+    hidden states, converts and evicts, and every request still gets the tokens it gets
+    alone on a large pool, with the pool never over-committed (allocate raises)."""
+    prompts = [p + p for p in _prompts(12, 280, seed=3)]
+    want = _generate(_engine(model_dirs["tiny-opt"]), prompts, ["kv"] * 12)
+    block_bytes = 2 * 3 * 64 * 4 * BLOCK  # K and V, 3 layers, hidden 64, fp32
+    eng = LLMEngine(str(model_dirs["tiny-opt"]), device="cpu", dtype="float32",
+                    kv_cache_bytes=40 * block_bytes, block_size=BLOCK, policy="apt")
+    assert eng.pool.num_blocks == 40
+    ids = [eng.add_request(p, GREEDY) for p in prompts]
+    seen = set()
+    while eng.has_unfinished:
+        eng.step()
+        seen |= {r.cache_type for r in eng.scheduler.running}
+    assert seen == {"kv", "hidden"}
+    assert [eng.wait(i).token_ids for i in ids] == want
+    assert eng.pool.num_free == eng.pool.num_blocks

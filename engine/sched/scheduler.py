@@ -63,6 +63,9 @@ class Scheduler:
         # it. A waiting request whose next block is one of them waits for it to be
         # published instead of computing the same prefix in parallel.
         self._computing: dict[int, str] = {}
+        # Requests switched hidden -> KV by projection in the last schedule() (their step
+        # re-projects their context once: costs()).
+        self._converted: set[str] = set()
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -73,6 +76,7 @@ class Scheduler:
 
     def schedule(self, now: float | None = None) -> SchedulerOutput:
         self._hits.clear()
+        self._converted.clear()
         return self.policy.schedule(self, time.perf_counter() if now is None else now)
 
     # ---- what a request needs --------------------------------------------------------------
@@ -98,7 +102,8 @@ class Scheduler:
     def costs(self, scheduled: list[tuple[Request, int]]) -> list[Chunk]:
         """The cost model's view of a batch (before its tokens are computed)."""
         return [Chunk(r.num_computed, n, r.is_decode,
-                      r.num_computed if r.cache_type == "hidden" else 0) for r, n in scheduled]
+                      r.num_computed if r.cache_type == "hidden" or r.request_id in self._converted
+                      else 0) for r, n in scheduled]
 
     def reserved_blocks(self, req: Request) -> int:
         """Blocks set aside for a running request beyond those it holds (policy estimate)."""
@@ -304,6 +309,7 @@ class Scheduler:
         # what a prefill computes.
         req.num_registered = req.num_computed // self.pool.block_size
         out.converted.append((req, old))
+        self._converted.add(req.request_id)
         return True
 
     def preempt(self, out: SchedulerOutput, req: Request) -> None:

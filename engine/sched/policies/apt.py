@@ -8,15 +8,17 @@ N = |W| + |R| and rho the cost model's re-projection time per unit of memory (he
 per KV block's worth of tokens). The repaired greedy of apt_knapsack picks. In a decode
 iteration the budget is the whole pool and running requests not picked are preempted; in a
 prefill iteration it is what the running requests leave. A request whose cache type changes
-is recomputed in the new type.
+is recomputed in the new type, except hidden -> KV, which projects the cached hidden states
+to K/V once (Scheduler.convert_to_kv) where the KV blocks fit.
 
 SLO-aware fallback: a waiting request past its TTFT SLO or a running one past its TBT SLO
 has p set near zero (fallback="zero"), or multiplied by 0.4 (fallback="decay", the paper's
 decaying factor) while it stays in violation. The knapsack has no token budget; on this CPU
 the picked requests then fill C (and P) in order of value, a documented filter.
 
-On the engine there is no hidden cache (the scheduler's hidden_ratio is None): every option
-is KV, and apt degrades to pending-time-weighted selection with preemption.
+The engine has a hidden cache for MHA models (OPT, Llama-2); for the others the scheduler's
+hidden_ratio is None, every option is KV, and apt degrades to pending-time-weighted selection
+with preemption.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def _total_pending(reqs, now: float) -> float:
 class AptPolicy(Policy):
     name = "apt"
     description = ("Apt-Serve: knapsack over pending time and memory (hybrid KV/hidden cache "
-                   "in the simulator; KV only on the engine), SLO-aware fallback, C as a filter")
+                   "where the model has one), SLO-aware fallback, C as a filter")
 
     def __init__(self, fallback: str = "zero") -> None:
         if fallback not in ("zero", "decay"):
@@ -99,12 +101,21 @@ class AptPolicy(Policy):
         out = SchedulerOutput()
         queue, values, picked = self.decide(s, now, prefill_iter)
         if not prefill_iter:
+            to_kv = []
             for k, r in enumerate(queue):
                 if k not in picked:
                     s.preempt(out, r)
-                elif picked[k] != r.cache_type:  # recompute in the new type
+                elif picked[k] == "kv" and r.cache_type == "hidden":
+                    to_kv.append(r)
+                elif picked[k] != r.cache_type:  # KV -> hidden: discard and recompute
                     s.preempt(out, r)
                     r.cache_type = picked[k]
+            # Hidden -> KV by projecting the cached hidden states once (beyond the paper),
+            # after the evictions above freed their blocks; recomputed where it cannot fit.
+            for r in to_kv:
+                if not s.convert_to_kv(out, r):
+                    s.preempt(out, r)
+                    r.cache_type = "kv"
         else:
             for k, choice in picked.items():
                 queue[k].cache_type = choice
