@@ -1,7 +1,8 @@
 """Write a Hugging Face model directory with seeded random weights of a real model's shape.
 
-GPU benchmarks need the published shapes (SmolLM2-135M, Llama-3.2-1B, Llama-2-7B, OPT-1.3B,
-OPT-13B), but the GPU machine has no internet and the real checkpoints are too large to carry.
+GPU benchmarks need the published shapes (SmolLM2-135M, Llama-3.2-1B, Llama-2-7B, OPT-125M,
+OPT-1.3B, OPT-13B), but the GPU machine has no internet and the real checkpoints are too large
+to carry.
 Speed does not depend on the weight values, so a directory with random weights of the right
 shape serves every engine (ours, transformers, the bare decoder) with the same bytes.
 
@@ -94,7 +95,10 @@ SHAPES: dict[str, Shape] = {
         "llama", vocab=32000, hidden=4096, layers=32, heads=32, kv_heads=32, ffn=11008,
         max_pos=4096, tie=False, bos=1, eos=2, pad=None, add_bos=True,
         specials=_LLAMA2_SPECIALS),
-    # facebook/opt-1.3b and facebook/opt-13b
+    # facebook/opt-125m, facebook/opt-1.3b and facebook/opt-13b
+    "opt-125m": Shape(
+        "opt", vocab=50272, hidden=768, layers=12, heads=12, kv_heads=12, ffn=3072,
+        max_pos=2048, bos=2, eos=2, pad=1, add_bos=True, specials=_OPT_SPECIALS),
     "opt-1.3b": Shape(
         "opt", vocab=50272, hidden=2048, layers=24, heads=32, kv_heads=32, ffn=8192,
         max_pos=2048, bos=2, eos=2, pad=1, add_bos=True, specials=_OPT_SPECIALS),

@@ -71,6 +71,7 @@ def test_real_shapes_have_the_published_sizes():
     assert round(millions["smollm2-135m"]) == 135
     assert round(millions["llama3.2-1b"]) == 1236
     assert round(millions["llama2-7b"]) == 6738
+    assert round(millions["opt-125m"]) == 125
     assert round(millions["opt-1.3b"]) == 1316
     assert round(millions["opt-13b"]) == 12853
 

@@ -1,0 +1,218 @@
+"""The hybrid KV/hidden cache (Apt-Serve) on the real engine, KV-only vs hybrid.
+
+Two measurements, each one JSON line per result, on OPT shapes with seeded random weights
+(bench/random_model.py; the directories are written once under --models and reused):
+
+capacity: under one fixed cache budget, `--capacity-requests` requests of `--prompt` +
+  `--output` tokens are submitted at once to apt, with the hidden cache off (KV only) and on.
+  Once the pool first runs out, the mean number of requests running per step over `--steps`
+  steps is the concurrency at saturation; the line also gives the mean tokens held and the
+  share of running requests in hidden form. Default: the OPT-1.3B shape, 96 MiB of cache.
+
+slo: SLO attainment vs request rate on the OPT-125m shape: ShareGPT-like lengths (lognormal
+  with the published means and deviations, times --scale, so that a 2-core CPU serves them at
+  a few requests a second), Poisson arrivals, every request RT with the stated SLOs (CPU
+  scale: DESIGN.md's TTFT 1.0 s, P99 TBT 0.25 s), apt with the hybrid cache vs fcfs with KV
+  only (vLLM's policy), under a cache budget that holds about --cache-requests average
+  requests in KV form. One line per (policy, rate), then each policy's effective throughput
+  (the highest rate with >= 90% attainment, interpolated between measured rates) and the
+  ratio.
+
+On a GPU (--device cuda) use the OPT-13B shape and an A100-40GB's 12 GB of cache:
+  python bench/hybrid.py --device cuda --shape opt-13b --cache-mb 12000 ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from llmdb.engine.engine import LLMEngine
+from llmdb.engine.sampling import SamplingParams
+from llmdb.engine.workloads import LENGTHS, arrivals, lognormal
+
+ROOT = Path(__file__).resolve().parent
+TARGET = 0.9
+
+
+def model_dir(shape: str, root: Path) -> Path:
+    from random_model import write_random_model
+
+    return write_random_model(shape, root / shape, seed=0, dtype=torch.bfloat16, device="cpu")
+
+
+def engine(path: Path, args, policy: str, hidden: bool, cache_bytes: int) -> LLMEngine:
+    return LLMEngine(str(path), device=args.device, kv_cache_bytes=cache_bytes, policy=policy,
+                     hidden_cache=hidden, max_num_seqs=256,
+                     rt_slo_ttft_s=args.ttft, rt_slo_tbt_s=args.tbt)
+
+
+# ---- capacity ---------------------------------------------------------------------------------
+
+def capacity(path: Path, args, hidden: bool) -> dict:
+    eng = engine(path, args, "apt", hidden, args.cache_mb << 20)
+    rng = np.random.default_rng(args.seed)
+    vocab = eng.config.vocab_size
+    params = SamplingParams(max_tokens=args.output, ignore_eos=True)
+    for _ in range(args.capacity_requests):
+        eng.add_request(rng.integers(4, vocab, args.prompt).tolist(), params)
+    running, tokens, hidden_share = [], [], []
+    saturated = False
+    t0 = time.perf_counter()
+    while eng.has_unfinished and len(running) < args.steps:
+        eng.step()
+        s = eng.scheduler
+        # Saturated from the first step after which the next waiting request does not fit.
+        saturated = saturated or bool(s.waiting) and not s.fits(
+            s.waiting[0], s.tokens_left(s.waiting[0]))
+        if not saturated:
+            continue
+        running.append(len(s.running))
+        tokens.append(sum(r.num_computed for r in s.running))
+        hidden_share.append(sum(r.cache_type == "hidden" for r in s.running)
+                            / max(1, len(s.running)))
+    return {
+        "name": "hybrid_capacity", "hidden_cache": hidden, "shape": args.shape,
+        "cache_mb": args.cache_mb, "kv_blocks": eng.pool.num_blocks,
+        "requests": args.capacity_requests, "prompt": args.prompt, "output": args.output,
+        "steps": len(running), "mean_running": round(statistics.mean(running), 2),
+        "max_running": max(running), "mean_tokens_held": round(statistics.mean(tokens)),
+        "hidden_share": round(statistics.mean(hidden_share), 3),
+        "s_per_step": round((time.perf_counter() - t0) / max(1, eng.runner.steps), 3),
+        "device": eng.describe()["device"], "dtype": eng.describe()["dtype"],
+    }
+
+
+# ---- SLO attainment vs rate -----------------------------------------------------------------
+
+def workload(n: int, rate: float, scale: float, seed: int, context: int):
+    p_mean, p_std, o_mean, o_std = LENGTHS["sharegpt"]
+    rng = np.random.default_rng(seed)
+    times = arrivals(rng, rate, n)
+    prompts = np.clip(np.round(lognormal(rng, p_mean * scale, p_std * scale, n)), 4, context // 2)
+    outputs = np.clip(np.round(lognormal(rng, o_mean * scale, o_std * scale, n)), 1, context // 2)
+    return [(float(t), int(p), int(o)) for t, p, o in zip(times, prompts, outputs, strict=True)]
+
+
+def attainment(eng: LLMEngine, specs, args, seed: int) -> dict:
+    """Each request submitted at its arrival time to the engine's background loop; a request
+    attains when its TTFT and the P99 of its gaps between tokens meet the SLOs."""
+    rng = np.random.default_rng(seed + 1)
+    vocab = eng.config.vocab_size
+    times: dict[int, list[float]] = {}
+    lock = threading.Lock()
+
+    def on_token(k: int):
+        def record(tok):
+            if tok is not None:
+                with lock:
+                    times[k].append(time.perf_counter())
+        return record
+
+    eng.start_background_loop()
+    start = time.perf_counter()
+    ids, arrived = [], []
+    for k, (t, p, o) in enumerate(specs):
+        delay = start + t - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        times[k] = []
+        arrived.append(time.perf_counter())
+        ids.append(eng.add_request(rng.integers(4, vocab, p).tolist(),
+                                   SamplingParams(max_tokens=o, ignore_eos=True),
+                                   on_token=on_token(k), priority="RT"))
+    for rid in ids:
+        eng.wait(rid)
+    eng.stop_background_loop()
+    ok = []
+    for k, t0 in enumerate(arrived):
+        ts = times[k]
+        gaps = np.diff(ts)
+        p99 = float(np.percentile(gaps, 99)) if len(gaps) else 0.0
+        ok.append(bool(ts) and ts[0] - t0 <= args.ttft and p99 <= args.tbt)
+    return {"attainment": round(sum(ok) / len(ok), 3),
+            "mean_ttft_s": round(statistics.mean(times[k][0] - a for k, a in enumerate(arrived)
+                                                 if times[k]), 3)}
+
+
+def effective_throughput(points: list[tuple[float, float]]) -> float:
+    """The highest rate at which attainment >= 90%, linear between measured rates."""
+    points = sorted(points)
+    best = 0.0
+    for (r0, a0), (r1, a1) in zip([(0.0, 1.0), *points], points, strict=False):
+        if a1 >= TARGET:
+            best = r1
+        elif a0 >= TARGET:
+            return r0 + (r1 - r0) * (a0 - TARGET) / (a0 - a1)
+        else:
+            break
+    return best
+
+
+def slo_sweep(path: Path, args) -> None:
+    per_request_kv = 2 * 12 * 768 * 2 * (LENGTHS["sharegpt"][0] + LENGTHS["sharegpt"][2] / 2)
+    cache = int(args.cache_requests * per_request_kv * args.scale)
+    results = {}
+    for policy, hidden in (("fcfs", False), ("apt", True)):
+        eng = engine(path, args, policy, hidden, cache)
+        eng.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=2))  # warm up
+        points = []
+        for rate in args.rates:
+            specs = workload(args.slo_requests, rate, args.scale, args.seed,
+                             eng.config.max_context)
+            res = attainment(eng, specs, args, args.seed)
+            points.append((rate, res["attainment"]))
+            print(json.dumps({"name": "hybrid_slo", "policy": policy, "hidden_cache": hidden,
+                              "rate": rate, **res, "requests": len(specs),
+                              "scale": args.scale, "slo_ttft_s": args.ttft,
+                              "slo_tbt_s": args.tbt, "cache_mb": round(cache / 2**20, 1),
+                              "shape": "opt-125m", "device": eng.describe()["device"]}),
+                  flush=True)
+        results[policy] = effective_throughput(points)
+    print(json.dumps({"name": "hybrid_slo_effective_throughput",
+                      "fcfs_req_s": round(results["fcfs"], 3),
+                      "apt_req_s": round(results["apt"], 3),
+                      "ratio": round(results["apt"] / results["fcfs"], 2)
+                      if results["fcfs"] else None}))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", choices=["capacity", "slo"])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--models", type=Path, default=ROOT / "out" / "models")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shape", default="opt-1.3b", help="capacity: the model shape")
+    ap.add_argument("--cache-mb", type=int, default=96, help="capacity: the cache budget")
+    ap.add_argument("--capacity-requests", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--output", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--scale", type=float, default=0.25, help="slo: ShareGPT lengths times")
+    ap.add_argument("--cache-requests", type=float, default=24)
+    ap.add_argument("--slo-requests", type=int, default=60)
+    ap.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0, 3.0, 4.0, 6.0])
+    ap.add_argument("--ttft", type=float, default=1.0)
+    ap.add_argument("--tbt", type=float, default=0.25)
+    args = ap.parse_args(argv)
+    if args.only in (None, "capacity"):
+        path = model_dir(args.shape, args.models)
+        lines = [capacity(path, args, hidden) for hidden in (False, True)]
+        for line in lines:
+            print(json.dumps(line), flush=True)
+        print(json.dumps({"name": "hybrid_capacity_ratio", "shape": args.shape,
+                          "ratio": round(lines[1]["mean_running"] / lines[0]["mean_running"], 2)}))
+    if args.only in (None, "slo"):
+        slo_sweep(model_dir("opt-125m", args.models), args)
+
+
+if __name__ == "__main__":
+    main()
