@@ -137,6 +137,26 @@ def gpu_block_bytes(engine: LLMEngine) -> int:
     return KVCache.bytes_per_block(engine.config, engine.pool.block_size, torch.float32)
 
 
+def test_hybrid_cache_under_apt_keeps_tokens(model_dirs):
+    """OPT (MHA) under apt on a pool too small for its batch in KV form: requests move
+    between K/V and hidden states (compiled Triton gathers and writes, re-projection into a
+    scratch cache, hidden -> KV by projection) and keep the CPU engine's tokens."""
+    path = model_dirs["opt"]
+    cpu = _engine(path, "cpu")
+    gpu = _engine(path, "cuda", kv_cache_bytes=40 * gpu_block_bytes(cpu), policy="apt",
+                  enable_prefix_caching=False)
+    assert gpu.describe()["hidden_cache"]["enabled"]
+    prompts = _prompts(16, seed=8, vocab=cpu.config.vocab_size, max_len=100)
+    ids = [gpu.add_request(p, GEN) for p in prompts]
+    kinds: set[str] = set()
+    while gpu.has_unfinished:
+        gpu.step()
+        kinds |= {r.cache_type for r in gpu.scheduler.running}
+    assert kinds == {"kv", "hidden"}, kinds
+    _check(cpu, prompts, [gpu.wait(i) for i in ids])
+    _all_free(gpu)
+
+
 def test_cuda_graphs_equal_eager(pair, model_dirs):
     cpu, graphs = pair
     path = next(p for p in model_dirs.values() if cpu.model_name == p)
