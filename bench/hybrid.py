@@ -3,8 +3,8 @@
 Two measurements, each one JSON line per result, on OPT shapes with seeded random weights
 (bench/random_model.py; the directories are written once under --models and reused):
 
-capacity: under one fixed cache budget, `--capacity-requests` requests of `--prompt` +
-  `--output` tokens are submitted at once to apt, in three modes: the hidden cache off (KV
+capacity: under one fixed cache budget, `--capacity-requests` requests of about `--prompt`
+  + `--output` tokens (each uniform over half to 1.5 times) are submitted at once to apt, in three modes: the hidden cache off (KV
   only); on, with apt weighing re-projection by the engine's cost model (its rho); and on
   with rho taken as 0, so the knapsack weighs memory alone: the concurrency the hybrid cache
   allows. Once the pool first runs out, the mean number of requests running per step over
@@ -74,9 +74,13 @@ def capacity(path: Path, args, mode: str) -> dict:
             cm, coefficients={**cm.coefficients, "hidden_tokens": 0.0})
     rng = np.random.default_rng(args.seed)
     vocab = eng.config.vocab_size
-    params = SamplingParams(max_tokens=args.output, ignore_eos=True)
+    # Lengths spread over [x/2, 3x/2] so that requests finish at different steps and the
+    # pool stays full (a batch of equal requests fills and drains in waves).
     for _ in range(args.capacity_requests):
-        eng.add_request(rng.integers(4, vocab, args.prompt).tolist(), params)
+        prompt = int(rng.integers(args.prompt // 2, args.prompt * 3 // 2 + 1))
+        output = int(rng.integers(args.output // 2, args.output * 3 // 2 + 1))
+        eng.add_request(rng.integers(4, vocab, prompt).tolist(),
+                        SamplingParams(max_tokens=output, ignore_eos=True))
     running, tokens, hidden_share = [], [], []
     saturated = False
     t0 = time.perf_counter()
@@ -209,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--capacity-requests", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--output", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--scale", type=float, default=0.25, help="slo: ShareGPT lengths times")
     ap.add_argument("--cache-requests", type=float, default=24)
     ap.add_argument("--slo-requests", type=int, default=60)
