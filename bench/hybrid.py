@@ -4,15 +4,15 @@ Two measurements, each one JSON line per result, on OPT shapes with seeded rando
 (bench/random_model.py; the directories are written once under --models and reused):
 
 capacity: under one fixed cache budget, `--capacity-requests` requests of about `--prompt`
-  + `--output` tokens (each uniform over half to 1.5 times) are submitted at once to apt, in three modes: the hidden cache off (KV
-  only); on, with apt weighing re-projection by the engine's cost model (its rho); and on
-  with rho taken as 0, so the knapsack weighs memory alone: the concurrency the hybrid cache
-  allows. Once the pool first runs out, the mean number of requests running per step over
-  `--steps` steps is the concurrency at saturation; the line also gives the mean tokens held
-  and the share of running requests in hidden form. Default: the OPT-1.3B shape, 96 MiB of
-  cache. On a CPU re-projection is dear (~0.1 ms a token for OPT-125m, ~40% of a decode
-  step's time per request of 64 tokens), so apt rightly keeps most requests in KV form; on a
-  GPU rho is ~1000x smaller against the step time.
+  + `--output` tokens (each uniform over half to 1.5 times) are submitted at once to apt, in
+  three modes: the hidden cache off (KV only); on, with apt weighing re-projection by the
+  engine's cost model (its rho); and on with rho taken as 0, so that the knapsack weighs
+  memory alone: the concurrency the hybrid cache allows. From the first step after which the
+  next waiting request does not fit, the mean number of requests running over `--steps`
+  steps is the concurrency at saturation; the line also gives the tokens held and the share
+  of running requests in hidden form. Default: the OPT-1.3B shape, 128 MiB of cache. On a
+  CPU re-projection is dear (the estimated rho for OPT-125m is 0.1 ms a token, against a
+  ~40 ms decode step), so apt rightly keeps most requests in KV form there.
 
 slo: SLO attainment vs request rate on the OPT-125m shape: ShareGPT-like lengths (lognormal
   with the published means and deviations, times --scale, so that a 2-core CPU serves them at
@@ -209,11 +209,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", type=Path, default=ROOT / "out" / "models")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shape", default="opt-1.3b", help="capacity: the model shape")
-    ap.add_argument("--cache-mb", type=int, default=96, help="capacity: the cache budget")
+    ap.add_argument("--cache-mb", type=int, default=128, help="capacity: the cache budget")
     ap.add_argument("--capacity-requests", type=int, default=64)
-    ap.add_argument("--prompt", type=int, default=32)
-    ap.add_argument("--output", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--output", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--scale", type=float, default=0.25, help="slo: ShareGPT lengths times")
     ap.add_argument("--cache-requests", type=float, default=24)
     ap.add_argument("--slo-requests", type=int, default=60)

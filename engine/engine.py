@@ -125,6 +125,7 @@ class LLMEngine:
         # Seeds of unseeded sampling requests: reproducible per engine, different per request.
         self._seeds = random.Random(0)
         self._host_s = 0.0
+        self.tokens_generated = 0  # since start, for metrics
         self._wall_s = 0.0
 
     def _load(self, model: str, threads: int | None, kv_cache_bytes: int | None,
@@ -312,8 +313,10 @@ class LLMEngine:
                 if not req.generate:
                     self._finish(req, "stop")
                     finished.append(req.request_id)
-                elif self._after_token(req, result):
-                    finished.append(req.request_id)
+                else:
+                    self.tokens_generated += 1
+                    if self._after_token(req, result):
+                        finished.append(req.request_id)
         wall = time.perf_counter() - t0
         self._wall_s += wall
         self._host_s += wall - self.runner.last_wait_s

@@ -99,6 +99,21 @@ def _explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from llmdb.server.app import Limits
+        from llmdb.server.run import api_key_for, serve
+    except ImportError as e:
+        raise ValueError(f"llmdb serve needs {e.name}: pip install 'llmdb[serve]'") from e
+
+    key = api_key_for(args.host, args.api_key_env, args.no_auth)
+    limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
+                    max_tokens=args.max_tokens, max_concurrent=args.max_concurrent)
+    serve(args.model, args.host, args.port, key, limits, args.shutdown_timeout,
+          device=args.device, policy=args.policy)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="llmdb", description="Run language models over rows.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -148,6 +163,29 @@ def main(argv: list[str] | None = None) -> int:
                           "the user cache directory, one per model, dtype, device and "
                           "thread count)")
     cal.set_defaults(func=_calibrate)
+
+    srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                         description="Serve /v1/completions, /v1/chat/completions (streaming "
+                         "too), /v1/models, /health and /metrics. Clients send the key held "
+                         "in $LLMDB_API_KEY as 'Authorization: Bearer KEY'.")
+    srv.add_argument("--model", default="smollm2-135m", help="a registered model name or path")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--device", default="auto", help=DEVICE_HELP)
+    srv.add_argument("--policy", default="sarathi", help="the engine's scheduling policy")
+    srv.add_argument("--api-key-env", default="LLMDB_API_KEY",
+                     help="the environment variable holding the API key")
+    srv.add_argument("--no-auth", action="store_true",
+                     help="serve without an API key (loopback addresses only)")
+    srv.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    srv.add_argument("--max-prompt-tokens", type=int, default=None,
+                     help="default: the model's context")
+    srv.add_argument("--max-tokens", type=int, default=4096, help="the most max_tokens allowed")
+    srv.add_argument("--max-concurrent", type=int, default=256,
+                     help="requests served at once; more get 429")
+    srv.add_argument("--shutdown-timeout", type=float, default=10.0,
+                     help="seconds in-flight requests get to finish on shutdown")
+    srv.set_defaults(func=_serve)
 
     args = ap.parse_args(argv)
     try:

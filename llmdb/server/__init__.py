@@ -1,0 +1,1 @@
+"""`llmdb serve`: the engine behind an OpenAI-compatible HTTP API (app.py)."""

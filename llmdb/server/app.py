@@ -1,0 +1,382 @@
+"""`llmdb serve`: an OpenAI-compatible HTTP server over one in-process engine.
+
+Built on FastAPI (request validation, OpenAPI description) and served by uvicorn. Each HTTP
+request becomes one engine request on the engine's background loop; tokens come back
+through the engine's per-token callback onto the event loop, so a stream is sent as the
+tokens are made, and a client that goes away aborts its request (its blocks are freed at
+once). Limits answer 4xx in OpenAI's error shape before any work is queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.background import BackgroundTask
+
+from llmdb.engine.engine import LLMEngine
+from llmdb.engine.outputs import RequestResult
+from llmdb.engine.sampling import SamplingParams
+
+from .metrics import EngineMetrics
+from .protocol import ChatCompletionRequest, CompletionRequest, ServerError
+from .text import IncrementalText
+
+
+@dataclass
+class Limits:
+    max_body_bytes: int = 1 << 20
+    max_prompt_tokens: int | None = None  # None: the model's context
+    max_tokens: int = 4096
+    default_max_tokens: int = 256
+    max_concurrent: int = 256
+
+
+@dataclass
+class _Call:
+    """One engine request as the event loop sees it."""
+
+    request_id: str
+    tokens: asyncio.Queue  # token ids, then None at the end
+    closed: bool = False
+
+
+def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
+               limits: Limits | None = None, shutdown_timeout_s: float = 10.0) -> FastAPI:
+    """The app; api_key None serves without authentication (the caller decides when that is
+    allowed: `llmdb serve` only on a loopback address)."""
+    limits = limits or Limits()
+    metrics = EngineMetrics(engine)
+    inflight: dict[str, _Call] = {}
+    slots = asyncio.Semaphore(limits.max_concurrent)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        engine.start_background_loop()
+        yield
+        for rid in list(inflight):  # after drain(): nothing should be left
+            engine.abort(rid)
+        engine.stop_background_loop()
+
+    async def drain() -> None:
+        """Graceful shutdown's first half (run.py calls it before closing connections): new
+        requests get 503, in-flight ones have shutdown_timeout_s to finish, then the rest are
+        aborted, so every caller gets an answer and every block is freed."""
+        state.draining = True
+        deadline = time.monotonic() + shutdown_timeout_s
+        while inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for rid in list(inflight):
+            engine.abort(rid)
+        while inflight:  # their handlers answer with finish_reason "abort"
+            await asyncio.sleep(0.01)
+
+    app = FastAPI(title="llmdb", version=engine.version, lifespan=lifespan)
+    state = app.state
+    state.draining = False
+    state.drain = drain
+
+    @app.exception_handler(ServerError)
+    async def _server_error(_req: Request, exc: ServerError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_req: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        err = ServerError(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}", param)
+        return JSONResponse(err.body(), status_code=400)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": int(engine_started),
+            "owned_by": "llmdb", "max_model_len": engine.config.max_context}]}
+
+    engine_started = time.time()
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise ServerError(404, f"model {name!r} is not served here; this server serves "
+                              f"{model_name!r}", "model", code="model_not_found")
+
+    def submit(prompt, body, params: SamplingParams) -> _Call:
+        """Queue on the engine, with the limits checked first."""
+        if params.max_tokens > limits.max_tokens:
+            raise ServerError(400, f"max_tokens is {params.max_tokens}; at most "
+                              f"{limits.max_tokens} here", "max_tokens")
+        loop = asyncio.get_running_loop()
+        tokens: asyncio.Queue = asyncio.Queue()
+        try:
+            ids = engine.encode_prompt(prompt)
+            cap = limits.max_prompt_tokens or engine.config.max_context
+            if len(ids) > cap:
+                raise ServerError(400, f"the prompt is {len(ids)} tokens; at most {cap} here",
+                                  "prompt", code="context_length_exceeded")
+            rid = engine.add_request(
+                ids, params, request_id=f"srv-{uuid.uuid4().hex}",
+                on_token=lambda tok: loop.call_soon_threadsafe(tokens.put_nowait, tok),
+                priority=body.scheduling_class())
+        except ValueError as e:
+            raise ServerError(400, str(e)) from e
+        call = _Call(rid, tokens)
+        inflight[rid] = call
+        return call
+
+    async def finish(call: _Call) -> RequestResult:
+        while await call.tokens.get() is not None:
+            pass
+        return await asyncio.to_thread(engine.wait, call.request_id)
+
+    def close(call: _Call) -> None:
+        """Abort the request if it still runs (its blocks are freed), drop an uncollected
+        result, free its concurrency slot; once per call, whatever ended it."""
+        if call.closed:
+            return
+        call.closed = True
+        engine.abort(call.request_id)
+        try:
+            engine.wait(call.request_id, timeout=0)
+        except KeyError:  # already collected
+            pass
+        inflight.pop(call.request_id, None)
+        slots.release()
+
+    async def run(request: Request, body, prompt, params: SamplingParams, render) -> Any:
+        """Answer one completion: a JSON body, or a server-sent event stream."""
+        check_model(body.model)
+        if state.draining:
+            raise ServerError(503, "the server is shutting down", type_="server_error")
+        if slots.locked():
+            raise ServerError(429, f"{limits.max_concurrent} requests are running; retry later",
+                              type_="rate_limit_error", code="too_many_requests")
+        await slots.acquire()
+        try:
+            call = submit(prompt, body, params)
+        except BaseException:
+            slots.release()
+            raise
+        if body.stream:
+            # The background task closes the call too when the stream never started.
+            return StreamingResponse(stream(call, params, render), media_type="text/event-stream",
+                                     background=BackgroundTask(close, call))
+        try:
+            return render.final(await watch_disconnect(request, finish(call)))
+        finally:
+            close(call)
+
+    async def watch_disconnect(request: Request, work):
+        task = asyncio.ensure_future(work)
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if not done and await request.is_disconnected():
+                task.cancel()
+                raise ServerError(499, "the client closed the connection")
+        return task.result()
+
+    async def stream(call: _Call, params: SamplingParams, render) -> AsyncIterator[str]:
+        text = IncrementalText(engine.tokenizer, params.stop)
+        try:
+            yield _sse(render.first_chunk())
+            ids: list[int] = []
+            while (tok := await call.tokens.get()) is not None:
+                ids.append(tok)
+                piece = text.push(ids)
+                if piece:
+                    yield _sse(render.chunk(piece))
+            result = await asyncio.to_thread(engine.wait, call.request_id)
+            tail = text.flush(result)
+            yield _sse(render.chunk(tail, result))
+            yield "data: [DONE]\n\n"
+        finally:  # also when the client disconnects: the generator is closed
+            close(call)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest):
+        if body.prompt_logprobs is not None:
+            raise ServerError(400, "prompt_logprobs is not supported by llmdb serve yet",
+                              "prompt_logprobs")
+        params = body.sampling(limits.default_max_tokens, body.logprobs)
+        return await run(request, body, body.prompt, params,
+                         _CompletionRender(model_name, engine, body.logprobs))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request, body: ChatCompletionRequest):
+        k = (body.top_logprobs or 0) if body.logprobs else None
+        params = body.sampling(limits.default_max_tokens, k)
+        messages = [m.model_dump() for m in body.messages]
+        return await run(request, body, messages, params, _ChatRender(model_name, engine, k))
+
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes)
+    return app
+
+
+class _Guard:
+    """Authentication and the body-size limit for /v1/, before any handler runs.
+
+    A plain ASGI middleware, so that a body sent without a content-length (chunked) is
+    limited too: it is read here, up to the limit, and replayed to the app. Streaming
+    responses pass through untouched (BaseHTTPMiddleware would wrap each in another stream)."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.api_key is not None:
+            given = headers.get("authorization", "").removeprefix("Bearer ").strip()
+            if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+                return await _reject(send, ServerError(
+                    401, "missing or wrong API key (Authorization: Bearer ...)",
+                    type_="authentication_error", code="invalid_api_key"))
+        too_big = ServerError(413, f"the request body is over {self.max_body_bytes} bytes")
+        size = headers.get("content-length")
+        if size is not None and (not size.isdigit() or int(size) > self.max_body_bytes):
+            return await _reject(send, too_big)
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before sending its body
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_body_bytes:
+                return await _reject(send, too_big)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+async def _reject(send, err: ServerError) -> None:
+    payload = json.dumps(err.body()).encode()
+    await send({"type": "http.response.start", "status": err.status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(payload)).encode())]})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def _usage(r: RequestResult) -> dict:
+    return {"prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.generated_tokens,
+            "total_tokens": r.usage.prompt_tokens + r.usage.generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": r.usage.cached_tokens}}
+
+
+def _finish_reason(r: RequestResult) -> str:
+    if r.finish_reason == "error":
+        raise ServerError(500, f"generation failed: {r.error}", type_="server_error")
+    return {"length": "length", "abort": "abort"}.get(r.finish_reason, "stop")
+
+
+class _Render:
+    """The OpenAI objects of one endpoint: a final body, or stream chunks."""
+
+    def __init__(self, model: str, engine: LLMEngine, logprobs: int | None):
+        self.model, self.engine, self.logprobs = model, engine, logprobs
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    prefix = "cmpl"
+    object = "text_completion"
+
+    def _base(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+
+class _CompletionRender(_Render):
+    def final(self, r: RequestResult) -> dict:
+        return {**self._base("text_completion"), "choices": [{
+            "index": 0, "text": r.text, "finish_reason": _finish_reason(r),
+            "logprobs": self._logprobs(r)}], "usage": _usage(r)}
+
+    def _logprobs(self, r: RequestResult) -> dict | None:
+        if self.logprobs is None or r.logprobs is None:
+            return None
+        dec = self.engine.tokenizer.decode
+        tokens = [dec([t], skip_special=False) for t in r.token_ids]
+        return {"tokens": tokens, "token_logprobs": [lp for lp, _ in r.logprobs],
+                "top_logprobs": [{dec([t], skip_special=False): v for t, v in top.items()}
+                                 for _, top in r.logprobs],
+                "text_offset": _offsets(tokens)}
+
+    def first_chunk(self) -> dict:
+        return {**self._base("text_completion"),
+                "choices": [{"index": 0, "text": "", "finish_reason": None, "logprobs": None}]}
+
+    def chunk(self, text: str, result: RequestResult | None = None) -> dict:
+        out = {**self._base("text_completion"), "choices": [{
+            "index": 0, "text": text, "logprobs": None,
+            "finish_reason": _finish_reason(result) if result else None}]}
+        if result is not None:
+            out["usage"] = _usage(result)
+        return out
+
+
+class _ChatRender(_Render):
+    prefix = "chatcmpl"
+
+    def final(self, r: RequestResult) -> dict:
+        return {**self._base("chat.completion"), "choices": [{
+            "index": 0, "message": {"role": "assistant", "content": r.text},
+            "finish_reason": _finish_reason(r), "logprobs": self._logprobs(r)}],
+            "usage": _usage(r)}
+
+    def _logprobs(self, r: RequestResult) -> dict | None:
+        if self.logprobs is None or r.logprobs is None:
+            return None
+        dec = self.engine.tokenizer.decode
+        return {"content": [{
+            "token": dec([t], skip_special=False), "logprob": lp,
+            "top_logprobs": [{"token": dec([i], skip_special=False), "logprob": v}
+                             for i, v in top.items()]}
+            for t, (lp, top) in zip(r.token_ids, r.logprobs, strict=True)]}
+
+    def first_chunk(self) -> dict:
+        return {**self._base("chat.completion.chunk"), "choices": [{
+            "index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+
+    def chunk(self, text: str, result: RequestResult | None = None) -> dict:
+        out = {**self._base("chat.completion.chunk"), "choices": [{
+            "index": 0, "delta": {"content": text} if text else {},
+            "finish_reason": _finish_reason(result) if result else None}]}
+        if result is not None:
+            out["usage"] = _usage(result)
+        return out
+
+
+def _offsets(tokens: list[str]) -> list[int]:
+    out, pos = [], 0
+    for t in tokens:
+        out.append(pos)
+        pos += len(t)
+    return out

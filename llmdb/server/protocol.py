@@ -1,0 +1,92 @@
+"""The OpenAI-compatible request bodies `llmdb serve` accepts, and its error shape.
+
+Fields follow OpenAI's API and vLLM's extensions to it (top_k, priority, ignore_eos,
+prompt_logprobs); `request_class` is llmdb's: "interactive" requests are scheduled as
+real-time work with latency targets, "bulk" ones as best-effort work.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from llmdb.engine.sampling import SamplingParams
+
+MAX_STOP_STRINGS = 16
+
+
+class ServerError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = (
+            status, message, param, type_, code)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # clients send fields we do not use
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)  # vLLM: -1 or 0 mean no limit
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = Field(default=1, ge=1, le=1)  # one choice per request
+    stream: bool = False
+    user: str | None = None
+    priority: int = 0  # vLLM: lower runs first; negative values are interactive
+    request_class: Literal["interactive", "bulk"] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+            raise ValueError(f"stop takes 1 to {MAX_STOP_STRINGS} non-empty strings")
+        return stops
+
+    def scheduling_class(self) -> str:
+        """RT (interactive, the default) or BE (bulk): request_class, else priority > 0."""
+        if self.request_class is not None:
+            return "RT" if self.request_class == "interactive" else "BE"
+        return "BE" if self.priority > 0 else "RT"
+
+    def sampling(self, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=self.max_completion_tokens or self.max_tokens or default_max_tokens,
+            temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
+            seed=self.seed, stop=list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+            logprobs=logprobs)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)

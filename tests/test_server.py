@@ -1,0 +1,222 @@
+"""`llmdb serve` through the official openai client, on the bundled model.
+
+The server runs in-process under uvicorn on a free loopback port; its answers must equal the
+engine's own for the same request, streams must add up to the same text, errors must come in
+OpenAI's shape with the right status, and a client that goes away must leave no request
+running and no block held.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai", reason="the openai client is not installed")
+uvicorn = pytest.importorskip("uvicorn", reason="uvicorn is not installed")
+
+from llmdb.engine.engine import LLMEngine  # noqa: E402
+from llmdb.engine.sampling import SamplingParams  # noqa: E402
+from llmdb.server.app import Limits, create_app  # noqa: E402
+from llmdb.server.run import uvicorn_server  # noqa: E402
+
+KEY = "test-key-123"
+MODEL = "smollm2-135m"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    def __init__(self, engine: LLMEngine, **kw):
+        self.port = _free_port()
+        app = create_app(engine, MODEL, **kw)
+        self.server = uvicorn_server(app, "127.0.0.1", self.port, log_level="warning")
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    return LLMEngine(MODEL, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    srv = _Server(engine, api_key=KEY, limits=Limits(max_tokens=512, max_concurrent=64))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def _idle(engine: LLMEngine, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while engine.has_unfinished or engine.pool.num_free != engine.pool.num_blocks:
+        assert time.monotonic() < deadline, "requests still run or blocks are still held"
+        time.sleep(0.05)
+
+
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_completion_equals_the_engine(client, engine):
+    prompt = "The capital of France is"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    want = engine.generate([prompt], SamplingParams(max_tokens=12))[0]
+    assert r.choices[0].text == want.text
+    assert r.usage.completion_tokens == len(want.token_ids)
+    assert r.usage.prompt_tokens == want.usage.prompt_tokens
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_chat_equals_the_engine_and_streams_the_same_text(client, engine):
+    messages = [{"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": "Name a fruit that is yellow."}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20,
+                                       temperature=0)
+    want = engine.generate([messages], SamplingParams(max_tokens=20))[0]
+    assert r.choices[0].message.content == want.text
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20,
+                                            temperature=0, stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+
+
+def test_stop_strings_never_reach_the_stream(client):
+    kw = {"model": MODEL, "prompt": "Count: 1, 2, 3, 4, 5,", "max_tokens": 30,
+          "temperature": 0, "stop": [" 7"]}
+    full = client.completions.create(**kw).choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True))
+    assert streamed == full and " 7" not in full
+
+
+def test_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0, logprobs=True,
+                                       top_logprobs=3,
+                                       messages=[{"role": "user", "content": "Hi"}])
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for item in content:
+        assert item.logprob <= 0 and len(item.top_logprobs) == 3
+        # Greedy: the chosen token is the most likely one.
+        assert item.logprob == pytest.approx(max(t.logprob for t in item.top_logprobs))
+
+
+def test_seeded_sampling_is_reproducible(client):
+    kw = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 16, "temperature": 1.0,
+          "seed": 7}
+    a = client.completions.create(**kw).choices[0].text
+    assert client.completions.create(**kw).choices[0].text == a
+
+
+def test_errors_in_openai_shape(client, server):
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=100_000)
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", temperature=7)
+    assert "temperature" in e.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-17", prompt="x")
+    r = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   content=b"{" + b" " * (2 << 20) + b"}")
+    assert r.status_code == 413 and r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   content=b"not json")
+    assert r.status_code == 400 and "error" in r.json()
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(server, engine):
+    body = {"model": MODEL, "prompt": "Write a long story about a dragon.", "max_tokens": 400,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+    assert any(line.startswith("data: ") for line in got)
+    _idle(engine)
+    assert engine.tokens_generated < 400 + 200  # it did not run to its end
+
+
+def test_metrics(server, client):
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=3)
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("llmdb_requests_running", "llmdb_requests_waiting", "llmdb_blocks_in_use",
+                 "llmdb_generated_tokens_total", "llmdb_generation_tokens_per_second"):
+        assert name in text
+
+
+def test_concurrency_limit_answers_429(engine):
+    srv = _Server(engine, api_key=None, limits=Limits(max_concurrent=1))
+    try:
+        body = {"prompt": "Tell me everything.", "max_tokens": 200, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()  # held: a dropped iterator closes the connection
+            next(lines)
+            second = httpx.post(srv.url + "/v1/completions", json={"prompt": "Hi"}, timeout=30)
+        assert second.status_code == 429
+        assert second.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        srv.stop()
+    _idle(engine)
+
+
+def test_shutdown_aborts_what_does_not_finish_in_time(engine):
+    srv = _Server(engine, api_key=None, shutdown_timeout_s=0.5)
+    body = {"prompt": "Write a very long essay.", "max_tokens": 500, "ignore_eos": True}
+    result = {}
+
+    def call():
+        result["r"] = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+
+    t = threading.Thread(target=call)
+    t.start()
+    deadline = time.monotonic() + 20
+    while not engine.has_unfinished:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    srv.stop()
+    t.join(30)
+    r = result["r"]
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "abort"
+    _idle(engine)
+
+
+def test_api_key_rules(monkeypatch):
+    from llmdb.server.run import api_key_for, is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and not is_loopback("0.0.0.0")
+    assert api_key_for("127.0.0.1", "LLMDB_TEST_KEY", no_auth=True) is None
+    with pytest.raises(ValueError, match="loopback"):
+        api_key_for("0.0.0.0", "LLMDB_TEST_KEY", no_auth=True)
+    monkeypatch.delenv("LLMDB_TEST_KEY", raising=False)
+    with pytest.raises(ValueError, match="LLMDB_TEST_KEY"):
+        api_key_for("0.0.0.0", "LLMDB_TEST_KEY", no_auth=False)
+    monkeypatch.setenv("LLMDB_TEST_KEY", "k")
+    assert api_key_for("0.0.0.0", "LLMDB_TEST_KEY", no_auth=False) == "k"
