@@ -7,7 +7,8 @@ line per policy and the apt/fcfs ratio (Apt-Serve reports 2.3x vLLM's effective 
 averaged over OPT-13B/30B/66B and three datasets).
 
 Setups: opt13b-a100 = OPT-13B on one A100-40GB (12 GB of KV cache after 26 GB of weights,
-hidden cache at half the KV bytes, Apt-Serve's SLOs per dataset); cpu = SmolLM2-135M on
+hidden cache at half the KV bytes, Apt-Serve's SLOs per dataset, vLLM 0.5.0's C = P = 2,048
+and 256 sequences); cpu = SmolLM2-135M on
 this machine (2 GiB of KV cache, C = P = 1024, TTFT 1.0 s / P99 TBT 0.25 s, no hidden
 cache: SmolLM2's hidden state is larger than its KV); llama2-7b-a100 = InferMax's setup
 (M = 100K tokens, C = 4096, P = 512).
@@ -33,6 +34,7 @@ OUT = ROOT / "bench" / "out"
 APT_SLOS = {"sharegpt": (1.0, 1.0), "humaneval": (0.5, 0.5), "longbench": (4.0, 1.0),
             "lmsys": (1.0, 1.0)}
 OPT13B_KV_BYTES_PER_TOKEN = 2 * 40 * 5120 * 2
+VLLM_MAX_BATCHED_TOKENS, VLLM_MAX_NUM_SEQS = 2048, 256
 
 
 def setup(preset: str, workload: str) -> tuple[SimConfig, int, tuple[float, float]]:
@@ -40,8 +42,13 @@ def setup(preset: str, workload: str) -> tuple[SimConfig, int, tuple[float, floa
     if preset == "opt13b-a100":
         ttft, tbt = APT_SLOS.get(workload, (1.0, 1.0))
         blocks = int(12e9 / OPT13B_KV_BYTES_PER_TOKEN) // 16
-        return SimConfig(num_blocks=blocks, max_num_batched_tokens=4096, max_prefill_tokens=4096,
-                         hidden_ratio=0.5, slo_ttft_s=ttft, slo_tbt_s=tbt), 2048, (ttft, tbt)
+        # Apt-Serve and its vLLM baseline are vLLM 0.5.0.post1 (its repository's README)
+        # with the defaults: no chunked prefill, so max_num_batched_tokens = max(max_model_len,
+        # 2048) = 2048 for OPT's 2,048-token context, and max_num_seqs = 256.
+        return SimConfig(num_blocks=blocks, max_num_batched_tokens=VLLM_MAX_BATCHED_TOKENS,
+                         max_prefill_tokens=VLLM_MAX_BATCHED_TOKENS,
+                         max_num_seqs=VLLM_MAX_NUM_SEQS, hidden_ratio=0.5, slo_ttft_s=ttft,
+                         slo_tbt_s=tbt), 2048, (ttft, tbt)
     if preset == "cpu":
         blocks = (2 << 30) // (30 * 3 * 64 * 2 * 2) // 16
         return SimConfig(num_blocks=blocks, max_num_batched_tokens=1024, max_prefill_tokens=1024,

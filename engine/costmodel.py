@@ -202,6 +202,14 @@ def _llama2_7b_a100() -> CostModel:
 # (per-sequence input preparation, sampling and detokenization in a 2023 vLLM step, and
 # paged attention below bandwidth at short contexts), charged to prefill requests alike.
 # A lone decode then costs ~24 ms, a plausible single-stream OPT-13B step on an A100.
+# Checked for Apt-Serve's setup (2026-11-23): its server is vLLM 0.5.0.post1 run with
+# --enforce-eager and streaming (its repository's README and client), where the CPU work per
+# sequence and step (inputs, sampling, detokenization, the streamed response) is what vLLM's
+# v0.6.0 release removed (its performance post of 2024-09-05: with v0.5.3, Llama 3 8B on one
+# H100 kept the GPU busy ~38% of the time; the API server and scheduling took the rest).
+# So a per-request term is the right shape for the gap; it caps decode at ~1 / 1.74 ms = 575
+# tokens/s, whatever the batch. rho (below) is the GEMM the hidden cache costs every step,
+# which Apt-Serve's own kernels run too (they re-project into a temporary K/V buffer).
 OPT13B_LAYERS, OPT13B_HIDDEN, OPT13B_VOCAB = 40, 5120, 50272
 OPT13B_WEIGHT_BYTES = 26e9
 OPT13B_KV_BYTES_PER_TOKEN = 2 * OPT13B_LAYERS * OPT13B_HIDDEN * 2

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -23,6 +24,9 @@ from .sampling import SamplingParams
 from .sched.request import Request
 from .sched.scheduler import Scheduler
 from .workloads import RequestSpec
+
+if TYPE_CHECKING:
+    from .sched.policies.base import Policy
 
 
 @dataclass
@@ -132,11 +136,12 @@ def _request(spec: RequestSpec, cfg: SimConfig, ids: Callable[[], int]) -> Reque
     return req
 
 
-def simulate(specs: Sequence[RequestSpec], policy: str, cost_model: CostModel,
+def simulate(specs: Sequence[RequestSpec], policy: str | Policy, cost_model: CostModel,
              cfg: SimConfig, be_stream: Callable[[int, float], list[RequestSpec]] | None = None,
              be_batches: int = 0) -> SimResult:
-    """Run `specs` (sorted by arrival) under `policy`; `be_stream(k, now)` makes the k-th BE
-    batch, started at time 0 and again whenever the previous one has completed."""
+    """Run `specs` (sorted by arrival) under `policy` (a name, or a fresh Policy object for a
+    variant the registry does not name); `be_stream(k, now)` makes the k-th BE batch, started
+    at time 0 and again whenever the previous one has completed."""
     import time
 
     pool = BlockPool(cfg.num_blocks, cfg.block_size, enable_prefix_caching=cfg.prefix_caching)

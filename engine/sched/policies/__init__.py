@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .apt import AptPolicy
+from .apt import AptPolicy, FCFSHybridPolicy
 from .base import Group, Policy
 from .bros import BROSPolicy
 from .fcfs import FCFSPolicy
@@ -12,7 +12,7 @@ from .sarathi import SarathiPolicy
 
 POLICIES: dict[str, type[Policy]] = {
     p.name: p for p in (FCFSPolicy, SarathiPolicy, InferMaxPolicy, AptPolicy, BROSPolicy,
-                        RoundRobinPolicy)
+                        RoundRobinPolicy, FCFSHybridPolicy)
 }
 
 

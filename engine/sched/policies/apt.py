@@ -27,6 +27,7 @@ from ..apt_knapsack import select_columns
 from ..request import Request, Status
 from ..scheduler import Scheduler, SchedulerOutput
 from .base import Policy
+from .fcfs import FCFSPolicy
 
 NEAR_ZERO = 1e-6
 DECAY = 0.4
@@ -137,3 +138,44 @@ class AptPolicy(Policy):
             if not decode:
                 p_left -= n
         return out
+
+
+class FCFSHybridPolicy(FCFSPolicy):
+    """vLLM's FCFS loop on Apt-Serve's hybrid cache, without its adaptive scheduling: the
+    "FCFS" column of Apt-Serve's Table 5 and the "hybrid cache alone" ablation. Waiting
+    requests are admitted in arrival order as vLLM does; one whose KV cache does not fit
+    the free blocks left is admitted with a hidden cache if that fits, and admission stops
+    at the first that fits neither. Running requests keep their cache type (a preempted one
+    chooses again when it is readmitted)."""
+
+    name = "fcfs-hybrid"
+    description = "vLLM's FCFS, a waiting request takes a hidden cache when its KV does not fit"
+
+    def schedule(self, s: Scheduler, now: float) -> SchedulerOutput:
+        if s.hidden_ratio:
+            self.assign_cache_types(s)
+        return super().schedule(s, now)
+
+    @staticmethod
+    def assign_cache_types(s: Scheduler) -> None:
+        """KV for each waiting request, in order, while its KV cache fits what the ones
+        before it left free; hidden where only that fits; the rest wait in KV form."""
+        free = s.pool.num_free
+        blocked = False
+        for r in s.waiting:
+            if r.num_computed:  # already holds blocks (not the case for waiting ones)
+                continue
+            r.cache_type = "kv"
+            if blocked:
+                continue
+            kv = s.blocks_for(r, r.num_tokens)
+            if kv <= free:
+                free -= kv
+                continue
+            r.cache_type = "hidden"
+            hidden = s.blocks_for(r, r.num_tokens)
+            if hidden <= free:
+                free -= hidden
+            else:
+                r.cache_type = "kv"
+                blocked = True
