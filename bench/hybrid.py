@@ -4,15 +4,17 @@ Two measurements, each one JSON line per result, on OPT shapes with seeded rando
 (bench/random_model.py; the directories are written once under --models and reused):
 
 capacity: under one fixed cache budget, `--capacity-requests` requests of about `--prompt`
-  + `--output` tokens (each uniform over half to 1.5 times) are submitted at once to apt, in
-  three modes: the hidden cache off (KV only); on, with apt weighing re-projection by the
-  engine's cost model (its rho); and on with rho taken as 0, so that the knapsack weighs
-  memory alone: the concurrency the hybrid cache allows. From the first step after which the
-  next waiting request does not fit, the mean number of requests running over `--steps`
-  steps is the concurrency at saturation; the line also gives the tokens held and the share
-  of running requests in hidden form. Default: the OPT-1.3B shape, 128 MiB of cache. On a
-  CPU re-projection is dear (the estimated rho for OPT-125m is 0.1 ms a token, against a
-  ~40 ms decode step), so apt rightly keeps most requests in KV form there.
+  + `--output` tokens (each uniform over half to 1.5 times) are submitted at once, KV-only
+  vs hybrid under two policies: apt (its knapsack weighs re-projection time against memory
+  with the engine's cost model) and vLLM's FCFS, whose hybrid form (fcfs-hybrid) admits a
+  request as hidden states when its K/V do not fit; and apt with rho taken as 0, so that
+  memory alone decides: the concurrency the hybrid cache allows.
+  From the first step after which the next waiting request does not fit, the mean number of
+  requests running over `--steps` steps is the concurrency at saturation; the line also gives
+  the tokens held and the share of running requests in hidden form. Default: the OPT-1.3B
+  shape, 128 MiB of cache. On a CPU re-projection is dear (the estimated rho for OPT-125m is
+  0.1 ms a token, against a ~40 ms decode step), so apt rightly keeps most requests in KV
+  form there.
 
 slo: SLO attainment vs request rate on the OPT-125m shape: ShareGPT-like lengths (lognormal
   with the published means and deviations, times --scale, so that a 2-core CPU serves them at
@@ -62,13 +64,16 @@ def engine(path: Path, args, policy: str, hidden: bool, cache_bytes: int) -> LLM
 
 # ---- capacity ---------------------------------------------------------------------------------
 
-CAPACITY_MODES = {"kv": (False, True), "hybrid": (True, True), "hybrid_memory_only": (True, False)}
+# mode: (policy, hidden cache on, re-projection weighed by the cost model's rho)
+CAPACITY_MODES = {"apt_kv": ("apt", False, True), "apt_hybrid": ("apt", True, True),
+                  "apt_hybrid_memory_only": ("apt", True, False),
+                  "fcfs_kv": ("fcfs", False, True), "fcfs_hybrid": ("fcfs-hybrid", True, True)}
 
 
 def capacity(path: Path, args, mode: str) -> dict:
-    hidden, with_rho = CAPACITY_MODES[mode]
-    eng = engine(path, args, "apt", hidden, args.cache_mb << 20)
-    if not with_rho:
+    policy, hidden, with_rho = CAPACITY_MODES[mode]
+    eng = engine(path, args, policy, hidden, args.cache_mb << 20)
+    if not with_rho:  # the knapsack sees re-projection as free: memory alone decides
         cm = eng.scheduler.cost_model
         eng.scheduler.cost_model = dataclasses.replace(
             cm, coefficients={**cm.coefficients, "hidden_tokens": 0.0})
@@ -228,9 +233,11 @@ def main(argv: list[str] | None = None) -> None:
             line = capacity(path, args, mode)
             running[mode] = line["mean_running"]
             print(json.dumps(line), flush=True)
-        print(json.dumps({"name": "hybrid_capacity_ratio", "shape": args.shape, **{
-            f"{mode}_over_kv": round(running[mode] / running["kv"], 2)
-            for mode in CAPACITY_MODES if mode != "kv"}}))
+        print(json.dumps({"name": "hybrid_capacity_ratio", "shape": args.shape,
+                          "apt": round(running["apt_hybrid"] / running["apt_kv"], 2),
+                          "apt_memory_only": round(running["apt_hybrid_memory_only"]
+                                                   / running["apt_kv"], 2),
+                          "fcfs": round(running["fcfs_hybrid"] / running["fcfs_kv"], 2)}))
     if args.only in (None, "slo"):
         slo_sweep(model_dir("opt-125m", args.models), args)
 
