@@ -113,12 +113,13 @@ class ModelRunner:
             self.convert_to_kv(converted)
         if not scheduled:
             return StepOutput()
-        num_kv = len(scheduled)
-        if any(req.cache_type == "hidden" for req, _ in scheduled):
+        hidden = [x for x in scheduled if x[0].cache_type == "hidden"]
+        if hidden:
+            if not self.kv_cache.hidden:
+                raise ValueError("a hidden-cache request for a model without a hidden cache")
             # KV-cache sequences first: the attention batch is a prefix of the step.
-            scheduled = ([x for x in scheduled if x[0].cache_type != "hidden"]
-                         + [x for x in scheduled if x[0].cache_type == "hidden"])
-            num_kv = sum(1 for req, _ in scheduled if req.cache_type != "hidden")
+            scheduled = [x for x in scheduled if x[0].cache_type != "hidden"] + hidden
+        num_kv = len(scheduled) - len(hidden)
         tokens, starts, plan = [], [], _Plan()
         base = 0
         for req, n in scheduled:

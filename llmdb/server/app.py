@@ -203,8 +203,10 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
                 if piece:
                     yield _sse(render.chunk(piece))
             result = await asyncio.to_thread(engine.wait, call.request_id)
-            tail = text.flush(result)
-            yield _sse(render.chunk(tail, result))
+            try:
+                yield _sse(render.chunk(text.flush(result), result))
+            except ServerError as e:  # headers are sent: the error goes in the stream
+                yield _sse(e.body())
             yield "data: [DONE]\n\n"
         finally:  # also when the client disconnects: the generator is closed
             close(call)
