@@ -220,3 +220,16 @@ def test_api_key_rules(monkeypatch):
         api_key_for("0.0.0.0", "LLMDB_TEST_KEY", no_auth=False)
     monkeypatch.setenv("LLMDB_TEST_KEY", "k")
     assert api_key_for("0.0.0.0", "LLMDB_TEST_KEY", no_auth=False) == "k"
+
+
+def test_prompt_logprobs_equal_the_engine_scores(client, engine):
+    prompt = "The quick brown fox jumps over the lazy dog"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                  extra_body={"prompt_logprobs": 2})
+    got = r.choices[0].model_extra["prompt_logprobs"]
+    ids = engine.encode_prompt(prompt)
+    assert got[0] is None and len(got) == len(ids)
+    scores = engine.score(ids[:1], [ids[1:]])  # log-likelihood of the rest of the prompt
+    total = sum(entry[str(tok)]["logprob"] for entry, tok in zip(got[1:], ids[1:], strict=True))
+    assert total == pytest.approx(scores[0], abs=1e-3)
+    assert all(len(entry) in (2, 3) for entry in got[1:])  # its token and the top 2

@@ -213,12 +213,34 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
-        if body.prompt_logprobs is not None:
-            raise ServerError(400, "prompt_logprobs is not supported by llmdb serve yet",
-                              "prompt_logprobs")
         params = body.sampling(limits.default_max_tokens, body.logprobs)
-        return await run(request, body, body.prompt, params,
-                         _CompletionRender(model_name, engine, body.logprobs))
+        render = _CompletionRender(model_name, engine, body.logprobs)
+        if body.prompt_logprobs is not None:
+            if body.stream:
+                raise ServerError(400, "prompt_logprobs is not available with stream",
+                                  "prompt_logprobs")
+            render.prompt_logprobs = await prompt_logprobs(body.prompt, body.prompt_logprobs)
+        return await run(request, body, body.prompt, params, render)
+
+    async def prompt_logprobs(prompt, k: int) -> list:
+        """vLLM's prompt_logprobs: None for the first token, then per prompt token a dict of
+        its own and the k most likely ids' {"logprob", "rank", "decoded_token"}."""
+        try:
+            ids = engine.encode_prompt(prompt)
+            cap = limits.max_prompt_tokens or engine.config.max_context
+            if len(ids) > cap:
+                raise ValueError(f"the prompt is {len(ids)} tokens; at most {cap} here")
+            logits = await asyncio.to_thread(engine.logits, ids)
+        except ValueError as e:
+            raise ServerError(400, str(e), "prompt") from e
+        lp = logits[:-1].log_softmax(-1)
+        dec = engine.tokenizer.decode
+        out: list = [None]
+        for row, tok in zip(lp, ids[1:], strict=True):
+            ranks = {tok, *(row.topk(k).indices.tolist() if k else [])}
+            out.append({t: {"logprob": float(row[t]), "rank": int((row > row[t]).sum()) + 1,
+                            "decoded_token": dec([t], skip_special=False)} for t in ranks})
+        return out
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request, body: ChatCompletionRequest):
@@ -316,10 +338,14 @@ class _Render:
 
 
 class _CompletionRender(_Render):
+    prompt_logprobs: list | None = None
+
     def final(self, r: RequestResult) -> dict:
-        return {**self._base("text_completion"), "choices": [{
-            "index": 0, "text": r.text, "finish_reason": _finish_reason(r),
-            "logprobs": self._logprobs(r)}], "usage": _usage(r)}
+        choice = {"index": 0, "text": r.text, "finish_reason": _finish_reason(r),
+                  "logprobs": self._logprobs(r)}
+        if self.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.prompt_logprobs
+        return {**self._base("text_completion"), "choices": [choice], "usage": _usage(r)}
 
     def _logprobs(self, r: RequestResult) -> dict | None:
         if self.logprobs is None or r.logprobs is None:

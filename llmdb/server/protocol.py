@@ -75,7 +75,6 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     prompt: str | list[int]
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
