@@ -86,6 +86,9 @@ def _generate(eng: LLMEngine, prompts: list[list[int]], types: list[str],
             eng.runner.convert_to_kv(out.converted)
         eng.step()
         step += 1
+        for r in eng.scheduler.running:  # hidden states take a block per 2 x BLOCK tokens
+            if r.cache_type == "hidden":
+                assert len(r.block_ids) == -(-r.num_computed // (2 * BLOCK)), r.request_id
     if switch:
         assert switched, "nothing was switched"
     assert eng.pool.num_free == eng.pool.num_blocks, "blocks leaked"
