@@ -376,6 +376,8 @@ class LLMEngine:
         ):
             text_ids = out[:-1]  # the stop token itself is not part of the answer
         text = self.tokenizer.decode(text_ids) if req.generate else ""
+        if req.finish_reason in ("length", "abort"):
+            text = without_partial_char(text)
         for s in p.stop:
             if s in text:
                 text = text[: text.index(s)]
@@ -503,6 +505,12 @@ class LLMEngine:
                 if self._stopping:
                     return
             self.step()
+
+
+def without_partial_char(text: str) -> str:
+    """An output cut at max_tokens can end inside a multi-byte character, which decodes to
+    U+FFFD: the incomplete tail is dropped (never a whole character)."""
+    return text.rstrip("\ufffd")
 
 
 def _parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:

@@ -46,12 +46,14 @@ def registered_models() -> dict[str, str]:
 
 
 def register_model(name: str, path: str | Path) -> Path:
-    """Store NAME -> PATH in the user's config; the path must exist."""
+    """Store NAME -> PATH in the user's config; the path must hold a loadable model (its
+    metadata is read now, so that a wrong path fails here and not in a later query)."""
+    from .models.loader import check_model
+
     if name == DEFAULT_MODEL:
         raise ValueError(f"{DEFAULT_MODEL} is built in and cannot be replaced")
     p = Path(path).expanduser().resolve()
-    if not p.exists():
-        raise ModelLoadError(f"model path {p} does not exist")
+    check_model(p)
     f = config_file()
     models = json.loads(f.read_text()) if f.exists() else {}
     models[name] = str(p)

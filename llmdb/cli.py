@@ -10,6 +10,7 @@ from pathlib import Path
 
 import duckdb
 
+from llmdb.engine import __version__
 from llmdb.engine.models import ModelLoadError
 from llmdb.engine.registry import register_model, registered_models
 
@@ -46,7 +47,10 @@ def _sql(args: argparse.Namespace) -> int:
     import llmdb
 
     if args.file:
-        text = Path(args.file).read_text()
+        try:
+            text = Path(args.file).read_text()
+        except OSError as e:
+            raise ValueError(f"cannot read {args.file}: {e.strerror or e}") from e
     elif args.query:
         text = args.query
     else:
@@ -56,8 +60,16 @@ def _sql(args: argparse.Namespace) -> int:
     if args.no_progress:
         options["progress"] = False
     with llmdb.connect(args.db, model=args.model, **options) as con:
-        for statement in duckdb.extract_statements(text):
-            con.execute(statement.query)
+        statements = duckdb.extract_statements(text)
+        for k, statement in enumerate(statements, 1):
+            try:
+                con.execute(statement.query)
+            except duckdb.Error as e:
+                if len(statements) == 1:
+                    raise
+                first_line = " ".join(statement.query.split()).rstrip(";")[:80]
+                raise ValueError(f"statement {k} of {len(statements)} ({first_line}) "
+                                 f"failed: {e}") from e
             kind = statement.type.name
             if kind in _RESULT_TYPES:
                 _print_table(con, args.max_rows)
@@ -114,8 +126,26 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _epilog() -> str:
+    from llmdb.functions import signatures
+
+    return ("examples:\n"
+            "  llmdb sql \"SELECT llm_complete('Name a color') AS answer\"\n"
+            "  llmdb sql \"SELECT title, llm_classify(title, ['comedy', 'drama']) "
+            "FROM samples.movies LIMIT 5\"\n"
+            "  llmdb sql -f job.sql --db data.duckdb\n"
+            "  llmdb explain \"SELECT llm_filter('Is it positive? ' || review) "
+            "FROM samples.reviews\"\n"
+            "  llmdb models add mistral ~/models/mistral-7b-instruct.Q4_K_M.gguf\n"
+            "  LLMDB_API_KEY=secret llmdb serve --host 0.0.0.0\n\n"
+            "SQL functions:\n" + "\n".join(f"  {sig}" for sig in signatures()))
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="llmdb", description="Run language models over rows.")
+    ap = argparse.ArgumentParser(prog="llmdb", description="Run language models over rows.",
+                                 epilog=_epilog(),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", action="version", version=f"llmdb {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
 
     sql = sub.add_parser("sql", help="run SQL (with llm_* functions) and print the results")

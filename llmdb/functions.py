@@ -220,6 +220,12 @@ _FUNCTIONS: dict[str, tuple[Callable, list[tuple[str, str, str | None]], str]] =
 }
 
 
+def signatures() -> list[str]:
+    """'name(param, option := default, ...)' of every SQL function, for help texts."""
+    return [f"{name}({', '.join(p if d is None else f'{p} := {d}' for p, _, d in params)})"
+            for name, (_, params, _) in _FUNCTIONS.items()]
+
+
 def _errors_json(session: Session) -> str:
     return json.dumps([e.__dict__ for e in session.errors])
 

@@ -260,3 +260,13 @@ def test_one_shared_engine_per_model_and_clear_conflicts():
         assert r.usage.generated_tokens == 3
     finally:
         shutdown_engines()
+
+
+def test_cut_output_drops_a_partial_character(engine):
+    from llmdb.engine.engine import without_partial_char
+
+    ids = engine.tokenizer.encode("café 日本語")  # 日 and 語 are two tokens each here
+    cut = next(ids[:k] for k in range(len(ids), 0, -1)
+               if engine.tokenizer.decode(ids[:k]).endswith("\ufffd"))
+    assert without_partial_char(engine.tokenizer.decode(cut)) == "café 日本"
+    assert without_partial_char("done 🙂") == "done 🙂"

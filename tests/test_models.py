@@ -87,3 +87,31 @@ def test_gguf_config_and_tokenizer():
     assert ids[0] == 1 and m.tokenizer.decode(ids, skip_special=False) == text
     # Digits are split one by one, as llama.cpp's smollm pre-tokenizer does.
     assert len(m.tokenizer.encode("123")) == 3
+
+
+def test_registering_a_file_that_is_no_model_fails_at_add_time(config_dir, capsys):
+    not_model = config_dir / "passwd"
+    not_model.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    assert cli(["models", "add", "bad", str(not_model)]) == 2
+    assert "neither a GGUF file nor a model directory" in capsys.readouterr().err
+    empty_dir = config_dir / "empty"
+    empty_dir.mkdir()
+    assert cli(["models", "add", "bad", str(empty_dir)]) == 2
+    assert "config.json" in capsys.readouterr().err
+    assert "bad" not in registered_models()
+
+
+def test_cli_help_version_and_file_errors(config_dir, capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        cli(["--version"])
+    assert "llmdb 0.1.0" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli(["--help"])
+    out = capsys.readouterr().out
+    assert "examples:" in out and "llm_classify(text, labels" in out
+    assert cli(["sql", "-f", str(tmp_path / "missing.sql")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    job = tmp_path / "job.sql"
+    job.write_text("SELECT 1;\nSELECT * FROM no_such_table;\n")
+    assert cli(["sql", "-f", str(job), "--no-progress"]) == 2
+    assert "statement 2 of 2 (SELECT * FROM no_such_table)" in capsys.readouterr().err

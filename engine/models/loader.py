@@ -58,6 +58,25 @@ def _fingerprint(files: list[Path]) -> str:
     return digest
 
 
+def check_model(path: str | Path) -> ModelConfig:
+    """The config of a loadable model, read from its metadata alone (no weights): a GGUF file
+    or a Hugging Face directory with config.json, tokenizer.json and safetensors. Raises
+    ModelLoadError naming what is wrong otherwise (`llmdb models add` runs this)."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelLoadError(f"model path {path} does not exist")
+    if path.is_dir():
+        config, _ = read_hf_metadata(path)
+        if not any(path.glob("*.safetensors")):
+            raise ModelLoadError(f"{path} has no *.safetensors files")
+        return config
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{path} is neither a GGUF file nor a model directory")
+    return read_gguf_metadata(path)[0]
+
+
 def load_model(path: str | Path) -> LoadedModel:
     path = Path(path)
     if not path.exists():
