@@ -179,3 +179,22 @@ def test_sigkill_mid_query_then_rerun_computes_only_missing_rows(tmp_path):
     assert out["stats"]["cache_hits"] == before
     assert out["stats"]["calls"] == n - before
     assert cache_entries(path) == n
+
+
+def test_ctrl_c_in_the_cli_exits_130_with_a_message(tmp_path):
+    """`llmdb sql` cancelled by SIGINT (whether during start-up or mid-query) says so and exits
+    with 130 at once (cli.entry): no traceback, no wait for the engine to wind down."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "LLMDB_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from llmdb.cli import entry; entry()", "sql", "--no-cache",
+         "--no-progress", long_query(200)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    time.sleep(8)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "llmdb: cancelled" in err and "Traceback" not in err
