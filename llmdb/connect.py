@@ -17,16 +17,44 @@ from typing import Any
 import duckdb
 
 from . import functions, samples
+from .batch import LLMError
 from .planner import Planner, Report, explain
-from .session import Options, Session
+from .session import Options, QueryCancelled, Session
 
 # `EXPLAIN LLM <query>`: the planner's report on the query's model calls (not DuckDB syntax).
 _EXPLAIN_LLM = re.compile(r"^\s*EXPLAIN\s+LLM\s+(?P<query>.*?)\s*;?\s*$", re.I | re.S)
 _EXPLAIN_VIEW = "__llmdb_explain"
 
 
+class RowCallError(LLMError, duckdb.InvalidInputException):
+    """A row's model call failed inside a query: an llmdb.LLMError, and still the
+    duckdb.InvalidInputException that DuckDB raised (its message is the cause's)."""
+
+
+class QueryInterrupted(QueryCancelled, duckdb.InterruptException):
+    """The query was cancelled: an llmdb.QueryCancelled, and still DuckDB's interrupt."""
+
+
+# How DuckDB reports an exception raised in a Python UDF (or its planner-made equivalent).
+_UDF_ERROR = re.compile(r"executing the UDF: (?P<kind>LLMError|QueryCancelled): (?P<msg>.*)",
+                        re.S)
+
+
+def _as_llmdb_error(e: BaseException) -> BaseException:
+    """DuckDB's wrapper of a failed row or a cancel, as the llmdb type users catch."""
+    if isinstance(e, duckdb.InterruptException):
+        return QueryInterrupted("the query was cancelled")
+    if isinstance(e, duckdb.Error) and (m := _UDF_ERROR.search(str(e))):
+        if m["kind"] == "QueryCancelled":
+            return QueryInterrupted(m["msg"])
+        return RowCallError(m["msg"])
+    return e
+
+
 class Connection:
-    """A DuckDB connection with the llm_* functions; other methods pass through to DuckDB."""
+    """A DuckDB connection with the llm_* functions; other methods pass through to DuckDB.
+    A failed row raises llmdb.LLMError and a cancelled query llmdb.QueryCancelled (both
+    also the DuckDB exception they used to be)."""
 
     def __init__(self, database: str = ":memory:", model: str = "smollm2-135m", *,
                  read_only: bool = False, config: dict | None = None, planner: bool = True,
@@ -121,7 +149,7 @@ class Connection:
         finally:
             self.session.end_query()
         if failure:
-            raise failure[0]
+            raise _as_llmdb_error(failure[0]) from failure[0]
         return result[0]
 
     def interrupt(self) -> None:

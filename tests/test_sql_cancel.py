@@ -117,8 +117,9 @@ def test_interrupt_in_process_then_both_query_paths_work(eng):
     timer = threading.Timer(1.0, con.interrupt)  # a user's cancel from another thread
     timer.start()
     try:
-        with pytest.raises(duckdb.Error, match="(?i)interrupt|cancel"):
+        with pytest.raises(llmdb.QueryCancelled, match="(?i)interrupt|cancel") as e:
             con.execute(long_query(16)).fetchall()
+        assert isinstance(e.value, duckdb.Error)  # still what plain DuckDB code catches
     finally:
         timer.join()
         eng.scheduler.max_num_batched_tokens = budget

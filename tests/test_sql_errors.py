@@ -115,3 +115,11 @@ def test_invalid_labels_fail(con, labels):
 def test_invalid_parameters_name_the_cause(con, call, cause):
     with pytest.raises(duckdb.Error, match=cause):
         con.execute(f"SELECT {call}").fetchall()
+
+
+def test_a_failed_row_raises_llmdb_error_with_duckdbs_as_cause(con):
+    with pytest.raises(llmdb.LLMError, match="max_tokens must be positive") as e:
+        con.execute("SELECT llm_complete('x', max_tokens := -5)").fetchall()
+    assert isinstance(e.value, duckdb.InvalidInputException)  # as before, for DuckDB code
+    assert isinstance(e.value.__cause__, duckdb.Error)
+    assert "llm_complete" in str(e.value) and "Python exception" not in str(e.value)
