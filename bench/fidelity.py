@@ -21,7 +21,7 @@ import numpy as np
 
 from llmdb.engine.costmodel import engine_cost_model
 from llmdb.engine.engine import LLMEngine
-from llmdb.engine.sampling import SamplingParams
+from llmdb.engine.params import SamplingParams
 from llmdb.engine.sim import SimConfig, simulate
 from llmdb.engine.workloads import RequestSpec, arrivals, lognormal
 

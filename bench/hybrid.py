@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from llmdb.engine.engine import LLMEngine
-from llmdb.engine.sampling import SamplingParams
+from llmdb.engine.params import SamplingParams
 from llmdb.engine.workloads import LENGTHS, arrivals, lognormal
 
 ROOT = Path(__file__).resolve().parent

@@ -77,7 +77,7 @@ def prompts(rows: int) -> list[dict]:
 
 def worker(prompts_file: str, caching: bool, max_tokens: int) -> dict:
     from llmdb.engine.engine import LLMEngine
-    from llmdb.engine.sampling import SamplingParams
+    from llmdb.engine.params import SamplingParams
 
     engine = LLMEngine(enable_prefix_caching=caching)
     ids = [p["token_ids"] for p in json.loads(Path(prompts_file).read_text())]

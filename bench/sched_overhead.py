@@ -20,7 +20,7 @@ import time
 
 from llmdb.engine.cache.block_pool import BlockPool
 from llmdb.engine.costmodel import preset
-from llmdb.engine.sampling import SamplingParams
+from llmdb.engine.params import SamplingParams
 from llmdb.engine.sched.policies import POLICIES
 from llmdb.engine.sched.request import Request
 from llmdb.engine.sched.scheduler import Scheduler, SchedulerOutput

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from workload import review_messages  # noqa: E402
 
 import llmdb  # noqa: E402
-from llmdb.engine.sampling import SamplingParams  # noqa: E402
+from llmdb.engine.params import SamplingParams  # noqa: E402
 from llmdb.engine.shared import shared_engine  # noqa: E402
 from llmdb.session import Session  # noqa: E402
 

@@ -51,9 +51,9 @@ def commit() -> str:
 
 def run_llmdb(prompts_file: str, max_tokens: int, dtype: str | None, threads: int | None) -> dict:
     t_start = time.perf_counter()
-    from llmdb.engine.cache.block_pool import KVCache
+    from llmdb.engine.cache.kv_cache import KVCache
     from llmdb.engine.engine import LLMEngine
-    from llmdb.engine.sampling import SamplingParams
+    from llmdb.engine.params import SamplingParams
 
     engine = LLMEngine("smollm2-135m", dtype=dtype, threads=threads)
     startup = time.perf_counter() - t_start
@@ -302,7 +302,7 @@ def run_llmdb_dir(args: argparse.Namespace) -> dict:
     import torch
 
     from llmdb.engine.engine import LLMEngine
-    from llmdb.engine.sampling import SamplingParams
+    from llmdb.engine.params import SamplingParams
 
     kwargs: dict = {"dtype": args.dtype or ("bf16" if args.device != "cpu" else None)}
     if "device" in inspect.signature(LLMEngine).parameters:  # engines before it ran on CPUs

@@ -214,7 +214,7 @@ class StepTimer:
         self.blocks = []
 
     def build(self, plan: Plan) -> list[tuple]:
-        from .sampling import SamplingParams
+        from .params import SamplingParams
         from .sched.request import Request
 
         scheduled, next_block = [], 0

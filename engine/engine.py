@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from . import __version__
-from .cache.block_pool import BlockPool, KVCache
+from .cache.block_pool import BlockPool
+from .cache.kv_cache import KVCache
 from .compute import run_on_compute_thread
 from .costmodel import engine_cost_model
 from .device import default_dtype, device_name, resolve_device
@@ -27,9 +28,9 @@ from .models import load_model
 from .models.llama import KERNEL_SETS, LlamaModel
 from .models.opt import OPTModel
 from .outputs import RequestResult, Usage
+from .params import SamplingParams
 from .registry import resolve_model
 from .runner import ModelRunner, StepOutput
-from .sampling import SamplingParams
 from .sched.request import Request
 from .sched.scheduler import Scheduler
 
@@ -488,6 +489,10 @@ class LLMEngine:
             self._stopping = False
             self._loop = threading.Thread(target=self._run_loop, name="llmdb-engine", daemon=True)
             self._loop.start()
+
+    @property
+    def background_loop_running(self) -> bool:
+        return self._loop is not None
 
     def stop_background_loop(self) -> None:
         with self._cond:

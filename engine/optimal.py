@@ -61,7 +61,7 @@ from ortools.sat.python import cp_model
 
 from .cache.block_pool import BlockPool
 from .costmodel import Chunk, CostModel
-from .sampling import SamplingParams
+from .params import SamplingParams
 from .sched.policies import Policy, make_policy
 from .sched.request import Request
 from .sched.scheduler import Scheduler, SchedulerOutput

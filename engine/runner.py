@@ -18,7 +18,7 @@ import torch
 from llmdb.kernels.attention import write_kv
 from llmdb.kernels.hidden_cache import HiddenBatch, hidden_rows
 
-from .cache.block_pool import KVCache
+from .cache.kv_cache import KVCache
 from .cuda_graphs import DecodeGraphs, attention_splits
 from .sampling import row_key, sample, top_logprobs
 from .sched.request import Request

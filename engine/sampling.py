@@ -1,4 +1,4 @@
-"""Sampling parameters and the batched sampler, on whatever device the logits are.
+"""The batched sampler, on whatever device the logits are (its parameters: params.py).
 
 Every sampled row is drawn by the Gumbel-max trick, argmax(logits / T + g), with the noise g
 a hash of (the request's seed, the index of the token being drawn, the token id) rather than
@@ -10,42 +10,14 @@ from the same logits. Top-k and top-p are masks on the sorted logits before the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from .params import SamplingParams
+
 _MASK32 = 0xFFFFFFFF
-
-
-@dataclass
-class SamplingParams:
-    max_tokens: int = 256
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = no limit
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None  # top-k log-probabilities of each generated token
-
-    def validate(self) -> None:
-        if self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 def _mix32(x: int) -> int:

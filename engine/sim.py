@@ -20,7 +20,7 @@ import numpy as np
 
 from .cache.block_pool import BlockPool
 from .costmodel import CostModel
-from .sampling import SamplingParams
+from .params import SamplingParams
 from .sched.request import Request
 from .sched.scheduler import Scheduler
 from .workloads import RequestSpec

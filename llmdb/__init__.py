@@ -5,14 +5,44 @@
     llmdb.complete(df, "Summarize: {review}", output="summary")
 """
 
-from .batch import LLMError
-from .connect import Connection, connect, register
-from .dataframe import classify, complete, default_session, filter
-from .session import QueryCancelled
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Loaded on first use (PEP 562): `import llmdb` and the engine's and kernels' modules
+# (llmdb.engine.*, llmdb.kernels.*) then cost nothing here; duckdb, pandas, pyarrow and
+# torch load when a connection, DataFrame call or engine first needs them.
+_EXPORTS = {
+    "LLMError": ".batch",
+    "Connection": ".connection",
+    "connect": ".connection",
+    "register": ".connection",
+    "classify": ".dataframe",
+    "complete": ".dataframe",
+    "filter": ".dataframe",
+    "QueryCancelled": ".session",
+}
+
+if TYPE_CHECKING:
+    from .batch import LLMError
+    from .connection import Connection, connect, register
+    from .dataframe import classify, complete, filter
+    from .session import QueryCancelled
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'llmdb' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
 
 
 def stats() -> dict:
     """Counters of the DataFrame calls made without session options."""
+    from .dataframe import default_session
+
     return default_session().stats()
 
 

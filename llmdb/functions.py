@@ -19,7 +19,7 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from llmdb.engine.sampling import SamplingParams
+from llmdb.engine.params import SamplingParams
 
 from .backends import Backend, BackendResult, ChoiceRequest, GenerationRequest, ScoreRequest
 from .batch import Call, LLMError, describe_row, run_calls

@@ -17,7 +17,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from .backends import Backend, local_backend
+from .backends import Backend
 from .backends.standin import STANDIN_MODEL, standin_backend
 from .cache import DEFAULT_MAX_BYTES, ResultCache, open_cache
 
@@ -112,6 +112,8 @@ class Session:
         if name not in registered_models():
             raise ValueError(f"unknown model {name!r}; registered models: "
                              f"{', '.join(sorted(registered_models()))}")
+        from .backends.local import local_backend
+
         return local_backend(name, **self.options.engine)
 
     def cache(self) -> ResultCache | None:

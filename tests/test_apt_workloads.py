@@ -7,7 +7,7 @@ import pytest
 
 from llmdb.engine.cache.block_pool import BlockPool
 from llmdb.engine.costmodel import preset
-from llmdb.engine.sampling import SamplingParams
+from llmdb.engine.params import SamplingParams
 from llmdb.engine.sched.policies import make_policy
 from llmdb.engine.sched.request import Request
 from llmdb.engine.sched.scheduler import Scheduler

@@ -20,7 +20,7 @@ import pytest
 
 from llmdb.engine.cache.block_pool import BlockPool
 from llmdb.engine.costmodel import Chunk, preset
-from llmdb.engine.sampling import SamplingParams
+from llmdb.engine.params import SamplingParams
 from llmdb.engine.sched.policies.bros import largest_chunk
 from llmdb.engine.sched.request import Request
 from llmdb.engine.sched.scheduler import Scheduler

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from llmdb.engine.compute import run_on_compute_thread
-from llmdb.engine.sampling import SamplingParams
+from llmdb.engine.params import SamplingParams
 
 
 def _compute_ident() -> int:

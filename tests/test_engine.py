@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llmdb.engine.engine import LLMEngine
-from llmdb.engine.sampling import SamplingParams
+from llmdb.engine.params import SamplingParams
 from llmdb.engine.sched.scheduler import SchedulerOutput
 
 from .helpers import CHAT_QUESTIONS, assert_same_tokens, chat

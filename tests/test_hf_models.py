@@ -18,7 +18,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from llmdb.engine.engine import LLMEngine
 from llmdb.engine.models import ModelLoadError, load_model
-from llmdb.engine.sampling import SamplingParams
+from llmdb.engine.params import SamplingParams
 
 CHATML = (
     "{% for message in messages %}"

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from llmdb.engine.engine import LLMEngine
-from llmdb.engine.sampling import SamplingParams
+from llmdb.engine.params import SamplingParams
 from llmdb.engine.sched.request import Status
 from llmdb.engine.sched.scheduler import SchedulerOutput
 from llmdb.kernels.attention import AttentionBatch, paged_attention_reference, write_kv

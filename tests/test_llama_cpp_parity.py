@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from llmdb.engine.engine import LLMEngine
+from llmdb.engine.params import SamplingParams
 from llmdb.engine.registry import resolve_model
-from llmdb.engine.sampling import SamplingParams
 
 from .helpers import CHAT_QUESTIONS, chat
 

@@ -7,7 +7,7 @@ import pytest
 from llmdb.engine.cache.block_pool import BlockPool
 from llmdb.engine.costmodel import preset
 from llmdb.engine.engine import LLMEngine
-from llmdb.engine.sampling import SamplingParams
+from llmdb.engine.params import SamplingParams
 from llmdb.engine.sched.policies import POLICIES, make_policy
 from llmdb.engine.sched.policies.bros import BASE_BATCH
 from llmdb.engine.sched.policies.infermax import MIN_OBSERVATIONS, InferMaxPolicy

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmdb.engine.sampling import SamplingParams
+from llmdb.engine.params import SamplingParams
 
 from .helpers import assert_same_tokens, chat
 

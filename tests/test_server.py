@@ -19,7 +19,7 @@ openai = pytest.importorskip("openai", reason="the openai client is not installe
 uvicorn = pytest.importorskip("uvicorn", reason="uvicorn is not installed")
 
 from llmdb.engine.engine import LLMEngine  # noqa: E402
-from llmdb.engine.sampling import SamplingParams  # noqa: E402
+from llmdb.engine.params import SamplingParams  # noqa: E402
 from llmdb.server.app import Limits, create_app  # noqa: E402
 from llmdb.server.run import uvicorn_server  # noqa: E402
 

@@ -16,7 +16,7 @@ import pytest
 
 import llmdb
 from llmdb import batch
-from llmdb.engine.sampling import SamplingParams
+from llmdb.engine.params import SamplingParams
 
 from .sql_support import (
     cache_entries,
@@ -38,7 +38,7 @@ SIGINT_CHILD = f"""
 import json, os, signal, threading, time
 import llmdb
 from llmdb import batch
-from llmdb.engine.sampling import SamplingParams
+from llmdb.engine.params import SamplingParams
 from llmdb.engine.shared import shared_engine
 
 # Steps of at most 128 tokens, so that Ctrl-C never waits long for the current one; no

@@ -9,7 +9,7 @@ import duckdb
 import pytest
 
 import llmdb
-from llmdb.engine.sampling import SamplingParams
+from llmdb.engine.params import SamplingParams
 
 from .sql_support import chat, column, register_rows
 

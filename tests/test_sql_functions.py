@@ -9,7 +9,7 @@ import pytest
 
 from llmdb.backends import BackendResult, ScoreRequest
 from llmdb.batch import Call
-from llmdb.engine.sampling import SamplingParams
+from llmdb.engine.params import SamplingParams
 from llmdb.functions import CLASSIFY_INSTRUCTION, _best_label
 
 from .sql_support import chat, column, last_query, register_rows, rendered

@@ -6,10 +6,12 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+from ..params import SamplingParams
 
-from ..sampling import SamplingParams
+if TYPE_CHECKING:  # only the engine puts tensors here; the simulator never loads torch
+    import torch
 
 
 class Status(enum.Enum):

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from ..cache.block_pool import BlockPool, block_hash
 from ..costmodel import Chunk, CostModel
-from ..sampling import SamplingParams
+from ..params import SamplingParams
 from .request import Request, Status
 
 if TYPE_CHECKING:

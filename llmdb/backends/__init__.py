@@ -1,4 +1,7 @@
-"""Backends run model calls for llmdb; every backend speaks the contract in base.py."""
+"""Backends run model calls for llmdb; every backend speaks the contract in base.py.
+
+The in-process engine's backend is `llmdb.backends.local` (imported where used: it loads
+torch, which the hash stand-in backend and EXPLAIN's simulation do not need)."""
 
 from .base import (
     Backend,
@@ -8,15 +11,12 @@ from .base import (
     ModelRequest,
     ScoreRequest,
 )
-from .local import LocalBackend, local_backend
 
 __all__ = [
     "Backend",
     "BackendResult",
     "ChoiceRequest",
     "GenerationRequest",
-    "LocalBackend",
     "ModelRequest",
     "ScoreRequest",
-    "local_backend",
 ]

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from llmdb.engine.sampling import SamplingParams
+from llmdb.engine.params import SamplingParams
 
 
 @dataclass(frozen=True)

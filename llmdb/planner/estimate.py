@@ -21,7 +21,7 @@ from typing import Any
 from llmdb.backends import Backend
 from llmdb.engine.cache.block_pool import block_hash
 from llmdb.engine.costmodel import CostModel, load_cost_model
-from llmdb.engine.sampling import SamplingParams
+from llmdb.engine.params import SamplingParams
 from llmdb.functions import CLASSIFY_INSTRUCTION, FILTER_SUFFIX, _key
 from llmdb.session import Session
 

@@ -26,7 +26,7 @@ from starlette.background import BackgroundTask
 
 from llmdb.engine.engine import LLMEngine
 from llmdb.engine.outputs import RequestResult
-from llmdb.engine.sampling import SamplingParams
+from llmdb.engine.params import SamplingParams
 
 from .metrics import EngineMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, ServerError
@@ -62,11 +62,14 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
+        # An engine whose loop already runs is shared with others: it is left running.
+        owns_loop = not engine.background_loop_running
         engine.start_background_loop()
         yield
         for rid in list(inflight):  # after drain(): nothing should be left
             engine.abort(rid)
-        engine.stop_background_loop()
+        if owns_loop:
+            engine.stop_background_loop()
 
     async def drain() -> None:
         """Graceful shutdown's first half (run.py calls it before closing connections): new

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from llmdb.engine.sampling import SamplingParams
+from llmdb.engine.params import SamplingParams
 
 MAX_STOP_STRINGS = 16
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from llmdb.engine.engine import LLMEngine
-from llmdb.engine.sampling import SamplingParams
+from llmdb.engine.params import SamplingParams
 
 from ..helpers import assert_same_tokens
 from ..test_hf_models import VARIANTS, _randomize, _save
@@ -132,7 +132,7 @@ def test_preemption_keeps_tokens(pair, model_dirs):
 
 
 def gpu_block_bytes(engine: LLMEngine) -> int:
-    from llmdb.engine.cache.block_pool import KVCache
+    from llmdb.engine.cache.kv_cache import KVCache
 
     return KVCache.bytes_per_block(engine.config, engine.pool.block_size, torch.float32)
 
