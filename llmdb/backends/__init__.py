@@ -6,6 +6,7 @@ from .base import (
     ChoiceRequest,
     GenerationRequest,
     ModelRequest,
+    Prompt,
     ScoreRequest,
 )
 from .local import LocalBackend, local_backend
@@ -17,6 +18,7 @@ __all__ = [
     "GenerationRequest",
     "LocalBackend",
     "ModelRequest",
+    "Prompt",
     "ScoreRequest",
     "local_backend",
 ]

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmdb.backends import Backend
+from llmdb.backends import Backend, Prompt
 from llmdb.engine.cache.block_pool import block_hash
 from llmdb.engine.costmodel import CostModel, load_cost_model
 from llmdb.engine.sampling import SamplingParams
@@ -91,12 +91,12 @@ def calibrated(model: CostModel) -> bool:
     return any(v > 0 for v in model.coefficients.values()) or model.floor_s > 0
 
 
-def _encode(backend: Backend, text: str) -> tuple[list[int] | None, int]:
+def _encode(backend: Backend, prompt: Prompt) -> tuple[list[int] | None, int]:
     engine = getattr(backend, "engine", None)
     if engine is not None:
-        ids = engine.encode_prompt(text)
+        ids = engine.encode_prompt(prompt)
         return ids, len(ids)
-    return None, backend.count_tokens(text)
+    return None, backend.count_tokens(prompt)
 
 
 def row_requests(site: Site, key: tuple, backend: Backend, lengths: list[int]) -> Row | None:
@@ -137,7 +137,7 @@ def row_requests(site: Site, key: tuple, backend: Backend, lengths: list[int]) -
         if engine is None or ids is None:
             requests.append(Request(None, n + backend.count_tokens(c) + 1, 1))
         else:
-            cont = [*engine.tokenizer.encode(c), getattr(backend, "_end_of_turn", 0)]
+            cont = [*engine.tokenizer.encode_plain(c), getattr(backend, "_end_of_turn", 0)]
             requests.append(Request(ids + cont, n + len(cont), 1, cacheable=n - 1))
     return Row(requests, _key(backend, "classify", [rendered, choices]))
 
