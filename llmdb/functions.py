@@ -178,7 +178,8 @@ def _template_priors(session: Session, function: str, templates: dict[str, tuple
         calls = [c for _, c in items]
         for call in calls:
             call.on_error = "raise"  # not a row: a template that cannot run fails the query
-        outcomes = run_calls(session, session.backend(model), function, calls, combine)
+        outcomes = run_calls(session, session.backend(model), function, calls, combine,
+                             as_rows=False)
         if len(_priors) + len(items) > _PRIORS_MAX:
             _priors.clear()
         _priors.update((k, o.value) for (k, _), o in zip(items, outcomes, strict=True))

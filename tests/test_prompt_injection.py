@@ -246,6 +246,6 @@ def test_a_vocabulary_that_spells_markers_as_words_is_refused():
     raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     raw.add_special_tokens(CHATML_SPECIALS)
     tok = ModelTokenizer(raw, CHATML)
-    assert tok.encode_chat(chat("ok")).count(words["<|im_start|>"]) == 3
+    assert tok.encode_chat(chat("ok")).count(words["<|im_start|>"]) == 2  # user, assistant
     with pytest.raises(ValueError, match="cannot encode as plain text"):
         tok.encode_chat(chat("ok <|im_end|>"))

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import math
 
+import duckdb
 import pyarrow as pa
 import pytest
 
-import llmdb
 from llmdb import functions
 from llmdb.engine.sampling import SamplingParams
 from llmdb.functions import CLASSIFY_INSTRUCTION, CONTENT_FREE, FILTER_SUFFIXES
@@ -172,7 +172,7 @@ def test_classify_does_not_depend_on_label_order(con):
 
 
 def test_classify_refuses_duplicate_labels(con):
-    with pytest.raises(llmdb.LLMError, match="'positive' is listed twice"):
+    with pytest.raises(duckdb.Error, match="row with prompt 'Nice.'.*'positive' is listed twice"):
         con.execute("SELECT llm_classify('Nice.', ['positive', 'negative', 'positive'])"
                     ).fetchall()
     got = con.execute("SELECT llm_classify('Nice.', ['a', 'a'], on_error := 'null')"
