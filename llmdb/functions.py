@@ -178,6 +178,8 @@ def _template_priors(session: Session, function: str, templates: dict[str, tuple
         calls = [c for _, c in items]
         for call in calls:
             call.on_error = "raise"  # not a row: a template that cannot run fails the query
+            # Kept in this process only: the result cache holds rows' answers, one per row.
+            call.key = None
         outcomes = run_calls(session, session.backend(model), function, calls, combine,
                              as_rows=False)
         if len(_priors) + len(items) > _PRIORS_MAX:
