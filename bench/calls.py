@@ -3,7 +3,7 @@
 The suite is tests/planner_shapes.py (AND, OR, NOT and NULLs, several LLM predicates,
 ORDER BY + LIMIT, joins, CTEs, subqueries, GROUP BY, HAVING, windows, UNION, CASE, nested
 calls). Per query, with the result cache off:
-- llmdb_calls: model requests an llmdb.Connection made (the planner on);
+- llmdb_calls: rows the model computed for an llmdb.Connection (the planner on);
 - minimal_calls: the minimum, computed in Python from the table data (tests/planner_shapes);
 - naive_calls: plain DuckDB with the same functions (llmdb.register on a duckdb connection).
 By default the deterministic stand-in model (hash-standin) on 100,000 rows; --real runs the
@@ -36,10 +36,10 @@ def order_of(con: llmdb.Connection, sql: str):
 
 
 def timed_calls(session, run) -> tuple[list, int, float]:
-    before = session.stats()["total"]["calls"]
+    before = session.stats()["total"]["model_rows"]
     t0 = time.perf_counter()
     rows = run()
-    return rows, session.stats()["total"]["calls"] - before, time.perf_counter() - t0
+    return rows, session.stats()["total"]["model_rows"] - before, time.perf_counter() - t0
 
 
 def main() -> int:

@@ -187,7 +187,8 @@ class LLMEngine:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special=True)
         if prompt and all(isinstance(m, dict) for m in prompt):
-            return self.tokenizer.encode(self.tokenizer.apply_chat_template(prompt))
+            # Message text is data: it cannot forge the template's turn markers.
+            return self.tokenizer.encode_chat(prompt)
         ids = [int(t) for t in prompt]
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:

@@ -59,11 +59,11 @@ def describe_row(function: str, row: str, cause: str) -> str:
 
 class _Batch:
     def __init__(self, session: Session, backend: Backend, function: str, calls: list[Call],
-                 combine: Callable[[Call, list[BackendResult]], Any]):
+                 combine: Callable[[Call, list[BackendResult]], Any], as_rows: bool = True):
         self.session, self.backend, self.function = session, backend, function
-        self.calls, self.combine = calls, combine
+        self.calls, self.combine, self.as_rows = calls, combine, as_rows
         self.outcomes: list[Outcome | None] = [None] * len(calls)
-        self.stats = Stats(rows=len(calls))
+        self.stats = Stats(rows=len(calls) if as_rows else 0)
         self.cache = session.cache()
         self.done_q: queue.SimpleQueue = queue.SimpleQueue()
         self.handles: dict[int, list[str]] = {}  # call -> its backend handles
@@ -107,6 +107,7 @@ class _Batch:
 
     def submit(self, i: int) -> None:
         call = self.calls[i]
+        self.stats.model_rows += self.as_rows
         self.handles[i], self.parts[i] = [], [None] * len(call.requests)
         for j, req in enumerate(call.requests):
             try:
@@ -211,8 +212,12 @@ class _Batch:
 
 
 def run_calls(session: Session, backend: Backend, function: str, calls: list[Call],
-              combine: Callable[[Call, list[BackendResult]], Any]) -> list[Outcome]:
-    """Each call's value, or its error when its on_error is 'null' (else LLMError)."""
+              combine: Callable[[Call, list[BackendResult]], Any], as_rows: bool = True
+              ) -> list[Outcome]:
+    """Each call's value, or its error when its on_error is 'null' (else LLMError).
+
+    as_rows=False: the calls are the query's own work, not rows (calibration priors): their
+    requests and tokens count, its rows and model_rows do not."""
     if not calls:
         return []
-    return _Batch(session, backend, function, calls, combine).run()
+    return _Batch(session, backend, function, calls, combine, as_rows).run()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import math
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -26,7 +27,6 @@ from .batch import Call, LLMError, describe_row, run_calls
 from .cache import request_key
 from .session import ON_ERROR, Session, Stats
 
-FILTER_SUFFIX = "\n\nAnswer with yes or no."
 CLASSIFY_INSTRUCTION = ("Classify the text into exactly one of these labels: {labels}. "
                         "Answer with the label only.")
 
@@ -124,26 +124,135 @@ def llm_complete(session: Session, prompt: Sequence, max_tokens: Sequence, tempe
                     lambda call, parts: parts[0].text)
 
 
+# ---- calibration (llm_filter_score, llm_classify) -----------------------------------------
+#
+# A small model's answer to "which label?" leans on where each label sits in the prompt and
+# on a prior for some labels whatever the text (Zhao et al. 2021, "Calibrate Before Use").
+# Both are removed by construction rather than fitted to the rows being judged:
+# - position: the labels are put in one canonical (sorted) order, and the prompt is asked in
+#   every rotation of it, so each label is listed in each position once; the label
+#   probabilities are averaged over the rotations. Reordering the caller's labels changes no
+#   request at all.
+# - prior: the same prompts with content-free texts in place of the row give the model's
+#   probabilities when there is nothing to judge; each label's averaged probability is
+#   divided by its content-free one (contextual calibration). The prior depends only on the
+#   prompt template (labels, instruction, system prompt, model), so it is measured once per
+#   template and shared by every row, never tuned on them.
+
+CONTENT_FREE = ("N/A", "", "[MASK]")  # Zhao et al.'s content-free inputs
+CALIBRATION = "rotations+contextual-v1"  # in every key: a method change is a new answer
+_PROB_FLOOR = 1e-6
+
+# Content-free priors of this process by request key: a template's prior is computed once,
+# then shared by every query and chunk of rows that uses it.
+_priors: dict[str, Any] = {}
+_PRIORS_MAX = 4096
+
+
+def _rotations(items: Sequence[str]) -> list[list[str]]:
+    return [list(items[k:]) + list(items[:k]) for k in range(len(items))]
+
+
+def _normalized(weights: Sequence[float]) -> list[float]:
+    total = sum(weights)
+    return [w / total for w in weights] if total > 0 else [1 / len(weights)] * len(weights)
+
+
+def _mean(rows: Sequence[Sequence[float]]) -> list[float]:
+    return [sum(col) / len(rows) for col in zip(*rows, strict=True)]
+
+
+def _divide_prior(probs: Sequence[float], prior: Sequence[float]) -> list[float]:
+    return _normalized([p / max(q, _PROB_FLOOR) for p, q in zip(probs, prior, strict=True)])
+
+
+def _template_priors(session: Session, function: str, templates: dict[str, tuple[str | None,
+                     Call]], combine: Callable[[Call, list[BackendResult]], Any]
+                     ) -> dict[str, Any]:
+    """The content-free prior of each template (by its key), computed where not yet known."""
+    todo: dict[str | None, list[tuple[str, Call]]] = {}
+    for key, (model, call) in templates.items():
+        if key not in _priors:
+            todo.setdefault(model, []).append((key, call))
+    for model, items in todo.items():
+        calls = [c for _, c in items]
+        for call in calls:
+            call.on_error = "raise"  # not a row: a template that cannot run fails the query
+            # Kept in this process only: the result cache holds rows' answers, one per row.
+            call.key = None
+        outcomes = run_calls(session, session.backend(model), function, calls, combine,
+                             as_rows=False)
+        if len(_priors) + len(items) > _PRIORS_MAX:
+            _priors.clear()
+        _priors.update((k, o.value) for (k, _), o in zip(items, outcomes, strict=True))
+    return {key: _priors[key] for key in templates}
+
+
 # ---- llm_filter / llm_filter_score ---------------------------------------------------------
+
+# The answer words are listed in both orders, for the same reason labels are rotated.
+FILTER_SUFFIXES = ("\n\nAnswer with yes or no.", "\n\nAnswer with no or yes.")
+FILTER_SUFFIX = FILTER_SUFFIXES[0]
+
+
+def filter_call(backend: Backend, prompt: str, system: str | None, priority: str) -> Call:
+    """One yes/no question: P(yes) of the answer's first token under each answer order."""
+    rendered = [backend.render_chat(prompt + suffix, system) for suffix in FILTER_SUFFIXES]
+    reqs = [ChoiceRequest(r, ("yes", "no"), priority) for r in rendered]
+    return Call(reqs, _key(backend, "filter", [rendered, ["yes", "no"], CALIBRATION]), prompt)
+
+
+def _p_yes(parts: list[BackendResult]) -> float:
+    """P(yes) / (P(yes) + P(no)), averaged over the answer orders."""
+    return sum(_normalized(p.word_probs)[0] for p in parts) / len(parts)
+
+
+def _filter_prior_call(backend: Backend, system: str | None, priority: str) -> Call:
+    parts = [filter_call(backend, text, system, priority) for text in CONTENT_FREE]
+    reqs = [r for c in parts for r in c.requests]
+    return Call(reqs, _key(backend, "filter-prior", [[r.prompt for r in reqs], CALIBRATION]),
+                "(content-free yes/no prior)")
+
+
+def filter_row_call(backend: Backend, prompt: str, system: str | None, priority: str
+                    ) -> tuple[Call, str]:
+    """A row's call, keyed by its prompts and its template's prior; and that prior's key."""
+    call = filter_call(backend, prompt, system, priority)
+    prior = _filter_prior_call(backend, system, priority).key
+    call.key = _key(backend, "filter", [call.key, prior])
+    return call, prior
+
+
+def _calibrated_yes(p: float, prior: float) -> float:
+    return _divide_prior([p, 1 - p], [prior, 1 - prior])[0]
+
 
 def llm_filter_score(session: Session, prompt: Sequence, system: Sequence, model: Sequence,
                      on_error: Sequence) -> list[float | None]:
-    """P(yes) / (P(yes) + P(no)) for the answer's first token under the chat template."""
+    """Calibrated P(yes): the answer's first token, both answer orders, divided by the prior
+    of the same question wrapper on content-free inputs (per system prompt and model)."""
     n = len(prompt)
     priority = _priority(session, n)
+    templates = {}
+    for i in range(n):
+        try:
+            call = _filter_prior_call(session.backend(model[i]), system[i], priority)
+        except ValueError:
+            continue  # the row's own error, raised (or NULLed) when it is built
+        if prompt[i] is not None:
+            templates.setdefault(call.key, (model[i], call))
+    priors = _template_priors(session, "llm_filter", templates,
+                              lambda call, parts: _p_yes(parts))
+    prior_key: dict[int, str] = {}
 
     def build(i: int, backend: Backend) -> Call:
-        rendered = backend.render_chat(prompt[i] + FILTER_SUFFIX, system[i])
-        req = ChoiceRequest(rendered, ("yes", "no"), priority)
-        return Call([req], _key(backend, "filter", [rendered, req.words]), prompt[i])
+        call, prior_key[id(call)] = filter_row_call(backend, prompt[i], system[i], priority)
+        return call
 
     rows = _rows(prompt, model, on_error, build)
-
-    def combine(call: Call, parts: list[BackendResult]) -> float:
-        yes, no = parts[0].word_probs
-        return yes / (yes + no) if yes + no > 0 else 0.5
-
-    return _execute(session, "llm_filter", n, rows, combine)
+    return _execute(session, "llm_filter", n, rows,
+                    lambda call, parts: _calibrated_yes(_p_yes(parts),
+                                                        priors[prior_key[id(call)]]))
 
 
 def llm_filter(session: Session, *args: Sequence) -> list[bool | None]:
@@ -152,29 +261,103 @@ def llm_filter(session: Session, *args: Sequence) -> list[bool | None]:
 
 # ---- llm_classify --------------------------------------------------------------------------
 
+def _labels(labels: Sequence) -> list[str]:
+    """The canonical (sorted) labels; an ill-formed list is the row's error."""
+    choices = list(labels)
+    if not choices or any(not isinstance(c, str) or not c for c in choices):
+        raise ValueError(f"labels must be a non-empty list of non-empty strings, got {choices!r}")
+    seen = set()
+    for c in choices:
+        if c in seen:
+            raise ValueError(f"label {c!r} is listed twice in {choices!r}; labels must differ")
+        seen.add(c)
+    return sorted(choices)
+
+
+def classify_call(backend: Backend, text: str, labels: list[str], instruction: str | None,
+                  system: str | None, priority: str) -> Call:
+    """Every label scored (its tokens, then end of turn) under each distinct prompt of the
+    rotations of the canonical labels; requests are grouped by prompt, labels in order."""
+    prompts: list[Any] = []
+    for order in _rotations(labels):
+        head = instruction or CLASSIFY_INSTRUCTION.format(labels=", ".join(order))
+        rendered = backend.render_chat(f"{head}\n\nText: {text}", system)
+        if rendered not in prompts:  # an instruction that lists no labels: one prompt
+            prompts.append(rendered)
+    reqs = [ScoreRequest(p, c, priority) for p in prompts for c in labels]
+    return Call(reqs, _key(backend, "classify", [prompts, labels, CALIBRATION]), text)
+
+
+def _label_probs(call: Call, parts: list[BackendResult]) -> list[float]:
+    """Each label's probability among the labels, averaged over the prompts."""
+    k = len({r.continuation for r in call.requests})
+    rows = []
+    for g in range(0, len(parts), k):
+        scores = [p.logprob for p in parts[g:g + k]]
+        top = max(scores)
+        rows.append(_normalized([math.exp(s - top) for s in scores]))
+    return _mean(rows)
+
+
+def _classify_prior_call(backend: Backend, labels: list[str], instruction: str | None,
+                         system: str | None, priority: str) -> Call:
+    parts = [classify_call(backend, t, labels, instruction, system, priority)
+             for t in CONTENT_FREE]
+    return Call([r for c in parts for r in c.requests],
+                _key(backend, "classify-prior", [[c.key for c in parts], CALIBRATION]),
+                "(content-free label prior)")
+
+
+def _content_free_probs(call: Call, parts: list[BackendResult]) -> list[float]:
+    per_text = len(parts) // len(CONTENT_FREE)
+    return _mean([_label_probs(Call(call.requests[i:i + per_text], None, ""),
+                               parts[i:i + per_text])
+                  for i in range(0, len(parts), per_text)])
+
+
+def classify_row_call(backend: Backend, text: str, labels: Sequence, instruction: str | None,
+                      system: str | None, priority: str) -> tuple[Call, str]:
+    """A row's call, keyed by its prompts and its template's prior; and that prior's key."""
+    canon = _labels(labels)
+    call = classify_call(backend, text, canon, instruction, system, priority)
+    prior = _classify_prior_call(backend, canon, instruction, system, priority).key
+    call.key = _key(backend, "classify", [call.key, prior])
+    return call, prior
+
+
 def llm_classify(session: Session, text: Sequence, labels: Sequence, instruction: Sequence,
                  system: Sequence, model: Sequence, on_error: Sequence) -> list[str | None]:
-    """The label whose tokens plus end of turn are most likely as the answer; ties: first."""
-    priority = _priority(session, len(text))
+    """The most likely label after removing position and prior bias (see calibration above);
+    the same labels in any order give the same answer; exact ties go to the first in sorted
+    order."""
+    n = len(text)
+    priority = _priority(session, n)
+    templates = {}
+    for i in range(n):
+        if text[i] is None or labels[i] is None:
+            continue
+        try:
+            call = _classify_prior_call(session.backend(model[i]), _labels(labels[i]),
+                                        instruction[i], system[i], priority)
+        except ValueError:
+            continue  # the row's own error, raised (or NULLed) when it is built
+        templates.setdefault(call.key, (model[i], call))
+    priors = _template_priors(session, "llm_classify", templates, _content_free_probs)
+    prior_key: dict[int, str] = {}
 
     def build(i: int, backend: Backend) -> Call:
-        choices = list(labels[i])
-        if not choices or any(not isinstance(c, str) or not c for c in choices):
-            raise ValueError(f"labels must be a non-empty list of non-empty strings, "
-                             f"got {choices!r}")
-        head = instruction[i] or CLASSIFY_INSTRUCTION.format(labels=", ".join(choices))
-        rendered = backend.render_chat(f"{head}\n\nText: {text[i]}", system[i])
-        reqs = [ScoreRequest(rendered, c, priority) for c in choices]
-        return Call(reqs, _key(backend, "classify", [rendered, choices]), text[i])
+        call, prior_key[id(call)] = classify_row_call(
+            backend, text[i], labels[i], instruction[i], system[i], priority)
+        return call
+
+    def combine(call: Call, parts: list[BackendResult]) -> str:
+        probs = _divide_prior(_label_probs(call, parts), priors[prior_key[id(call)]])
+        best = max(range(len(probs)), key=lambda j: (probs[j], -j))  # ties: first in order
+        return call.requests[best].continuation
 
     present = [None if lb is None else t for t, lb in zip(text, labels, strict=True)]
     rows = _rows(present, model, on_error, build)
-    return _execute(session, "llm_classify", len(text), rows, _best_label)
-
-
-def _best_label(call: Call, parts: list[BackendResult]) -> str:
-    scores = [p.logprob for p in parts]
-    return call.requests[scores.index(max(scores))].continuation  # first of equal scores
+    return _execute(session, "llm_classify", n, rows, combine)
 
 
 # ---- llm_count_tokens ----------------------------------------------------------------------

@@ -61,6 +61,7 @@ class Options:
 class Stats:
     rows: int = 0  # non-NULL rows that reached an LLM function
     calls: int = 0  # model requests sent to the backend
+    model_rows: int = 0  # rows the model computed (a row may take several requests)
     cache_hits: int = 0  # rows answered by the result cache
     dedup_hits: int = 0  # rows answered by an identical row of the query or in flight
     errors: int = 0

@@ -31,9 +31,9 @@ def env():
 
 
 def calls_of(session, run) -> tuple[object, int]:
-    before = session.stats()["total"]["calls"]
+    before = session.stats()["total"]["model_rows"]
     out = run()
-    return out, session.stats()["total"]["calls"] - before
+    return out, session.stats()["total"]["model_rows"] - before
 
 
 def order_of(con, sql):

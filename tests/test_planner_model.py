@@ -33,9 +33,9 @@ def env(tmp_path_factory):
 
 
 def _calls(session, run):
-    before = session.stats()["total"]["calls"]
+    before = session.stats()["total"]["model_rows"]
     out = run()
-    return out, session.stats()["total"]["calls"] - before
+    return out, session.stats()["total"]["model_rows"] - before
 
 
 @pytest.mark.parametrize("name", NAMES)

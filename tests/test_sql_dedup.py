@@ -46,10 +46,10 @@ def test_dedup_covers_filter_and_classify(con):
     register_rows(con, ["Say yes.", "Say no.", "Say yes.", "Say yes."])
     scores = column(con, "llm_filter_score(p)")
     assert scores[0] == scores[2] == scores[3]
-    assert last_query(con)["calls"] == 2
+    assert last_query(con)["model_rows"] == 2  # each asked with both answer orders
     labels = column(con, "llm_classify(p, ['yes', 'no', 'maybe'])")
     assert labels[0] == labels[2] == labels[3]
-    assert last_query(con)["calls"] == 2 * 3  # distinct rows x labels
+    assert last_query(con)["model_rows"] == 2  # distinct rows, each labels x labels requests
 
 
 def test_sampling_without_seed_is_never_shared(con):

@@ -3,22 +3,22 @@
 from __future__ import annotations
 
 import json
+import math
 
+import duckdb
 import pyarrow as pa
 import pytest
 
-from llmdb.backends import BackendResult, ScoreRequest
-from llmdb.batch import Call
+from llmdb import functions
 from llmdb.engine.params import SamplingParams
-from llmdb.functions import CLASSIFY_INSTRUCTION, _best_label
+from llmdb.functions import CLASSIFY_INSTRUCTION, CONTENT_FREE, FILTER_SUFFIXES
 
 from .sql_support import chat, column, last_query, register_rows, rendered
 
 pytestmark = pytest.mark.usefixtures("eng", "own_cache_dir")
 
-FILTER_SUFFIX = "\n\nAnswer with yes or no."
-STATS_FIELDS = {"rows", "calls", "cache_hits", "dedup_hits", "errors", "prompt_tokens",
-                "generated_tokens", "cached_tokens", "engine_s"}
+STATS_FIELDS = {"rows", "calls", "model_rows", "cache_hits", "dedup_hits", "errors",
+                "prompt_tokens", "generated_tokens", "cached_tokens", "engine_s"}
 
 
 # ---- llm_complete --------------------------------------------------------------------------
@@ -82,59 +82,102 @@ FILTER_PROMPTS = ["Say yes.", "Reply yes if 2+2=4.", "Is Paris the capital of Fr
                   "Do you know what a cat is?"]
 
 
-def test_filter_score_is_p_yes_over_p_yes_plus_p_no(con, eng):
+def _p_yes(eng, prompt: str) -> float:
+    """P(yes) / (P(yes) + P(no)) of the first answer token, averaged over both answer orders."""
     tok = eng.tokenizer
     yes, no = tok.single_token_variants("yes"), tok.single_token_variants("no")
-    assert len(yes) > 1 and len(no) > 1  # the variants (yes, Yes, " yes", ...) are summed
+    out = []
+    for suffix in FILTER_SUFFIXES:
+        probs = eng.logits(eng.encode_prompt(chat(prompt + suffix)))[-1].double().softmax(-1)
+        p_yes, p_no = float(probs[yes].sum()), float(probs[no].sum())
+        out.append(p_yes / (p_yes + p_no))
+    return sum(out) / len(out)
+
+
+@pytest.fixture
+def fresh_priors(monkeypatch):
+    """Content-free priors computed anew by this test (they are kept per process)."""
+    monkeypatch.setattr(functions, "_priors", {})
+
+
+def test_filter_score_is_calibrated_p_yes(con, eng, fresh_priors):
+    tok = eng.tokenizer
+    assert len(tok.single_token_variants("yes")) > 1  # the variants (yes, Yes, " yes", ...)
     register_rows(con, FILTER_PROMPTS)
     got = column(con, "llm_filter_score(p)")
+    prior = sum(_p_yes(eng, t) for t in CONTENT_FREE) / len(CONTENT_FREE)
     for prompt, score in zip(FILTER_PROMPTS, got, strict=True):
-        ids = tok.encode(rendered(prompt + FILTER_SUFFIX))
-        probs = eng.logits(ids)[-1].double().softmax(-1)
-        p_yes, p_no = float(probs[yes].sum()), float(probs[no].sum())
-        assert score == pytest.approx(p_yes / (p_yes + p_no), abs=1e-4), prompt
+        p = _p_yes(eng, prompt)
+        want = (p / prior) / (p / prior + (1 - p) / (1 - prior))  # contextual calibration
+        assert score == pytest.approx(want, abs=1e-4), prompt
+    # Two answer orders per row, and per template the content-free texts once.
+    n = len(FILTER_PROMPTS)
+    assert last_query(con)["calls"] == 2 * n + 2 * len(CONTENT_FREE)
 
 
 def test_filter_is_score_at_least_one_half(con):
     register_rows(con, FILTER_PROMPTS)
     rows = con.execute("SELECT p, llm_filter(p), llm_filter_score(p) FROM t ORDER BY i").fetchall()
     assert [f for _, f, _ in rows] == [s >= 0.5 for _, _, s in rows]
-    assert {f for _, f, _ in rows} == {True, False}  # both outcomes are exercised
     kept = con.execute("SELECT p FROM t WHERE llm_filter(p) ORDER BY i").fetchall()
     assert [p for p, in kept] == [p for p, f, _ in rows if f]
 
 
 # ---- llm_classify --------------------------------------------------------------------------
 
-def _label_scores(eng, prompt: str, labels: list[str]) -> list[float]:
-    """Log-likelihood of each label's tokens followed by the end-of-turn token."""
+def _label_probs(eng, text: str, labels: list[str]) -> list[float]:
+    """Each label's probability among the labels (its tokens, then end of turn), averaged over
+    the prompts that list the sorted labels in each rotation."""
     tok = eng.tokenizer
     end_of_turn = tok.token_id(tok.eos_token)
-    return eng.score(rendered(prompt), [tok.encode(label) + [end_of_turn] for label in labels])
+    labels = sorted(labels)
+    rows = []
+    for k in range(len(labels)):
+        order = labels[k:] + labels[:k]
+        head = CLASSIFY_INSTRUCTION.format(labels=", ".join(order))
+        scores = eng.score(chat(f"{head}\n\nText: {text}"),
+                           [tok.encode_plain(label) + [end_of_turn] for label in labels])
+        weights = [math.exp(x - max(scores)) for x in scores]
+        rows.append([w / sum(weights) for w in weights])
+    return [sum(col) / len(rows) for col in zip(*rows, strict=True)]
 
 
-def test_classify_is_the_argmax_of_label_likelihoods(con, eng):
+def test_classify_is_the_argmax_of_calibrated_label_probabilities(con, eng, fresh_priors):
     labels = ["positive", "negative", "pos"]
     texts = ["I love this product, it works great!", "Terrible, it broke after a day."]
     register_rows(con, texts)
     got = con.execute("SELECT llm_classify(p, ?) FROM t ORDER BY i", [labels]).fetchall()
-    head = CLASSIFY_INSTRUCTION.format(labels=", ".join(labels))
+    priors = [_label_probs(eng, t, labels) for t in CONTENT_FREE]
+    prior = [sum(col) / len(priors) for col in zip(*priors, strict=True)]
     for text, (label,) in zip(texts, got, strict=True):
-        scores = _label_scores(eng, f"{head}\n\nText: {text}", labels)
-        assert label == labels[scores.index(max(scores))], (text, scores)
-    assert last_query(con)["calls"] == len(texts) * len(labels)  # one scoring per label
+        probs = [p / q for p, q in zip(_label_probs(eng, text, labels), prior, strict=True)]
+        assert label == sorted(labels)[probs.index(max(probs))], (text, probs)
+    k = len(labels)  # each label under each rotation; the prior once per template
+    assert last_query(con)["calls"] == (len(texts) + len(CONTENT_FREE)) * k * k
 
 
-def test_classify_tells_pos_from_positive(con, eng):
-    instruction = "Is this review positive? Answer with one word."
-    text = "I love this product, it works great!"
-    scores = _label_scores(eng, f"{instruction}\n\nText: {text}", ["pos", "positive"])
-    assert abs(scores[0] - scores[1]) > 1e-3  # not a tie: the end of turn decides
-    best = ["pos", "positive"][scores.index(max(scores))]
-    for labels in (["pos", "positive"], ["positive", "pos"]):
-        got = con.execute("SELECT llm_classify(?, ?, instruction := ?)",
-                          [text, labels, instruction]).fetchall()[0][0]
-        assert got == best
+def test_classify_does_not_depend_on_label_order(con):
+    texts = ["I love this product, it works great!", "Terrible, it broke after a day.",
+             "It is a kettle.", "Not bad, not great."]
+    register_rows(con, texts)
+    orders = [["positive", "negative", "neutral"], ["neutral", "negative", "positive"],
+              ["negative", "positive", "neutral"]]
+    answers = [column(con, f"llm_classify(p, {order})") for order in orders]
+    assert answers[0] == answers[1] == answers[2]
+    for instruction in ("Is this review positive? Answer with one word.", None):
+        got = {con.execute("SELECT llm_classify(?, ?, instruction := ?)",
+                           [texts[0], lb, instruction]).fetchall()[0][0]
+               for lb in (["pos", "positive"], ["positive", "pos"])}
+        assert len(got) == 1
+
+
+def test_classify_refuses_duplicate_labels(con):
+    with pytest.raises(duckdb.Error, match="row with prompt 'Nice.'.*'positive' is listed twice"):
+        con.execute("SELECT llm_classify('Nice.', ['positive', 'negative', 'positive'])"
+                    ).fetchall()
+    got = con.execute("SELECT llm_classify('Nice.', ['a', 'a'], on_error := 'null')"
+                      ).fetchall()[0][0]
+    assert got is None
 
 
 def test_classify_never_answers_outside_the_labels(con):
@@ -145,19 +188,13 @@ def test_classify_never_answers_outside_the_labels(con):
     assert len(got) == 4 and all(label in labels for label in got)
 
 
-def test_classify_ties_go_to_the_first_label():
-    call = Call([ScoreRequest("p", c) for c in ("b", "a", "c")], key=None, row="p")
-    assert _best_label(call, [BackendResult(logprob=s) for s in (-1.0, -1.0, -2.0)]) == "b"
-    assert _best_label(call, [BackendResult(logprob=s) for s in (-3.0, -1.0, -1.0)]) == "a"
-
-
 # ---- llm_count_tokens ----------------------------------------------------------------------
 
 def test_count_tokens_counts_the_text_alone(con, eng):
     texts = ["hello world", "", "Ünïcödé text with a duck 🦆", "SELECT * FROM t;", None]
     register_rows(con, texts)
     got = column(con, "llm_count_tokens(p)")
-    assert got == [None if t is None else len(eng.tokenizer.encode(t)) for t in texts]
+    assert got == [None if t is None else len(eng.tokenizer.encode_plain(t)) for t in texts]
     assert got[0] < len(eng.tokenizer.encode(rendered("hello world")))  # no chat template
     assert con.stats()["total"]["calls"] == 0  # no model call
 

@@ -1,9 +1,18 @@
-"""Tokenizer and chat template, whatever file format the model came from."""
+"""Tokenizer and chat template, whatever file format the model came from.
+
+Chat turns are encoded so that message text can never forge the template's structure: only
+the markers the template itself writes (<|im_start|>, <|eot_id|>, its BOS, ...) become
+special tokens; the same strings inside a message's content are encoded as plain text.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+import re
+import secrets
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import jinja2
@@ -34,11 +43,97 @@ class ModelTokenizer:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special: bool = False) -> list[int]:
-        """Token ids of `text`; special-token strings in it are parsed as special tokens."""
+        """Token ids of `text`; special-token strings in it are parsed as special tokens.
+
+        For prompts their author wrote whole; text from data goes through encode_plain."""
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         if add_special and self.add_bos and self.bos_token is not None:
             ids = [self.tokenizer.token_to_id(self.bos_token), *ids]
         return ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of `text` as data: a marker string in it (<|im_end|>) stays text."""
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    @cached_property
+    def marker_ids(self) -> frozenset[int]:
+        """Tokens that structure a chat: every special added token, and every other added
+        token the chat template writes (some models ship their turn markers as non-special)."""
+        template = self.chat_template or ""
+        named = {self.bos_token, self.eos_token}
+        return frozenset(
+            i for i, t in self.tokenizer.get_added_tokens_decoder().items()
+            if t.special or t.content in template or t.content in named)
+
+    @cached_property
+    def _plain(self) -> Tokenizer:
+        # A copy in which every marker is special, with special-token matching off: the
+        # tokenizers library then encodes marker strings like any other text.
+        spec = json.loads(self.tokenizer.to_str())
+        for entry in spec.get("added_tokens", []):
+            if entry["id"] in self.marker_ids:
+                entry["special"] = True
+        plain = Tokenizer.from_str(json.dumps(spec))
+        plain.encode_special_tokens = True
+        return plain
+
+    def encode_chat(self, messages: list[dict[str, Any]],
+                    add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the chat: the template's markers are special tokens, message
+        contents are plain text. Identical to encoding the rendered string whenever the
+        contents hold no marker strings."""
+        text, spans = self._render_with_spans(messages, add_generation_prompt)
+        enc = self.tokenizer.encode(text, add_special_tokens=False)
+        forged = [(s, e) for tid, (s, e) in zip(enc.ids, enc.offsets, strict=True)
+                  if tid in self.marker_ids and _overlaps(s, e, spans)]
+        if not forged:
+            return list(enc.ids)
+        # Keep the markers that lie in template text; re-encode the text between them plain.
+        ids, pos = [], 0
+        for tid, (s, e) in zip(enc.ids, enc.offsets, strict=True):
+            if tid in self.marker_ids and not _overlaps(s, e, spans):
+                ids += self._encode_run(text[pos:s])
+                ids.append(tid)
+                pos = e
+        return ids + self._encode_run(text[pos:])
+
+    def _encode_run(self, text: str) -> list[int]:
+        """Plain ids of text between two of the template's markers."""
+        ids = self.encode_plain(text) if text else []
+        # A vocabulary that lists a marker as a plain word (word-level tokenizers) still
+        # yields it: refuse rather than let data end a turn.
+        forged = [t for t in ids if t in self.marker_ids]
+        if forged:
+            raise ValueError(
+                f"the text contains {self.tokenizer.id_to_token(forged[0])!r}, a chat marker "
+                f"that this model's tokenizer cannot encode as plain text")
+        return ids
+
+    def _render_with_spans(self, messages: list[dict[str, Any]], add_generation_prompt: bool
+                           ) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered chat, and where each message's content lies in it.
+
+        The template is rendered once with unguessable placeholders for the contents, which
+        shows where it puts each one, and once with the contents themselves."""
+        nonce = secrets.token_hex(8)
+        masked = [{**m, "content": f"\ue000{nonce}:{i}\ue001"}
+                  if isinstance(m.get("content"), str) else m for i, m in enumerate(messages)]
+        pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001",
+                          self.apply_chat_template(masked, add_generation_prompt))
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        # Templates write a content as is or trimmed (Llama 3's `| trim`).
+        for transform in _CONTENT_TRANSFORMS:
+            spans, pos, out = [], 0, []
+            for k, piece in enumerate(pieces):
+                if k % 2:
+                    piece = transform(messages[int(piece)]["content"])
+                    spans.append((pos, pos + len(piece)))
+                out.append(piece)
+                pos += len(piece)
+            if "".join(out) == text:
+                return text, spans
+        raise ValueError("this model's chat template rewrites message text, so its own markers "
+                         "cannot be told apart from the text's: use a plain prompt")
 
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)
@@ -66,3 +161,10 @@ class ModelTokenizer:
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
+
+
+_CONTENT_TRANSFORMS: tuple[Callable[[str], str], ...] = (str, str.strip)
+
+
+def _overlaps(start: int, end: int, spans: list[tuple[int, int]]) -> bool:
+    return any(start < e and end > s for s, e in spans)

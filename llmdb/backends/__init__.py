@@ -9,6 +9,7 @@ from .base import (
     ChoiceRequest,
     GenerationRequest,
     ModelRequest,
+    Prompt,
     ScoreRequest,
 )
 
@@ -18,5 +19,6 @@ __all__ = [
     "ChoiceRequest",
     "GenerationRequest",
     "ModelRequest",
+    "Prompt",
     "ScoreRequest",
 ]

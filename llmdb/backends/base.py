@@ -1,8 +1,10 @@
 """The llmdb -> backend contract: requests in, results with usage out, abort by handle.
 
-Prompts here are final text (chat template already applied by the backend's render_chat),
-so the same request always means the same model input. Priority is carried for the
-scheduler (interactive = RT, bulk = BE)."""
+Prompts here are what the backend's render_chat made of a row: chat messages for a model
+with a chat template, which the model encodes itself so that row text stays data (a
+`<|im_end|>` in a row never ends a turn), or final text for a backend without one. The same
+request always means the same model input. Priority is carried for the scheduler
+(interactive = RT, bulk = BE)."""
 
 from __future__ import annotations
 
@@ -12,10 +14,14 @@ from typing import Any, Protocol
 
 from llmdb.engine.params import SamplingParams
 
+# Chat messages ({"role": ..., "content": ...}) or, for a backend without a chat template,
+# final text.
+Prompt = list[dict[str, str]] | str
+
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    prompt: str
+    prompt: Prompt
     params: SamplingParams
     priority: str = "BE"
 
@@ -24,7 +30,7 @@ class GenerationRequest:
 class ScoreRequest:
     """Log-likelihood of `continuation` as the whole answer: its tokens, then end of turn."""
 
-    prompt: str
+    prompt: Prompt
     continuation: str
     priority: str = "BE"
 
@@ -33,7 +39,7 @@ class ScoreRequest:
 class ChoiceRequest:
     """Probability that the answer's first token is one of each word's one-token spellings."""
 
-    prompt: str
+    prompt: Prompt
     words: tuple[str, ...]
     priority: str = "BE"
 
@@ -60,7 +66,7 @@ class Backend(Protocol):
         """Everything about the model that changes answers (weights hash, dtype, version,
         chat template); part of every result-cache key."""
 
-    def render_chat(self, user: str, system: str | None) -> str: ...
+    def render_chat(self, user: str, system: str | None) -> Prompt: ...
 
     def count_tokens(self, text: str) -> int: ...
 

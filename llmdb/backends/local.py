@@ -40,14 +40,15 @@ class LocalBackend:
     def identity(self) -> dict[str, Any]:
         return dict(self._identity)
 
-    def render_chat(self, user: str, system: str | None) -> str:
+    def render_chat(self, user: str, system: str | None) -> list[dict[str, str]]:
+        """The chat messages; the engine encodes them with the template, row text as text."""
         messages = [{"role": "user", "content": user}]
         if system is not None:
             messages.insert(0, {"role": "system", "content": system})
-        return self.engine.tokenizer.apply_chat_template(messages)
+        return messages
 
     def count_tokens(self, text: str) -> int:
-        return len(self.engine.tokenizer.encode(text))
+        return len(self.engine.tokenizer.encode_plain(text))
 
     def _variants(self, word: str) -> list[int]:
         if word not in self._word_ids:
@@ -64,7 +65,7 @@ class LocalBackend:
             return eng.add_request(request.prompt, request.params, on_finish=done,
                                    priority=request.priority)
         if isinstance(request, ScoreRequest):
-            cont = [*eng.tokenizer.encode(request.continuation), self._end_of_turn]
+            cont = [*eng.tokenizer.encode_plain(request.continuation), self._end_of_turn]
             return eng.add_score_request(request.prompt, cont, on_finish=done,
                                          priority=request.priority)
         if isinstance(request, ChoiceRequest):

@@ -18,11 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmdb.backends import Backend
+from llmdb.backends import Backend, Prompt
 from llmdb.engine.cache.block_pool import block_hash
 from llmdb.engine.costmodel import CostModel, load_cost_model
 from llmdb.engine.params import SamplingParams
-from llmdb.functions import CLASSIFY_INSTRUCTION, FILTER_SUFFIX, _key
+from llmdb.functions import _key, classify_row_call, filter_row_call
 from llmdb.session import Session
 
 from .callsites import Site
@@ -91,12 +91,12 @@ def calibrated(model: CostModel) -> bool:
     return any(v > 0 for v in model.coefficients.values()) or model.floor_s > 0
 
 
-def _encode(backend: Backend, text: str) -> tuple[list[int] | None, int]:
+def _encode(backend: Backend, prompt: Prompt) -> tuple[list[int] | None, int]:
     engine = getattr(backend, "engine", None)
     if engine is not None:
-        ids = engine.encode_prompt(text)
+        ids = engine.encode_prompt(prompt)
         return ids, len(ids)
-    return None, backend.count_tokens(text)
+    return None, backend.count_tokens(prompt)
 
 
 def row_requests(site: Site, key: tuple, backend: Backend, lengths: list[int]) -> Row | None:
@@ -122,24 +122,26 @@ def row_requests(site: Site, key: tuple, backend: Backend, lengths: list[int]) -
     if site.function in ("llm_filter", "llm_filter_score"):
         if a["prompt"] is None:
             return None
-        rendered = backend.render_chat(a["prompt"] + FILTER_SUFFIX, a["system"])
-        ids, n = _encode(backend, rendered)
-        return Row([Request(ids, n, 1)], _key(backend, "filter", [rendered, ("yes", "no")]))
+        call, _ = filter_row_call(backend, a["prompt"], a["system"], "BE")
+        return Row([Request(*_encode(backend, r.prompt), 1) for r in call.requests], call.key)
     if a["text"] is None or not a["labels"]:
         return None
-    choices = list(a["labels"])
-    head = a["instruction"] or CLASSIFY_INSTRUCTION.format(labels=", ".join(choices))
-    rendered = backend.render_chat(f"{head}\n\nText: {a['text']}", a["system"])
-    ids, n = _encode(backend, rendered)
+    try:
+        call, _ = classify_row_call(backend, a["text"], a["labels"], a["instruction"],
+                                    a["system"], "BE")
+    except ValueError:  # ill-formed labels: the row fails when it runs, with its cause
+        return None
     requests = []
     engine = getattr(backend, "engine", None)
-    for c in choices:  # each label is scored after the prompt: its tokens, end of turn
+    for r in call.requests:  # each label is scored after its prompt: its tokens, end of turn
+        ids, n = _encode(backend, r.prompt)
         if engine is None or ids is None:
-            requests.append(Request(None, n + backend.count_tokens(c) + 1, 1))
+            requests.append(Request(None, n + backend.count_tokens(r.continuation) + 1, 1))
         else:
-            cont = [*engine.tokenizer.encode(c), getattr(backend, "_end_of_turn", 0)]
+            cont = [*engine.tokenizer.encode_plain(r.continuation),
+                    getattr(backend, "_end_of_turn", 0)]
             requests.append(Request(ids + cont, n + len(cont), 1, cacheable=n - 1))
-    return Row(requests, _key(backend, "classify", [rendered, choices]))
+    return Row(requests, call.key)
 
 
 def _leading_blocks(ids: list[int], block_size: int, limit: int) -> list[tuple[int, tuple]]:

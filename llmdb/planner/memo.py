@@ -113,7 +113,7 @@ class QueryRun:
                     out[i] = self.memo[mk]
                 else:
                     missing.setdefault(k, []).append(i)
-        if missing and (self.dry or self.modes[site_id] != "strict"):
+        if missing and self.modes[site_id] != "strict":  # a dry run as a real one would
             values = self.compute(site, list(missing))
             for k, v in zip(missing, values, strict=True):
                 for i in missing[k]:
@@ -246,9 +246,11 @@ class QueryRun:
 def requests_per_call(site: Site, key: tuple) -> int:
     if key[0] is None:
         return 0
-    if site.function == "llm_classify":
+    if site.function == "llm_classify":  # each label under each rotation of the labels
         labels = key[site.signature.index("labels")]
-        return len(labels) if labels else 0
+        return len(labels) ** 2 if labels else 0
+    if site.function in ("llm_filter", "llm_filter_score"):  # both answer orders
+        return 2
     return 1
 
 

@@ -68,14 +68,14 @@ def call_cost(site: Site) -> float:
     """Relative cost of one call, in prompt prefills: a classify scores each label, and a
     generated token costs about half a short prompt's prefill here (decode steps are
     memory-bound, prefill is batched into large matrix products)."""
-    if site.function == "llm_classify":
+    if site.function == "llm_classify":  # each label under each rotation of the labels
         labels = site.arg("labels")
-        return float(len(labels.expressions)) if isinstance(labels, exp.Array) else 2.0
+        return float(len(labels.expressions) ** 2) if isinstance(labels, exp.Array) else 4.0
     if site.function == "llm_complete":
         n = site.arg("max_tokens")
         tokens = int(n.this) if isinstance(n, exp.Literal) and n.this.isdigit() else 256
         return 1.0 + 0.5 * tokens
-    return 1.0
+    return 2.0  # a filter asks with both answer orders
 
 
 def ranker(sites: list[Site], model: str, learned: Learned
