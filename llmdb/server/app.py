@@ -56,6 +56,7 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     """The app; api_key None serves without authentication (the caller decides when that is
     allowed: `llmdb serve` only on a loopback address)."""
     limits = limits or Limits()
+    created = int(time.time())
     metrics = EngineMetrics(engine)
     inflight: dict[str, _Call] = {}
     slots = asyncio.Semaphore(limits.max_concurrent)
@@ -111,10 +112,8 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": int(engine_started),
+            "id": model_name, "object": "model", "created": created,
             "owned_by": "llmdb", "max_model_len": engine.config.max_context}]}
-
-    engine_started = time.time()
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
@@ -334,7 +333,6 @@ class _Render:
         self.created = int(time.time())
 
     prefix = "cmpl"
-    object = "text_completion"
 
     def _base(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
