@@ -20,6 +20,7 @@ from llmdb.kernels.hidden_cache import HiddenBatch, hidden_rows
 
 from .cache.kv_cache import KVCache
 from .cuda_graphs import DecodeGraphs, attention_splits
+from .models.hidden_attention import hidden_io
 from .sampling import row_key, sample, top_logprobs
 from .sched.request import Request
 from .step_inputs import StepBuffers, StepInputs
@@ -96,10 +97,7 @@ class ModelRunner:
             positions.append(pos)
         rows_t, slots_t, pos_t = (torch.from_numpy(np.concatenate(x)).to(self.device)
                                   for x in (rows, slots, positions))
-        if self.model.kernels == "triton":
-            from llmdb.kernels.gpu.hidden_cache import gather_hidden
-        else:
-            from llmdb.kernels.hidden_cache import gather_hidden
+        gather_hidden = hidden_io(self.model.kernels == "triton")[1]
         for layer, (store, (k_cache, v_cache)) in enumerate(
                 zip(self.kv_cache.hidden, self.kv_cache.layers, strict=True)):
             k, v = self.model.reproject_kv(layer, gather_hidden(store, rows_t), pos_t)

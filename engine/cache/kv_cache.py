@@ -19,7 +19,6 @@ class KVCache:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu"):
         self.num_slots = slots = num_blocks * block_size
-        self.block_size = block_size
         shape = (2, slots, config.num_kv_heads, config.head_dim)
         # On the CPU torch.empty maps memory lazily: only blocks that are written cost
         # resident memory.

@@ -22,16 +22,22 @@ Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionBatch, 
 Reproject = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
+def hidden_io(triton: bool) -> tuple[Callable, Callable]:
+    """(write_hidden, gather_hidden) of the kernel set: Triton on GPUs, torch on the CPU."""
+    if triton:
+        from llmdb.kernels.gpu import hidden_cache as io
+    else:
+        from llmdb.kernels import hidden_cache as io
+    return io.write_hidden, io.gather_hidden
+
+
 def mixed_attention(q: torch.Tensor, h: torch.Tensor, kv_layer: tuple[torch.Tensor, torch.Tensor],
                     batch: AttentionBatch, scale: float, attention: Attention,
                     hidden: HiddenBatch, store: torch.Tensor, reproject: Reproject,
                     triton: bool = False) -> torch.Tensor:
     """q [T, H, D], h [T, hidden] (this step's QKV-projection inputs) -> [T, H, D]. The
     KV-cache rows' K/V must already be in the cache."""
-    if triton:
-        from llmdb.kernels.gpu.hidden_cache import gather_hidden, write_hidden
-    else:
-        from llmdb.kernels.hidden_cache import gather_hidden, write_hidden
+    write_hidden, gather_hidden = hidden_io(triton)
     nk = hidden.first_row
     write_hidden(store, h[nk:], hidden.new_rows)
     k, v = reproject(gather_hidden(store, hidden.context_rows), hidden.context_positions)

@@ -66,11 +66,12 @@ class LlamaModel:
         # K and V alone, for re-projecting hidden-cache states (a view of the QKV weight,
         # except on the CPU where packing copies it).
         self.kv_projs: list[Linear] = []
+        hidden_cache = c.hidden_cache_support()[0]
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             # One matmul for Q, K and V and one for gate and up: fewer, larger GEMMs.
             qkv = torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-            if c.hidden_cache_support()[0]:
+            if hidden_cache:
                 self.kv_projs.append(linear(qkv[c.num_heads * c.head_dim :]))
             gate_up = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
             self.layers.append((

@@ -41,6 +41,7 @@ class OPTModel:
                               else lm.to(device, dtype))
         self.layers = []
         self.kv_projs: list[Linear] = []  # K and V alone: hidden-cache re-projection
+        hidden_cache = config.hidden_cache_support()[0]
         for i in range(config.num_layers):
             q = f"layers.{i}."
             qkv_w = torch.cat([weights[p + q + f"self_attn.{n}_proj.weight"] for n in "qkv"])
@@ -59,7 +60,7 @@ class OPTModel:
                 ))
             self.layers.append((ln1_w, ln1_b, linear(qkv_w, qkv_b), linear(o_w, o_b), ln2_w,
                                 ln2_b, linear(fc1_w, fc1_b), linear(fc2_w, fc2_b)))
-            if config.hidden_cache_support()[0]:
+            if hidden_cache:
                 h = config.hidden_size
                 self.kv_projs.append(linear(qkv_w[h:], qkv_b[h:]))
 
