@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from . import __version__
-from .cache.block_pool import BlockPool
+from .cache.block_pool import HIDDEN_RATIO, BlockPool
 from .cache.kv_cache import KVCache
 from .compute import run_on_compute_thread
 from .costmodel import engine_cost_model
@@ -40,9 +40,6 @@ DEFAULT_KV_CACHE_BYTES = 2 << 30  # on the CPU; a GPU gets most of its free memo
 # Of the GPU memory free once the weights are loaded, the share the KV pool takes; the rest
 # holds activations, logits and CUDA graphs.
 GPU_KV_SHARE = 0.8
-# A hidden-cache token takes one of a block's 2 x block_size slots (cache/block_pool.py): the
-# scheduler's hidden/KV memory ratio.
-HIDDEN_RATIO = 0.5
 GPU_ACTIVATION_RESERVE = 2 << 30
 
 
@@ -168,6 +165,7 @@ class LLMEngine:
             "hidden_cache": {
                 "enabled": self.hidden_cache,
                 "why": self.hidden_cache_reason,
+                # A hidden request takes a block half by half, block_size tokens a half.
                 "tokens_per_block": 2 * self.pool.block_size if self.hidden_cache else 0,
             },
             "policy": self.scheduler.policy.name,

@@ -87,11 +87,11 @@ class ModelRunner:
         """K/V projected from the hidden states in the old blocks of requests switched to the
         KV cache (Scheduler.convert_to_kv), written into their new blocks: one gather and one
         projection per layer for all of them."""
-        bs, num_slots = self.block_size, self.kv_cache.num_slots
+        bs = self.block_size
         rows, slots, positions = [], [], []
-        for req, old_blocks in converted:
+        for req, old_units in converted:
             pos = np.arange(req.num_computed, dtype=np.int64)
-            rows.append(hidden_rows(old_blocks, pos, bs, num_slots))
+            rows.append(hidden_rows(old_units, pos, bs))
             table = np.asarray(req.block_ids, dtype=np.int64)
             slots.append(table[pos // bs] * bs + pos % bs)
             positions.append(pos)
@@ -141,7 +141,7 @@ class ModelRunner:
                 inputs.hidden = HiddenBatch.build(
                     sum(n for _, n in scheduled[:num_kv]), qlens,
                     [a + q for a, q in zip(starts[num_kv:], qlens, strict=True)],
-                    tables[num_kv:], self.block_size, self.kv_cache.num_slots, self.device)
+                    tables[num_kv:], self.block_size, self.device)
             if self.graphs is not None and inputs.batch.max_query_len == 1:
                 inputs.batch.num_splits = attention_splits(
                     len(scheduled), self.model.config.num_kv_heads, self.device,

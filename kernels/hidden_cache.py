@@ -2,10 +2,11 @@
 
 A hidden-cache request keeps, per layer, the input of the QKV projection (the layer input
 after its norm) instead of K and V. The store of one layer is a view [2 * num_slots, hidden]
-over the layer's K/V tensor [2, num_slots, kv_heads, head_dim] (engine/cache/block_pool.py):
-row r holds one token. A block b of block_size slots per half holds 2 x block_size tokens:
-token p of a request sits in block block_ids[p // (2 block_size)], in its K half when
-(p // block_size) is even, else in its V half, at offset p % block_size (`hidden_rows`).
+over the layer's K/V tensor [2, num_slots, kv_heads, head_dim] (engine/cache/kv_cache.py):
+row r holds one token, so each block's K half and V half hold block_size tokens each. A
+hidden request's table lists units, each a half block (unit u = half * num_blocks + block,
+engine/cache/block_pool.py), and unit u is rows u * block_size onwards: token p of a request
+sits at row units[p // block_size] * block_size + p % block_size (`hidden_rows`).
 
 At attention time the K/V of a hidden-cache sequence are re-projected from its gathered
 hidden states into a scratch K/V buffer laid out as a paged cache of its own (each sequence
@@ -26,12 +27,10 @@ import torch
 from .attention import AttentionBatch
 
 
-def hidden_rows(block_ids: list[int], positions: np.ndarray, block_size: int,
-                num_slots: int) -> np.ndarray:
-    """Store rows of the given token positions of a sequence whose blocks are block_ids."""
-    blocks = np.asarray(block_ids, dtype=np.int64)[positions // (2 * block_size)]
-    half = (positions // block_size) % 2
-    return half * num_slots + blocks * block_size + positions % block_size
+def hidden_rows(units: list[int], positions: np.ndarray, block_size: int) -> np.ndarray:
+    """Store rows of the given token positions of a sequence whose half blocks are units."""
+    return np.asarray(units, dtype=np.int64)[positions // block_size] * block_size + (
+        positions % block_size)
 
 
 @dataclass
@@ -49,7 +48,7 @@ class HiddenBatch:
 
     @classmethod
     def build(cls, first_row: int, query_lens: list[int], context_lens: list[int],
-              block_tables: list[list[int]], block_size: int, num_slots: int,
+              block_tables: list[list[int]], block_size: int,
               device: torch.device | str = "cpu") -> HiddenBatch:
         new, ctx_rows, ctx_pos, scratch_tables = [], [], [], []
         scratch_blocks = 0
@@ -57,7 +56,7 @@ class HiddenBatch:
             nblocks = -(-ctx // block_size)
             pos = np.arange(nblocks * block_size, dtype=np.int64)
             pos[ctx:] = 0
-            rows = hidden_rows(table, pos, block_size, num_slots)
+            rows = hidden_rows(table, pos, block_size)
             rows[ctx:] = 0
             new.append(rows[ctx - qlen : ctx])
             ctx_rows.append(rows)
@@ -93,8 +92,7 @@ def gather_hidden_reference(store: torch.Tensor, block_tables: list[list[int]],
     for table, ctx in zip(block_tables, context_lens, strict=True):
         tokens = []
         for p in range(ctx):
-            block, offset = table[p // (2 * block_size)], p % block_size
-            half = (p // block_size) % 2
-            tokens.append(store[half * num_slots + block * block_size + offset])
+            half, block = divmod(table[p // block_size], num_slots // block_size)
+            tokens.append(store[half * num_slots + block * block_size + p % block_size])
         out.append(torch.stack(tokens) if tokens else store[:0])
     return out

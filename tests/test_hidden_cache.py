@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from llmdb.engine.cache.block_pool import BlockPool, FreeSpace
 from llmdb.engine.engine import LLMEngine
 from llmdb.engine.params import SamplingParams
 from llmdb.engine.sched.request import Status
@@ -86,9 +87,9 @@ def _generate(eng: LLMEngine, prompts: list[list[int]], types: list[str],
             eng.runner.convert_to_kv(out.converted)
         eng.step()
         step += 1
-        for r in eng.scheduler.running:  # hidden states take a block per 2 x BLOCK tokens
+        for r in eng.scheduler.running:  # hidden states take a half block per BLOCK tokens
             if r.cache_type == "hidden":
-                assert len(r.block_ids) == -(-r.num_computed // (2 * BLOCK)), r.request_id
+                assert len(r.block_ids) == -(-r.num_computed // BLOCK), r.request_id
     if switch:
         assert switched, "nothing was switched"
     assert eng.pool.num_free == eng.pool.num_blocks, "blocks leaked"
@@ -102,10 +103,10 @@ def _store_and_tables(hidden: int, slot_width: int, seed: int):
     num_blocks = 24
     kv = torch.zeros(2, num_blocks * BLOCK, slot_width)
     store = kv.view(2 * num_blocks * BLOCK, slot_width)[:, :hidden]
-    pool = list(range(num_blocks))
-    random.Random(seed).shuffle(pool)
+    units = list(range(2 * num_blocks))  # half blocks
+    random.Random(seed).shuffle(units)
     ctx = [5, 17, 8, 1]
-    tables = [[pool.pop() for _ in range(-(-c // (2 * BLOCK)))] for c in ctx]
+    tables = [[units.pop() for _ in range(-(-c // BLOCK))] for c in ctx]
     return store, tables, ctx
 
 
@@ -122,12 +123,12 @@ def test_write_then_gather_reads_the_block_layout(triton, slot_width):
     # Written in two steps (a prefill chunk, then the rest), as a request grows.
     for s, table, c in zip(states, tables, ctx, strict=True):
         for lo, hi in ((0, c // 2), (c // 2, c)):
-            rows = hidden_rows(table, np.arange(lo, hi), BLOCK, store.shape[0] // 2)
+            rows = hidden_rows(table, np.arange(lo, hi), BLOCK)
             write(store, s[lo:hi], torch.from_numpy(rows))
     want = gather_hidden_reference(store, tables, ctx, BLOCK)
     for s, w in zip(states, want, strict=True):
         torch.testing.assert_close(w, s, rtol=0, atol=0)
-    hb = HiddenBatch.build(0, [1] * len(ctx), ctx, tables, BLOCK, store.shape[0] // 2)
+    hb = HiddenBatch.build(0, [1] * len(ctx), ctx, tables, BLOCK)
     got = gather(store, hb.context_rows)
     start = 0
     for c, w in zip(ctx, want, strict=True):
@@ -136,10 +137,45 @@ def test_write_then_gather_reads_the_block_layout(triton, slot_width):
 
 
 def test_no_hidden_row_is_shared():
-    num_slots = 64
-    rows = [hidden_rows([b], np.arange(2 * BLOCK), BLOCK, num_slots) for b in range(16)]
+    num_blocks = 16
+    rows = [hidden_rows([u], np.arange(BLOCK), BLOCK) for u in range(2 * num_blocks)]
     flat = np.concatenate(rows)
-    assert len(set(flat.tolist())) == len(flat) and flat.max() < 2 * num_slots
+    assert len(set(flat.tolist())) == len(flat) and flat.max() < 2 * num_blocks * BLOCK
+
+
+def test_pool_hands_out_halves_and_keeps_whole_blocks_for_kv():
+    pool = BlockPool(4, BLOCK)
+    a = pool.allocate_halves(3)  # one whole block split, then its other half, then another
+    assert sorted(u % 4 for u in a) == [a[0] % 4, a[0] % 4, a[2] % 4]
+    assert pool.num_free == 2 and pool.num_free_halves == 5
+    assert pool.free_space() == FreeSpace(2, 1)
+    b = pool.allocate_halves(1)  # the half-used block's free half, not a whole block
+    assert b[0] % 4 == a[2] % 4 and pool.num_free == 2
+    assert pool.blocks_freed_by(a[:2]) == 1 and pool.blocks_freed_by(a[2:]) == 0
+    pool.free_halves(a)
+    assert pool.num_free == 3 and pool.num_free_halves == 7  # b's partner half is free
+    pool.free_halves(b)
+    assert pool.num_free == pool.num_blocks and pool.num_free_halves == 8
+    with pytest.raises(RuntimeError, match="halves"):
+        pool.allocate_halves(9)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_free_space_plans_as_the_pool_allocates(seed):
+    rng = random.Random(seed)
+    pool, held = BlockPool(12, BLOCK), []
+    for _ in range(40):
+        if held and rng.random() < 0.4:
+            kind, ids = held.pop(rng.randrange(len(held)))
+            (pool.free_halves if kind == "h" else pool.free)(ids)
+            continue
+        kind, n = rng.choice("hk"), rng.randrange(1, 5)
+        plan = pool.free_space()
+        ok = plan.take_halves(n) if kind == "h" else plan.take_blocks(n)
+        assert ok == (n <= (pool.num_free_halves if kind == "h" else pool.num_free))
+        if ok:
+            held.append((kind, (pool.allocate_halves if kind == "h" else pool.allocate)(n)))
+            assert plan == pool.free_space()
 
 
 def test_attention_over_reprojected_kv_equals_kv_cache():
@@ -152,13 +188,12 @@ def test_attention_over_reprojected_kv_equals_kv_cache():
     store, tables, ctx = _store_and_tables(hidden, heads * d, seed=2)
     qlens = [3, 17, 2, 1]
     states = [torch.randn(c, hidden) for c in ctx]
-    num_slots = store.shape[0] // 2
     for s, table, c, q in zip(states, tables, ctx, qlens, strict=True):  # the cached part
         write_hidden(store, s[: c - q], torch.from_numpy(
-            hidden_rows(table, np.arange(c - q), BLOCK, num_slots)))
+            hidden_rows(table, np.arange(c - q), BLOCK)))
     q = torch.randn(sum(qlens), heads, d)
     new = torch.cat([s[c - ql :] for s, c, ql in zip(states, ctx, qlens, strict=True)])
-    hb = HiddenBatch.build(0, qlens, ctx, tables, BLOCK, num_slots)
+    hb = HiddenBatch.build(0, qlens, ctx, tables, BLOCK)
 
     def reproject(h, _pos):
         return (h @ wk.T).view(-1, heads, d), (h @ wv.T).view(-1, heads, d)

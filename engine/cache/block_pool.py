@@ -5,11 +5,23 @@ block before it, and its own tokens). A block whose last user frees it keeps its
 sits at the end of the free list, so it can be reused by a later request with the same
 prefix until the allocator needs it (least recently freed first). A hit is verified against
 the stored tokens, so a hash collision can never hand out wrong K/V.
+
+Halves (Apt-Serve's hidden cache): a block has a K half and a V half of block_size slots
+each. A hidden-cache request stores one vector per token, so one half holds block_size of its
+tokens, and it takes blocks half by half: half h of block b is the unit h * num_blocks + b
+(the row layout of kernels/hidden_cache.py). Halves come from blocks whose other half is
+already taken by a hidden request before whole free blocks are split, so whole blocks stay
+for KV-cache requests. A block with a hidden half in use is referenced, never free.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
+
+# Hidden-cache memory per token over KV-cache memory per token (Apt-Serve's h/m) where the pool
+# stores hidden states: one vector per token in a half block, where K/V take both halves.
+HIDDEN_RATIO = 0.5
 
 
 def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
@@ -30,11 +42,22 @@ class BlockPool:
         self._hash_of: dict[int, int] = {}  # block -> hash, for cached blocks
         self._tokens_of: dict[int, tuple[int, ...]] = {}
         self._cached: dict[int, int] = {}  # hash -> block
+        self._halves_used: dict[int, int] = {}  # hidden-owned block -> bit mask of its halves
+        self._half_free: OrderedDict[int, None] = OrderedDict()  # one half used, one free
 
     @property
     def num_free(self) -> int:
         """Blocks that can be allocated now (unreferenced cached blocks included)."""
         return len(self._free)
+
+    @property
+    def num_free_halves(self) -> int:
+        """Halves that hidden-cache requests can allocate now."""
+        return 2 * len(self._free) + len(self._half_free)
+
+    def free_space(self) -> FreeSpace:
+        """A snapshot of the free memory, for a policy to plan allocations against."""
+        return FreeSpace(len(self._free), len(self._half_free))
 
     @property
     def num_cached(self) -> int:
@@ -65,6 +88,42 @@ class BlockPool:
             if self.ref_count[b] == 0:
                 self._free[b] = None
 
+    def allocate_halves(self, n: int) -> list[int]:
+        if n > self.num_free_halves:
+            raise RuntimeError(f"allocating {n} halves with {self.num_free_halves} free")
+        out = []
+        for _ in range(n):
+            if self._half_free:
+                b, _ = self._half_free.popitem(last=False)
+                half = 1 if self._halves_used[b] == 1 else 0
+                self._halves_used[b] = 3
+            else:
+                b, half = self.allocate(1)[0], 0
+                self._halves_used[b] = 1
+                self._half_free[b] = None
+            out.append(half * self.num_blocks + b)
+        return out
+
+    def free_halves(self, units: list[int]) -> None:
+        for u in reversed(units):
+            half, b = divmod(u, self.num_blocks)
+            mask = self._halves_used[b] & ~(1 << half)
+            if mask:
+                self._halves_used[b] = mask
+                self._half_free[b] = None
+            else:
+                del self._halves_used[b]
+                self._half_free.pop(b, None)
+                self.free([b])
+
+    def blocks_freed_by(self, units: list[int]) -> int:
+        """Whole blocks that freeing these halves would return to the free list."""
+        mine: dict[int, int] = {}
+        for u in units:
+            half, b = divmod(u, self.num_blocks)
+            mine[b] = mine.get(b, 0) | (1 << half)
+        return sum(1 for b, mask in mine.items() if mask == self._halves_used[b])
+
     def lookup(self, h: int, tokens: tuple[int, ...]) -> int | None:
         b = self._cached.get(h)
         return b if b is not None and self._tokens_of[b] == tokens else None
@@ -81,3 +140,27 @@ class BlockPool:
             self._cached[h] = b
             self._hash_of[b] = h
             self._tokens_of[b] = tokens
+
+
+@dataclass
+class FreeSpace:
+    """Free whole blocks and free halves of half-used blocks; take_* succeed (and subtract)
+    as BlockPool.allocate / allocate_halves would."""
+
+    whole: int
+    half: int
+
+    def take_blocks(self, n: int) -> bool:
+        if n > self.whole:
+            return False
+        self.whole -= n
+        return True
+
+    def take_halves(self, n: int) -> bool:
+        if n > 2 * self.whole + self.half:
+            return False
+        from_half = min(n, self.half)
+        split = n - from_half
+        self.whole -= -(-split // 2)
+        self.half += split % 2 - from_half
+        return True

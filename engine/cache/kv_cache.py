@@ -12,9 +12,9 @@ class KVCache:
 
     Block b owns slots b * block_size ... (b + 1) * block_size - 1 of both halves. A block of
     a KV-cache request holds K in the first half and V in the second for block_size tokens;
-    a block of a hidden-cache request (Apt-Serve) holds the layer's QKV-projection input for
-    2 x block_size tokens, the first block_size in the K half, the next in the V half
-    (kernels/hidden_cache.py). Every request type takes any free block of the one pool."""
+    a hidden-cache request (Apt-Serve) holds the layer's QKV-projection input for block_size
+    tokens in one half, so a block serves two hidden units (kernels/hidden_cache.py). Every
+    request type takes any free block of the one pool."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu"):

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..cache.block_pool import BlockPool, block_hash
+from ..cache.block_pool import HIDDEN_RATIO, BlockPool, block_hash
 from ..costmodel import Chunk, CostModel
 from ..params import SamplingParams
 from .request import Request, Status
@@ -29,7 +29,7 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens)
     preempted: list[Request] = field(default_factory=list)
     # Hidden-cache requests switched to the KV cache this step: (request, its old hidden
-    # blocks). The executor projects their K/V from those blocks before the step runs.
+    # halves). The executor projects their K/V from those blocks before the step runs.
     converted: list[tuple[Request, list[int]]] = field(default_factory=list)
 
     @property
@@ -53,7 +53,11 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.cost_model = cost_model
         # Hidden-cache bytes per token over KV bytes per token (Apt-Serve's h/m); None: the
-        # executor has no hidden cache. A hidden block holds block_size / ratio tokens.
+        # executor has no hidden cache. The pool stores hidden states by half blocks, so the
+        # ratio is HIDDEN_RATIO: a hidden request's block_ids are halves of block_size tokens.
+        if hidden_ratio not in (None, HIDDEN_RATIO):
+            raise ValueError(f"hidden_ratio must be None or {HIDDEN_RATIO} (hidden states take "
+                             f"half blocks), got {hidden_ratio}")
         self.hidden_ratio = hidden_ratio
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.waiting: deque[Request] = deque()
@@ -91,10 +95,29 @@ class Scheduler:
         return not req.is_decode
 
     def blocks_for(self, req: Request, tokens: int) -> int:
-        if req.cache_type == "hidden" and self.hidden_ratio:
-            per_block = max(1, int(self.pool.block_size / self.hidden_ratio))
-            return -(-tokens // per_block)
+        """Allocation units for `tokens` tokens: KV blocks, or halves for a hidden request
+        (each holds block_size tokens)."""
         return self.pool.blocks_for(tokens)
+
+    def memory_held(self, req: Request) -> float:
+        """The request's memory in blocks (a hidden request's halves count half)."""
+        held = len(req.block_ids)
+        return held * self.hidden_ratio if req.cache_type == "hidden" else held
+
+    def _num_free(self, req: Request) -> int:
+        """Free units of the request's cache type."""
+        return self.pool.num_free_halves if req.cache_type == "hidden" else self.pool.num_free
+
+    def _allocate(self, req: Request, n: int) -> None:
+        hidden = req.cache_type == "hidden"
+        req.block_ids.extend(self.pool.allocate_halves(n) if hidden else self.pool.allocate(n))
+
+    def _release(self, req: Request) -> None:
+        if req.cache_type == "hidden":
+            self.pool.free_halves(req.block_ids)
+        else:
+            self.pool.free(req.block_ids)
+        req.block_ids = []
 
     def _blocks_needed(self, req: Request, n: int) -> int:
         return max(0, self.blocks_for(req, req.num_computed + n) - len(req.block_ids))
@@ -126,9 +149,10 @@ class Scheduler:
 
     def fits(self, req: Request, n: int) -> bool:
         """Can `req` compute n more tokens now without touching others' blocks/reservations?"""
-        free = self.pool.num_free
+        free = self._num_free(req)
         if self.policy.reserves_memory:
-            free -= sum(self.reserved_blocks(r) for r in self.running if r is not req)
+            reserved = sum(self.reserved_blocks(r) for r in self.running if r is not req)
+            free -= reserved * (2 if req.cache_type == "hidden" else 1)  # (in halves)
         return self.blocks_to_run(req, n) <= free
 
     # ---- prefix caching --------------------------------------------------------------------
@@ -238,7 +262,7 @@ class Scheduler:
         n = min(n, req.num_tokens - req.num_computed)
         new_blocks = self._blocks_needed(req, n)
         if new_blocks:
-            req.block_ids.extend(self.pool.allocate(new_blocks))
+            self._allocate(req, new_blocks)
             # Allocation may recycle cached blocks that other waiting requests would hit.
             self._hits.clear()
         out.scheduled.append((req, n))
@@ -298,10 +322,10 @@ class Scheduler:
         if req.status is not Status.RUNNING or req.cache_type != "hidden":
             raise ValueError(f"{req.request_id} is not a running hidden-cache request")
         need = self.pool.blocks_for(req.num_computed)
-        if need > self.pool.num_free + len(req.block_ids):
+        if need > self.pool.num_free + self.pool.blocks_freed_by(req.block_ids):
             return False
         old = req.block_ids
-        self.pool.free(old)
+        self._release(req)
         req.block_ids = self.pool.allocate(need)
         self._hits.clear()
         req.cache_type = "kv"
@@ -316,8 +340,7 @@ class Scheduler:
         """Recompute later: free its blocks; its prompt and outputs so far are kept."""
         self.running.remove(req)
         self._forget_computing(req)
-        self.pool.free(req.block_ids)
-        req.block_ids = []
+        self._release(req)
         req.num_computed = 0
         req.num_registered = 0
         req.num_preemptions += 1
@@ -334,7 +357,6 @@ class Scheduler:
         elif req.status is Status.WAITING and req in self.waiting:
             self.waiting.remove(req)
         self._forget_computing(req)
-        self.pool.free(req.block_ids)
-        req.block_ids = []
+        self._release(req)
         req.status = Status.FINISHED
         self.policy.observe_finished(req)

@@ -77,7 +77,7 @@ class AptPolicy(Policy):
         pool = s.pool
         if prefill_iter:
             queue = list(s.waiting)[: s.max_num_seqs - len(s.running)]
-            budget = pool.num_blocks - sum(len(r.block_ids) for r in s.running)
+            budget = pool.num_blocks - sum(map(s.memory_held, s.running))
         else:
             queue, budget = list(s.running), pool.num_blocks
         bs = pool.block_size
@@ -89,8 +89,7 @@ class AptPolicy(Policy):
         tokens = [len(r.prompt_ids) + len(r.output_ids) for r in queue]
         m = [(t + bs - 1) // bs for t in tokens]  # KV blocks, rounded up
         if s.hidden_ratio:
-            per_block = max(1, int(bs / s.hidden_ratio))  # hidden-cache tokens per block
-            h = [(t + per_block - 1) // per_block for t in tokens]
+            h = [b * s.hidden_ratio for b in m]  # the same count of half blocks
         else:
             h = [b + 1 for b in m]  # h > m: no hidden option
         rho = (s.cost_model.rho if s.cost_model is not None else 0.0) * bs
@@ -160,7 +159,7 @@ class FCFSHybridPolicy(FCFSPolicy):
     def assign_cache_types(s: Scheduler) -> None:
         """KV for each waiting request, in order, while its KV cache fits what the ones
         before it left free; hidden where only that fits; the rest wait in KV form."""
-        free = s.pool.num_free
+        free = s.pool.free_space()
         blocked = False
         for r in s.waiting:
             if r.num_computed:  # already holds blocks (not the case for waiting ones)
@@ -168,14 +167,10 @@ class FCFSHybridPolicy(FCFSPolicy):
             r.cache_type = "kv"
             if blocked:
                 continue
-            kv = s.blocks_for(r, r.num_tokens)
-            if kv <= free:
-                free -= kv
+            units = s.blocks_for(r, r.num_tokens)  # KV blocks or as many hidden halves
+            if free.take_blocks(units):
                 continue
-            r.cache_type = "hidden"
-            hidden = s.blocks_for(r, r.num_tokens)
-            if hidden <= free:
-                free -= hidden
+            if free.take_halves(units):
+                r.cache_type = "hidden"
             else:
-                r.cache_type = "kv"
                 blocked = True
