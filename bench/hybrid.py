@@ -64,14 +64,24 @@ def engine(path: Path, args, policy: str, hidden: bool, cache_bytes: int) -> LLM
 
 # ---- capacity ---------------------------------------------------------------------------------
 
-# mode: (policy, hidden cache on, re-projection weighed by the cost model's rho)
-CAPACITY_MODES = {"apt_kv": ("apt", False, True), "apt_hybrid": ("apt", True, True),
-                  "apt_hybrid_memory_only": ("apt", True, False),
-                  "fcfs_kv": ("fcfs", False, True), "fcfs_hybrid": ("fcfs-hybrid", True, True)}
+# mode: (policy, hidden cache on, re-projection weighed by the cost model's rho, every request
+# in hidden form). fcfs_all_hidden against fcfs_kv is the cache's capacity alone: the same
+# admission order, each request in one form or the other; apt's knapsack also chooses which
+# requests run, and under scarcer memory it keeps the ones with the least memory.
+CAPACITY_MODES = {"apt_kv": ("apt", False, True, False), "apt_hybrid": ("apt", True, True, False),
+                  "apt_hybrid_memory_only": ("apt", True, False, False),
+                  "fcfs_kv": ("fcfs", False, True, False),
+                  "fcfs_hybrid": ("fcfs-hybrid", True, True, False),
+                  "fcfs_all_hidden": ("fcfs", True, True, True)}
+# ratio: (hybrid mode, its KV-only baseline)
+CAPACITY_RATIOS = {"apt": ("apt_hybrid", "apt_kv"),
+                   "apt_memory_only": ("apt_hybrid_memory_only", "apt_kv"),
+                   "fcfs": ("fcfs_hybrid", "fcfs_kv"),
+                   "fcfs_all_hidden": ("fcfs_all_hidden", "fcfs_kv")}
 
 
 def capacity(path: Path, args, mode: str) -> dict:
-    policy, hidden, with_rho = CAPACITY_MODES[mode]
+    policy, hidden, with_rho, all_hidden = CAPACITY_MODES[mode]
     eng = engine(path, args, policy, hidden, args.cache_mb << 20)
     if not with_rho:  # the knapsack sees re-projection as free: memory alone decides
         cm = eng.scheduler.cost_model
@@ -84,8 +94,10 @@ def capacity(path: Path, args, mode: str) -> dict:
     for _ in range(args.capacity_requests):
         prompt = int(rng.integers(args.prompt // 2, args.prompt * 3 // 2 + 1))
         output = int(rng.integers(args.output // 2, args.output * 3 // 2 + 1))
-        eng.add_request(rng.integers(4, vocab, prompt).tolist(),
-                        SamplingParams(max_tokens=output, ignore_eos=True))
+        rid = eng.add_request(rng.integers(4, vocab, prompt).tolist(),
+                              SamplingParams(max_tokens=output, ignore_eos=True))
+        if all_hidden:  # fcfs keeps a request's cache type, preempted and readmitted too
+            eng._requests[rid].cache_type = "hidden"
     running, tokens, hidden_share = [], [], []
     saturated = False
     t0 = time.perf_counter()
@@ -215,6 +227,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shape", default="opt-1.3b", help="capacity: the model shape")
     ap.add_argument("--cache-mb", type=int, default=128, help="capacity: the cache budget")
+    ap.add_argument("--modes", nargs="+", choices=list(CAPACITY_MODES),
+                    default=list(CAPACITY_MODES), help="capacity: the modes to run")
     ap.add_argument("--capacity-requests", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--output", type=int, default=64)
@@ -229,15 +243,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.only in (None, "capacity"):
         path = model_dir(args.shape, args.models)
         running = {}
-        for mode in CAPACITY_MODES:
+        for mode in args.modes:
             line = capacity(path, args, mode)
             running[mode] = line["mean_running"]
             print(json.dumps(line), flush=True)
-        print(json.dumps({"name": "hybrid_capacity_ratio", "shape": args.shape,
-                          "apt": round(running["apt_hybrid"] / running["apt_kv"], 2),
-                          "apt_memory_only": round(running["apt_hybrid_memory_only"]
-                                                   / running["apt_kv"], 2),
-                          "fcfs": round(running["fcfs_hybrid"] / running["fcfs_kv"], 2)}))
+        ratios = {name: round(running[hybrid] / running[kv], 2)
+                  for name, (hybrid, kv) in CAPACITY_RATIOS.items()
+                  if hybrid in running and kv in running}
+        print(json.dumps({"name": "hybrid_capacity_ratio", "shape": args.shape, **ratios}))
     if args.only in (None, "slo"):
         slo_sweep(model_dir("opt-125m", args.models), args)
 
