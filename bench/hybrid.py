@@ -7,8 +7,9 @@ capacity: under one fixed cache budget, `--capacity-requests` requests of about 
   + `--output` tokens (each uniform over half to 1.5 times) are submitted at once, KV-only
   vs hybrid under two policies: apt (its knapsack weighs re-projection time against memory
   with the engine's cost model) and vLLM's FCFS, whose hybrid form (fcfs-hybrid) admits a
-  request as hidden states when its K/V do not fit; and apt with rho taken as 0, so that
-  memory alone decides: the concurrency the hybrid cache allows.
+  request as hidden states when its K/V do not fit; apt with rho taken as 0, so that
+  memory alone decides; and FCFS with every request in hidden form (fcfs_all_hidden): the
+  concurrency the hybrid cache allows, in the same admission order as fcfs_kv.
   From the first step after which the next waiting request does not fit, the mean number of
   requests running over `--steps` steps is the concurrency at saturation; the line also gives
   the tokens held and the share of running requests in hidden form. Default: the OPT-1.3B
