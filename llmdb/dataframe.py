@@ -32,7 +32,15 @@ def default_session() -> Session:
 
 
 def _session_and_call_options(options: dict[str, Any]) -> tuple[Session, dict[str, Any]]:
+    """session=Session(...) shares one session (its engine, cache and counters) between
+    calls, as a connection does; else the session options make a session for this call."""
     call = {k: options.pop(k) for k in list(options) if k in CALL_OPTIONS}
+    session = options.pop("session", None)
+    if session is not None:
+        if options:
+            raise TypeError(f"session options ({', '.join(sorted(options))}) belong to the "
+                            f"Session passed as session=, not to the call")
+        return session, call
     session = Session(Options.from_kwargs(**options)) if options else default_session()
     return session, call
 

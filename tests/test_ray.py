@@ -1,0 +1,116 @@
+"""llmdb.ray: the row functions over a Ray Dataset on engine actors (a local Ray, 2 workers).
+
+Answers equal the single-process DataFrame call's (fp32 greedy); a worker killed mid-job is
+restarted by Ray, the job loses no row and duplicates none, and the retried batch is served
+from the result cache: every row is computed by the model exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'llmdb[ray]')")
+
+import llmdb  # noqa: E402
+import llmdb.ray  # noqa: E402
+
+from .sql_support import isolated_cache_dir  # noqa: E402
+
+pytestmark = pytest.mark.slow
+OPTIONS = {"dtype": "float32", "max_tokens": 4, "kv_cache_bytes": 64 << 20}
+NAMES = ["Ada", "Grace", "Alan", "Edsger", "Barbara", "Donald", "Ken", "Dennis", "Frances",
+         "John", "Leslie", "Tony", "Niklaus", "Margaret", "Radia", "Guido"]
+
+
+@pytest.fixture(scope="module")
+def local_ray(tmp_path_factory):
+    kernels = isolated_cache_dir(tmp_path_factory.mktemp("ray-cache"))
+    # Workers inherit these: the CPU engine, and the kernels the tests already built.
+    env = {"LLMDB_CACHE_DIR": str(kernels), "LLMDB_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": env})
+    # The test's RowMapper subclass travels by value: workers cannot import tests/.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    yield
+    ray.shutdown()
+
+
+def _rows() -> pa.Table:
+    return pa.table({"id": list(range(len(NAMES))), "name": NAMES})
+
+
+def _expected() -> dict[int, str]:
+    out = llmdb.complete(_rows(), "Write a one-line greeting for {name}.", cache=False,
+                         **OPTIONS)
+    return dict(zip(out.column("id").to_pylist(), out.column("completion").to_pylist(),
+                    strict=True))
+
+
+def test_map_rows_equals_the_in_process_call(local_ray, tmp_path):
+    out = llmdb.ray.map_rows(_rows(), "complete", "Write a one-line greeting for {name}.",
+                             num_workers=2, batch_size=4, cache_path=str(tmp_path / "r.sqlite"),
+                             **OPTIONS)
+    table = llmdb.ray.to_arrow(out)
+    got = dict(zip(table.column("id").to_pylist(), table.column("completion").to_pylist(),
+                   strict=True))
+    assert got == _expected()
+    # Back into DuckDB.
+    con = llmdb.connect(cache=False)
+    con.register("greetings", table)
+    assert con.sql("SELECT count(*) FROM greetings").fetchall()[0][0] == len(NAMES)
+    con.close()
+
+
+class DiesOnce(llmdb.ray.RowMapper):
+    """Logs each batch's counters to a file; the worker that computes the batch holding
+    "Donald" dies (SIGKILL-like os._exit) the first time, after its rows are computed and
+    cached and before Ray gets them."""
+
+    log_dir: str = ""
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        before = self.session.total.model_rows, self.session.total.cache_hits
+        out = super().__call__(batch)
+        names = batch.column("name").to_pylist()
+        record = {"names": names, "model_rows": self.session.total.model_rows - before[0],
+                  "cache_hits": self.session.total.cache_hits - before[1], "pid": os.getpid()}
+        marker = Path(self.log_dir) / "died"
+        with open(Path(self.log_dir) / "batches.jsonl", "a") as f:
+            f.write(json.dumps({**record, "died": "Donald" in names and not marker.exists()})
+                    + "\n")
+        if "Donald" in names and not marker.exists():
+            marker.touch()
+            os._exit(1)
+        return out
+
+
+def test_a_killed_worker_loses_no_row_and_recomputes_nothing(local_ray, tmp_path):
+    DiesOnce.log_dir = str(tmp_path)
+    out = llmdb.ray.map_rows(_rows(), "complete", "Write a one-line greeting for {name}.",
+                             num_workers=2, batch_size=4, mapper=DiesOnce,
+                             cache_path=str(tmp_path / "r.sqlite"), **OPTIONS)
+    table = llmdb.ray.to_arrow(out)
+    assert sorted(table.column("id").to_pylist()) == list(range(len(NAMES)))  # none lost or twice
+    got = dict(zip(table.column("id").to_pylist(), table.column("completion").to_pylist(),
+                   strict=True))
+    assert got == _expected()
+    batches = [json.loads(line) for line in open(tmp_path / "batches.jsonl")]
+    died = [b for b in batches if b["died"]]
+    assert len(died) == 1, batches
+    retried = [b for b in batches if b["names"] == died[0]["names"] and not b["died"]]
+    assert len(retried) == 1 and retried[0]["model_rows"] == 0
+    assert retried[0]["cache_hits"] == len(died[0]["names"])
+    assert sum(b["model_rows"] for b in batches) == len(NAMES)  # each row computed once
+
+
+def test_bad_arguments_fail_on_the_driver():
+    with pytest.raises(ValueError, match="function must be one of"):
+        llmdb.ray.map_rows(_rows(), "summarize", "{name}")
+    with pytest.raises(TypeError, match="unknown llmdb option.*max_token"):
+        llmdb.ray.map_rows(_rows(), "complete", "{name}", max_token=4)
