@@ -412,6 +412,14 @@ class LLMEngine:
         with self._cond:
             return self.scheduler.has_work
 
+    def num_generated(self, request_id: str) -> int:
+        """Tokens a request has generated so far (0 once collected): progress for callers."""
+        req = self._requests.get(request_id)
+        if req is not None:
+            return len(req.output_ids)
+        done = self._results.get(request_id)  # finished, not yet collected
+        return len(done.token_ids) if done is not None else 0
+
     def wait(self, request_id: str, timeout: float | None = None) -> RequestResult | None:
         """The request's result (removed from the engine), or None if not done in `timeout`.
 

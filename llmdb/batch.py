@@ -16,10 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .backends import Backend, BackendResult, ModelRequest
+from .backends import Backend, BackendResult, GenerationRequest, ModelRequest
 from .session import QueryCancelled, Session, Stats
 
 WAIT_SLICE_S = 0.1
+PROGRESS_EVERY_S = 0.5  # how often rows in flight report their tokens to the progress bar
 
 
 class LLMError(ValueError):
@@ -70,6 +71,7 @@ class _Batch:
         self.parts: dict[int, list[BackendResult | None]] = {}
         self.owned: dict[int, _Pending] = {}  # keyed calls this batch computes for others
         self.foreign: dict[int, _Pending] = {}  # keyed calls another caller computes
+        self.next_progress = 0.0
 
     # ---- planning ------------------------------------------------------------------------
 
@@ -176,6 +178,26 @@ class _Batch:
                 self.outcomes[i] = pending.outcome
                 self.stats.dedup_hits += 1
 
+    def report_progress(self) -> None:
+        """Rows in flight count for the share of their max_tokens generated so far, so that
+        one big batch moves the bar, and its ETA, token by token rather than only when its
+        rows finish together at the end. (A row that stops early at EOS then jumps ahead:
+        the ETA errs long, never short.)"""
+        now = time.perf_counter()
+        if now < self.next_progress or not self.handles:
+            return
+        self.next_progress = now + PROGRESS_EVERY_S
+        partial = 0.0
+        for i, handles in list(self.handles.items()):
+            budget = generated = 0
+            for req, h in zip(self.calls[i].requests, handles, strict=False):
+                if isinstance(req, GenerationRequest):
+                    budget += req.params.max_tokens
+                    generated += self.backend.generated_so_far(h)
+            if budget:
+                partial += min(1.0, generated / budget)
+        self.session.progress_partial(partial)
+
     def abort_all(self) -> None:
         for i in list(self.handles):
             for h in self.handles.pop(i):
@@ -197,9 +219,11 @@ class _Batch:
                     i, j = self.done_q.get(timeout=WAIT_SLICE_S)
                 except queue.Empty:
                     self.check_foreign()
+                    self.report_progress()
                     continue
                 self.on_part_done(i, j)
                 self.check_foreign()
+                self.report_progress()
         finally:
             self.abort_all()  # a no-op unless the batch is being left early
             self.stats.engine_s += time.perf_counter() - t0

@@ -174,7 +174,13 @@ class Session:
         with self._lock:
             self._bar_done += rows
             if self._bar is not None:
-                self._bar.update(rows)
+                self._bar.update(max(0.0, self._bar_done - self._bar.n))
                 if self._bar_done >= self._bar_total:
                     self._bar.close()
                     self._bar = None
+
+    def progress_partial(self, rows: float) -> None:
+        """The rows in flight amount to `rows` rows' work (their share of tokens generated)."""
+        with self._lock:
+            if self._bar is not None:
+                self._bar.update(max(0.0, self._bar_done + rows - self._bar.n))

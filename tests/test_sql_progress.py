@@ -32,3 +32,30 @@ def test_contradicting_engine_options_raise():
     other = "fp32" if str(running) == "torch.bfloat16" else "bf16"
     with pytest.raises(ValueError, match="already runs with"):
         llmdb.connect(dtype=other)
+
+
+def test_one_big_batch_moves_the_bar_before_its_rows_finish(monkeypatch):
+    """Rows finishing together at the end of one batch used to leave the bar at 0% until
+    then; rows in flight now count by their tokens."""
+    import pyarrow as pa
+
+    from llmdb import batch
+    from llmdb.session import Options, Session
+
+    monkeypatch.setattr(batch, "PROGRESS_EVERY_S", 0.0)  # report at every wait slice
+    session = Session(Options(progress=True, cache=False))
+    seen = []
+    report = session.progress_partial
+
+    def record(rows: float) -> None:
+        seen.append((session._bar_done, rows, session._bar is not None))
+        report(rows)
+
+    monkeypatch.setattr(session, "progress_partial", record)
+    rows = pa.table({"i": list(range(40))})
+    llmdb.complete(rows, "Count from 1 to {i}, one number a line.", max_tokens=24,
+                   session=session)
+    assert any(done == 0 and partial > 0 and bar for done, partial, bar in seen), seen
+    # The position reported never goes back: a finishing row's share becomes a whole row.
+    positions = [done + partial for done, partial, _ in seen]
+    assert all(b >= a - 1e-9 for a, b in zip(positions, positions[1:], strict=False)), seen

@@ -76,4 +76,8 @@ class Backend(Protocol):
     def collect(self, handle: str) -> BackendResult:
         """The result of a finished request (after on_finish was called)."""
 
+    def generated_so_far(self, handle: str) -> int:
+        """Tokens a request in flight has generated (0 where the backend cannot tell): the
+        progress bar's measure within one big batch."""
+
     def abort(self, handle: str) -> None: ...

@@ -94,6 +94,9 @@ class LocalBackend:
             out.word_probs = tuple(sum(math.exp(next(lps)) for _ in g) for g in groups)
         return out
 
+    def generated_so_far(self, handle: str) -> int:
+        return self.engine.num_generated(handle)
+
     def abort(self, handle: str) -> None:
         self.engine.abort(handle)
         with self._lock:

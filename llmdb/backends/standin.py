@@ -68,6 +68,9 @@ class StandinBackend:
         with self._lock:
             return self._results.pop(handle)
 
+    def generated_so_far(self, handle: str) -> int:
+        return 0  # answers are made whole at submit
+
     def abort(self, handle: str) -> None:
         with self._lock:
             self._results.pop(handle, None)
