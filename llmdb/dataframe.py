@@ -85,15 +85,16 @@ def _render(df: Any, template: str) -> list[str | None]:
     return out
 
 
-def _with_column(df: Any, name: str, values: list) -> Any:
+def _with_column(df: Any, name: str, values: list[str | None]) -> Any:
+    """df plus a text column (typed as text even with no rows or all NULLs)."""
     kind = _kind(df)
     if kind == "pandas":
         return df.assign(**{name: values})
     if kind == "polars":
         import polars as pl
 
-        return df.with_columns(pl.Series(name, values))
-    array = pa.array(values)
+        return df.with_columns(pl.Series(name, values, dtype=pl.String))
+    array = pa.array(values, type=pa.string())
     if name in df.column_names:
         return df.set_column(df.column_names.index(name), name, array)
     return df.append_column(name, array)
@@ -106,8 +107,8 @@ def _keep(df: Any, mask: list[bool]) -> Any:
     if kind == "polars":
         import polars as pl
 
-        return df.filter(pl.Series(mask))
-    return df.filter(pa.array(mask))
+        return df.filter(pl.Series(mask, dtype=pl.Boolean))
+    return df.filter(pa.array(mask, type=pa.bool_()))
 
 
 def _broadcast(n: int, call: dict[str, Any], names: tuple[str, ...]) -> list[list]:

@@ -128,3 +128,19 @@ def test_unknown_column_and_table_type_are_named():
         llmdb.complete(pa.table(DATA), "{nope}", cache=False)
     with pytest.raises(TypeError, match="pandas, polars or pyarrow"):
         llmdb.complete([{"review": "x"}], "{review}", cache=False)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_empty_tables_come_back_empty_and_typed(kind):
+    empty = _frame(kind)
+    empty = empty.head(0) if kind != "pyarrow" else empty.slice(0, 0)
+    kept = llmdb.filter(empty, "Is this positive? {review}")
+    assert type(kept) is type(empty) and len(kept) == 0
+    done = llmdb.complete(empty, "Summarize: {review}", max_tokens=4)
+    labelled = llmdb.classify(empty, "review", LABELS)
+    assert len(done) == 0 and len(labelled) == 0
+    if kind == "pyarrow":
+        assert done.schema.field("completion").type == pa.string()
+        assert labelled.schema.field("label").type == pa.string()
+    if kind == "polars":
+        assert done["completion"].dtype == pl.String and labelled["label"].dtype == pl.String
