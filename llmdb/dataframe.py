@@ -151,7 +151,8 @@ def complete(df: Any, template: str, output: str = "completion", *,
         call["stop"] = [call["stop"]]
     cols = _broadcast(n, call, ("max_tokens", "temperature", "top_p", "seed", "stop", "system",
                                 "model", "on_error"))
-    answers = functions.llm_complete(session, [prompts[i] for i in send], *cols)
+    with session.query():
+        answers = functions.llm_complete(session, [prompts[i] for i in send], *cols)
     values: list[Any] = [None] * n
     for i, a in zip(send, answers, strict=True):
         values[i] = a
@@ -163,7 +164,8 @@ def filter(df: Any, template: str, **options: Any) -> Any:  # noqa: A001 - mirro
     session, call = _session_and_call_options(options)
     prompts = _render(df, template)
     cols = _broadcast(len(prompts), call, ("system", "model", "on_error"))
-    keep = functions.llm_filter(session, prompts, *cols)
+    with session.query():
+        keep = functions.llm_filter(session, prompts, *cols)
     return _keep(df, [bool(k) for k in keep])
 
 
@@ -174,5 +176,6 @@ def classify(df: Any, column: str, labels: list[str], output: str = "label",
     texts = _columns(df, [column])[column]
     n = len(texts)
     cols = _broadcast(n, call, ("instruction", "system", "model", "on_error"))
-    values = functions.llm_classify(session, texts, [list(labels)] * n, *cols)
+    with session.query():
+        values = functions.llm_classify(session, texts, [list(labels)] * n, *cols)
     return _with_column(df, output, values)

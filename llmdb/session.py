@@ -12,6 +12,8 @@ import dataclasses
 import sys
 import threading
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,6 +132,15 @@ class Session:
             self._fresh_query = True
             self.cancel.clear()
             self._bar_total = self._bar_done = 0  # one progress bar per query
+
+    @contextmanager
+    def query(self) -> Iterator[None]:
+        """One query's scope: last_query's counters and the progress bar are its own."""
+        self.begin_query()
+        try:
+            yield
+        finally:
+            self.end_query()
 
     def end_query(self) -> None:
         with self._lock:

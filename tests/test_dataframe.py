@@ -144,3 +144,13 @@ def test_empty_tables_come_back_empty_and_typed(kind):
         assert labelled.schema.field("label").type == pa.string()
     if kind == "polars":
         assert done["completion"].dtype == pl.String and labelled["label"].dtype == pl.String
+
+
+def test_each_dataframe_call_is_a_query_of_its_own():
+    table = pa.table(DATA)
+    llmdb.complete(table, "Summarize: {review}", max_tokens=4)
+    first = llmdb.stats()["last_query"]
+    assert first["rows"] == 4  # one NULL review
+    llmdb.complete(table.slice(0, 2), "Summarize: {review}", max_tokens=4)
+    second = llmdb.stats()["last_query"]
+    assert second["rows"] == 2 and second["cache_hits"] == 2  # computed by the first call
