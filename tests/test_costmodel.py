@@ -1,4 +1,5 @@
-"""The step cost model: features, presets, the NNLS fit, loading, and a quick calibration."""
+"""The step cost model: features, presets, the NNLS fit (research/fit.py), loading, and a quick
+calibration (research/calibrate.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import random
 import numpy as np
 import pytest
 
-from llmdb.engine import calibrate as cal
 from llmdb.engine.costmodel import (
     FEATURES,
     SMOLLM2_SHAPE,
@@ -22,10 +22,13 @@ from llmdb.engine.costmodel import (
     engine_cost_model_key,
     features,
     gpu_spec,
+    kv_projection_fraction,
     load_cost_model,
     preset,
 )
 from llmdb.engine.models.config import ModelConfig
+from llmdb.engine.research import calibrate as cal
+from llmdb.engine.research import fit
 
 
 def test_features_of_hand_made_steps():
@@ -127,10 +130,10 @@ def test_nnls_matches_known_solutions():
     rng = np.random.default_rng(0)
     a = rng.uniform(0, 1, (60, 6))
     x_true = np.array([0.5, 0.0, 2.0, 0.0, 1.0, 3.0])
-    assert np.allclose(cal.nnls(a, a @ x_true), x_true, atol=1e-9)
+    assert np.allclose(fit.nnls(a, a @ x_true), x_true, atol=1e-9)
     # An unconstrained fit would go negative: check the KKT conditions instead.
     b = a @ np.array([1.0, -2.0, 0.5, 0.0, 0.0, 1.0]) + rng.normal(0, 0.01, 60)
-    x = cal.nnls(a, b)
+    x = fit.nnls(a, b)
     grad = a.T @ (b - a @ x)
     assert (x >= 0).all()
     assert np.all(grad[x == 0] <= 1e-9) and np.allclose(grad[x > 0], 0, atol=1e-9)
@@ -150,7 +153,7 @@ def test_fit_recovers_known_coefficients():
              "prefill_m": 2e-6}
     model = CostModel("truth", truth, "test")
     steps = [_random_step(rng) for _ in range(300)]
-    fitted = cal.fit_coefficients(steps, [model.linear_time(s) for s in steps], cal.FITTED)
+    fitted = fit.fit_coefficients(steps, [model.linear_time(s) for s in steps], fit.FITTED)
     for f, v in truth.items():
         assert fitted[f] == pytest.approx(v, rel=1e-6, abs=1e-12), f
     assert all(v >= 0 for v in fitted.values())
@@ -316,7 +319,7 @@ def test_cpu_estimate_for_another_model_or_dtype_is_the_default_scaled(tmp_path,
 def test_model_shape_counts_parameters():
     assert SMOLLM2_SHAPE.params == pytest.approx(134.5e6, rel=0.01)  # SmolLM2-135M
     assert LLAMA2_7B.params == pytest.approx(6.74e9, rel=0.01)  # Llama-2-7B
-    assert cal.kv_projection_fraction(SMOLLM2_SHAPE) == pytest.approx(0.0625)
+    assert kv_projection_fraction(SMOLLM2_SHAPE) == pytest.approx(0.0625)
 
 
 def test_gpu_roofline_of_a_7b_model_on_an_h100_is_sane(tmp_path, monkeypatch):

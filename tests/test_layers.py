@@ -4,6 +4,7 @@ and the parts that need no tensors load without torch."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -49,12 +50,39 @@ def test_no_upward_import(directory):
     assert not bad, "imports against the layers (llmdb -> engine -> kernels):\n" + "\n".join(bad)
 
 
+def test_runtime_does_not_import_research_code():
+    """engine/research/ (simulator, bound, calibration) uses the engine; the engine that
+    serves never loads it."""
+    bad = []
+    for path in sorted((ROOT / "engine").rglob("*.py")):
+        if "research" in path.relative_to(ROOT / "engine").parts:
+            continue
+        bad += [f"{path.relative_to(ROOT)}:{line} imports {module}"
+                for line, module in _imports(path, "llmdb.engine")
+                if module.startswith("llmdb.engine.research")]
+    assert not bad, "the runtime imports research code:\n" + "\n".join(bad)
+
+
+def test_only_the_bound_needs_ortools():
+    # A None entry in sys.modules makes `import ortools` fail, as on a machine without it.
+    code = ("import sys; sys.modules['ortools'] = None\n"
+            "import llmdb.engine.research.sim, llmdb.engine.research.workloads\n"
+            "import llmdb.engine.research.calibrate, llmdb.engine.research.fit\n"
+            "import llmdb.engine.sched.policies, llmdb.engine.costmodel\n"
+            "try:\n    import llmdb.engine.research.optimal\n"
+            "except ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert "needs OR-Tools" in out and "llmdb[bound]" in out
+
+
 @pytest.mark.parametrize("module", [
     "llmdb",  # the package's top level is lazy (PEP 562)
     "llmdb.engine.params",  # a request's parameters
     "llmdb.backends.base",  # the backend contract
-    "llmdb.engine.sim",  # the simulator, its scheduler, policies and cost model
-    "llmdb.engine.optimal",
+    "llmdb.engine.research.sim",  # the simulator, its scheduler, policies and cost model
+    pytest.param("llmdb.engine.research.optimal", marks=pytest.mark.skipif(
+        importlib.util.find_spec("ortools") is None, reason="the bound needs OR-Tools")),
 ])
 def test_loads_without_torch(module):
     code = f"import sys, {module}; print('torch' in sys.modules, 'duckdb' in sys.modules)"

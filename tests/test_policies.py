@@ -8,13 +8,13 @@ from llmdb.engine.cache.block_pool import BlockPool
 from llmdb.engine.costmodel import preset
 from llmdb.engine.engine import LLMEngine
 from llmdb.engine.params import SamplingParams
+from llmdb.engine.research.sim import SimConfig, simulate
+from llmdb.engine.research.workloads import RequestSpec, be_batch, dataset
 from llmdb.engine.sched.policies import POLICIES, make_policy
 from llmdb.engine.sched.policies.bros import BASE_BATCH
 from llmdb.engine.sched.policies.infermax import MIN_OBSERVATIONS, InferMaxPolicy
 from llmdb.engine.sched.request import Request
 from llmdb.engine.sched.scheduler import Scheduler
-from llmdb.engine.sim import SimConfig, simulate
-from llmdb.engine.workloads import RequestSpec, be_batch, dataset
 
 from .helpers import CHAT_QUESTIONS, assert_same_tokens, chat
 

@@ -20,10 +20,10 @@ import pytest
 from llmdb.engine.cache.block_pool import BlockPool
 from llmdb.engine.costmodel import Chunk, preset
 from llmdb.engine.params import SamplingParams
+from llmdb.engine.research.sim import SimConfig, simulate
+from llmdb.engine.research.workloads import RequestSpec, dataset
 from llmdb.engine.sched.request import Request
 from llmdb.engine.sched.scheduler import Scheduler
-from llmdb.engine.sim import SimConfig, simulate
-from llmdb.engine.workloads import RequestSpec, dataset
 
 BS = 16
 N = 4

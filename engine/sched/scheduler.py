@@ -4,7 +4,7 @@ Which requests run in a step, with how many tokens, and who is evicted is the po
 decision (policies/): each policy is a small class over InferMax's Algorithm 1 (base.py).
 The scheduler sees requests through a few numbers (tokens to compute, cached tokens, pending
 time, class, SLOs, cache type) and the pool through block counts, so the same objects run in
-the engine and in the simulator (sim.py).
+the engine and in the simulator (research/sim.py).
 """
 
 from __future__ import annotations

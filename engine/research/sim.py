@@ -18,15 +18,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .cache.block_pool import BlockPool
-from .costmodel import CostModel
-from .params import SamplingParams
-from .sched.request import Request
-from .sched.scheduler import Scheduler
+from ..cache.block_pool import BlockPool
+from ..costmodel import CostModel
+from ..params import SamplingParams
+from ..sched.request import Request
+from ..sched.scheduler import Scheduler
 from .workloads import RequestSpec
 
 if TYPE_CHECKING:
-    from .sched.policies.base import Policy
+    from ..sched.policies.base import Policy
 
 
 @dataclass
