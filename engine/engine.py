@@ -31,6 +31,7 @@ from .outputs import RequestResult, Usage
 from .params import SamplingParams
 from .registry import resolve_model
 from .runner import ModelRunner, StepOutput
+from .sched.policies import Policy, make_policy
 from .sched.request import Request
 from .sched.scheduler import Scheduler
 
@@ -53,11 +54,12 @@ class LLMEngine:
     kv_cache_bytes sizes the block pool (None: 2 GiB on the CPU, most of the free memory on a
     GPU); max_num_batched_tokens is the per-step token budget C (decodes plus prefill
     chunks), max_prefill_tokens the prefill budget P (<= C), max_num_seqs the most requests
-    running at once; policy names the scheduling policy (sched/policies: sarathi, fcfs,
-    infermax, rr, ...). RT requests get the rt_slo_* targets. dtype None picks bf16 on GPUs
-    (fp16 where bf16 is missing) and on CPUs with native bf16, fp32 elsewhere. attention picks
-    the kernel set: "auto" (C++ on the CPU, Triton on GPUs), "cpu", "triton" or
-    "reference". cuda_graphs replays decode-only steps from captured graphs on GPUs.
+    running at once; policy is the scheduling policy, by name (sched/policies: sarathi, fcfs,
+    infermax, rr, ...) or as a Policy object. RT requests get the rt_slo_* targets. dtype
+    None picks bf16 on GPUs (fp16 where bf16 is missing) and on CPUs with native bf16, fp32
+    elsewhere. attention picks the kernel set: "auto" (C++ on the CPU, Triton on GPUs),
+    "cpu", "triton" or "reference". cuda_graphs replays decode-only steps from captured
+    graphs on GPUs.
     hidden_cache lets the scheduler keep a request's hidden states instead of its K/V
     (Apt-Serve; only the apt policy chooses it): None turns it on where the model's hidden
     states are smaller than its K/V (MHA models such as OPT), True insists (an error where
@@ -76,7 +78,7 @@ class LLMEngine:
         attention: str = "auto",
         threads: int | None = None,
         enable_prefix_caching: bool = True,
-        policy: str = "sarathi",
+        policy: str | Policy = "sarathi",
         max_prefill_tokens: int | None = None,
         rt_slo_ttft_s: float = 1.0,
         rt_slo_tbt_s: float = 0.25,
@@ -102,7 +104,8 @@ class LLMEngine:
             self.hidden_cache_reason = "turned off (hidden_cache=False)"
         # This model's, dtype's and device's calibration, or a labelled estimate.
         self.cost_model = engine_cost_model(self)
-        self.scheduler = Scheduler(self.pool, max_num_batched_tokens, max_num_seqs, policy,
+        self.scheduler = Scheduler(self.pool, max_num_batched_tokens, max_num_seqs,
+                                   make_policy(policy) if isinstance(policy, str) else policy,
                                    max_prefill_tokens, cost_model=self.cost_model,
                                    hidden_ratio=HIDDEN_RATIO if self.hidden_cache else None)
         self.rt_slos = (rt_slo_ttft_s, rt_slo_tbt_s)

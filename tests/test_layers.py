@@ -50,6 +50,56 @@ def test_no_upward_import(directory):
     assert not bad, "imports against the layers (llmdb -> engine -> kernels):\n" + "\n".join(bad)
 
 
+def _module_name(path: Path, package: str) -> str:
+    parts = path.relative_to(ROOT / package.split(".")[-1]).with_suffix("").parts
+    return ".".join([package, *(parts[:-1] if parts[-1] == "__init__" else parts)])
+
+
+def _type_checking_lines(path: Path) -> set[int]:
+    """The lines of `if TYPE_CHECKING:` blocks (imports for annotations only)."""
+    lines: set[int] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+            lines.update(range(node.lineno, node.end_lineno + 1))
+    return lines
+
+
+def test_no_import_cycles():
+    """No engine or kernels module imports one that imports it back, even from inside a
+    function (how scheduler.py and policies/ once leaned on each other). Importing a.b.c
+    runs a/b/__init__.py too, unless the importer is inside a.b already; imports for type
+    checking alone do not count."""
+    graph: dict[str, set[str]] = {}
+    for directory, (package, _) in LAYERS.items():
+        for path in (ROOT / directory).rglob("*.py"):
+            skip = _type_checking_lines(path)
+            graph[_module_name(path, package)] = {
+                m for line, m in _imports(path, package) if line not in skip}
+    edges: dict[str, set[str]] = {}
+    for name, modules in graph.items():
+        edges[name] = set()
+        for m in modules:
+            while m and m not in graph:  # `from pkg.mod import f` names a module, not f
+                m = m.rpartition(".")[0]
+            parents = [m.rsplit(".", k)[0] for k in range(1, m.count("."))]
+            edges[name] |= {t for t in (m, *parents)
+                            if t in graph and t != name and not name.startswith(t + ".")}
+    done: set[str] = set()
+
+    def cycle_from(name: str, path: list[str]) -> list[str] | None:
+        for m in sorted(edges[name]):
+            if m in path:
+                return path[path.index(m):] + [m]
+            if m not in done and (found := cycle_from(m, path + [m])):
+                return found
+        done.add(name)
+        return None
+
+    for name in sorted(graph):
+        found = None if name in done else cycle_from(name, [name])
+        assert found is None, "an import cycle: " + " -> ".join(found)
+
+
 def test_runtime_does_not_import_research_code():
     """engine/research/ (simulator, bound, calibration) uses the engine; the engine that
     serves never loads it."""

@@ -22,6 +22,7 @@ from llmdb.engine.costmodel import Chunk, preset
 from llmdb.engine.params import SamplingParams
 from llmdb.engine.research.sim import SimConfig, simulate
 from llmdb.engine.research.workloads import RequestSpec, dataset
+from llmdb.engine.sched.policies import make_policy
 from llmdb.engine.sched.request import Request
 from llmdb.engine.sched.scheduler import Scheduler
 
@@ -113,7 +114,8 @@ def test_without_prompt_ids_prefix_caching_changes_nothing():
 
 
 def _scheduler(num_blocks: int = 64) -> Scheduler:
-    return Scheduler(BlockPool(num_blocks, BS, enable_prefix_caching=True), 4096, 64)
+    return Scheduler(BlockPool(num_blocks, BS, enable_prefix_caching=True), 4096, 64,
+                     make_policy("sarathi"))
 
 
 def _request(rid: str, ids) -> Request:

@@ -64,7 +64,7 @@ def replay(requests: Sequence[tuple[int, int]], steps: Sequence[Step], cost_mode
             for i, (inp, out) in enumerate(requests)]
     index = {r.request_id: i for i, r in enumerate(reqs)}
     sched = Scheduler(BlockPool(max(M, 1), 1, enable_prefix_caching=False), C, len(reqs),
-                      "fcfs", P)  # the policy is never asked: the schedule decides
+                      make_policy("fcfs"), P)  # never asked: the schedule decides
     for r in reqs:
         sched.add(r)
     times: list[list[float]] = [[] for _ in reqs]

@@ -14,19 +14,16 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..cache.block_pool import BlockPool
 from ..costmodel import CostModel
 from ..params import SamplingParams
+from ..sched.policies import Policy, make_policy
 from ..sched.request import Request
 from ..sched.scheduler import Scheduler
 from .workloads import RequestSpec
-
-if TYPE_CHECKING:
-    from ..sched.policies.base import Policy
 
 
 @dataclass
@@ -145,7 +142,8 @@ def simulate(specs: Sequence[RequestSpec], policy: str | Policy, cost_model: Cos
     import time
 
     pool = BlockPool(cfg.num_blocks, cfg.block_size, enable_prefix_caching=cfg.prefix_caching)
-    sched = Scheduler(pool, cfg.max_num_batched_tokens, cfg.max_num_seqs, policy,
+    sched = Scheduler(pool, cfg.max_num_batched_tokens, cfg.max_num_seqs,
+                      make_policy(policy) if isinstance(policy, str) else policy,
                       cfg.max_prefill_tokens, cost_model=cost_model,
                       hidden_ratio=cfg.hidden_ratio)
     if cfg.prefix_caching:

@@ -13,15 +13,12 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..cache.block_pool import BlockPool, block_hash
 from ..costmodel import Chunk, CostModel
 from ..params import SamplingParams
 from .request import Request, Status
-
-if TYPE_CHECKING:
-    from .policies.base import Policy
 
 
 @dataclass
@@ -37,15 +34,28 @@ class SchedulerOutput:
         return sum(n for _, n in self.scheduled)
 
 
+class SchedulingPolicy(Protocol):
+    """What the scheduler asks of its policy (policies/base.py's Policy is one; the
+    scheduler never imports them: policies/ builds on this module, not the other way)."""
+
+    name: str
+    reserves_memory: bool  # reserve_tokens() counts when checking that a request fits
+
+    def schedule(self, s: Scheduler, now: float) -> SchedulerOutput: ...
+
+    def reserve_tokens(self, s: Scheduler, req: Request) -> int: ...
+
+    def observe_finished(self, req: Request) -> None: ...
+
+
 class Scheduler:
     """C = max_num_batched_tokens (tokens per step), P = max_prefill_tokens (prefill tokens
-    per step, <= C), M = the block pool; max_num_seqs caps the running requests."""
+    per step, <= C), M = the block pool; max_num_seqs caps the running requests. The policy
+    is an object (policies.make_policy builds one from a name)."""
 
     def __init__(self, pool: BlockPool, max_num_batched_tokens: int, max_num_seqs: int,
-                 policy: Policy | str = "sarathi", max_prefill_tokens: int | None = None,
+                 policy: SchedulingPolicy, max_prefill_tokens: int | None = None,
                  cost_model: CostModel | None = None, hidden_ratio: float | None = None):
-        from .policies import make_policy
-
         self.pool = pool
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_tokens = min(max_prefill_tokens or max_num_batched_tokens,
@@ -55,7 +65,7 @@ class Scheduler:
         # Hidden-cache bytes per token over KV bytes per token (Apt-Serve's h/m); None: the
         # executor has no hidden cache. A hidden block holds block_size / ratio tokens.
         self.hidden_ratio = hidden_ratio
-        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.policy = policy
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._hits: dict[str, list[int]] = {}  # this step's prefix hits of waiting requests
