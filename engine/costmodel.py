@@ -257,15 +257,10 @@ def _opt13b_a100() -> CostModel:
 
 # ---- cpu: this machine --------------------------------------------------------------------
 # Built-in default for SmolLM2-135M in bf16 on a 2-core AVX512-BF16 CPU (torch, 2 threads),
-# used until `llmdb calibrate` has written a file: the coefficients of a full calibration on
-# this VM at 0e65b37 (prepacked oneDNN weights, every query through the C++ attention kernel,
-# all model work on one compute thread; 2026-11-22, 66 steps x 4 passes, 2 of 266 runs
-# disturbed by other load and retried; held-out MAPE 7.1% per step, training 4.7%),
-# rounded. A lone decode takes ~22 ms (30 layers of small ops: overhead, not FLOPs), each
-# further decode ~0.9 ms, a prefill token ~0.69 ms plus attention. It puts a 400-request
-# decode step at ~90 tokens of context at ~440 ms. (Earlier calibrations the same day: lone
-# decode 46 ms and prefill token 0.85 ms before these kernels; 45 ms when the calibration's
-# own slot arithmetic ran off the compute thread, see engine/compute.py.)
+# used until `llmdb calibrate` has written a file: a full calibration's coefficients, rounded
+# (the run, its error and the earlier ones: bench/RESULTS.md, "Cost model calibration"). A
+# lone decode takes ~22 ms (30 layers of small ops: overhead, not FLOPs), each further decode
+# ~0.9 ms, a prefill token ~0.69 ms plus attention.
 _CPU_DEFAULT = {
     "const": 0.0193,
     "tokens": 6.92e-4,
@@ -277,7 +272,7 @@ _CPU_DEFAULT = {
     "n_prefill": 0.0,
     "prefill_m": 1.20e-5,
     # Not measurable (no hidden cache in the engine): K/V projection's share of a token's
-    # linear-layer work in SmolLM2, 6.25% of "tokens" (see calibrate.kv_projection_fraction).
+    # linear-layer work in SmolLM2, 6.25% of "tokens" (see kv_projection_fraction).
     "hidden_tokens": 5.2e-5,
 }
 _CPU_DEFAULT_FLOOR_S = 0.022
@@ -548,7 +543,7 @@ def scaled_cpu_default(key: CostModelKey, shape: ModelConfig | None) -> CostMode
     base, f = SMOLLM2_SHAPE, dtype_bytes(key.dtype) / 2
     params = shape.params / base.params
     by_params = f * params
-    by_kv = f * shape.kv_bytes_per_token / base.kv_bytes_per_token  # (elements, in fact)
+    by_kv = f * shape.kv_elems_per_token / base.kv_elems_per_token
     by_attention = f * _attention_width(shape) / _attention_width(base)
     scale = dict.fromkeys(FEATURES, by_params)
     scale.update(decode_kv=by_kv, prefill_m=by_kv, prefill_attn=by_attention)
@@ -615,12 +610,9 @@ FLOPS_EFFICIENCY = 0.7
 # kernels), and ~1 ms of host work a step (inputs, sampling, ids back to the host).
 LAYER_OVERHEAD_S = 30e-6
 STEP_OVERHEAD_S = 1e-3
-# Checked against `llmdb calibrate` on one H100 (2026-11-23, random weights, this engine
-# with decode steps replayed from CUDA graphs): Llama-2-7B shape, lone decode 6.4 ms measured
-# vs 7.0 estimated, a 4,096-token prefill 82 vs 90 ms, 16% mean error over 42 steps.
-# SmolLM2-135M shape: decodes within ~30% (1.3 to 18 ms), but prefill and mixed steps took
-# 11-21 ms against 2-8 ms estimated: for a model that small the host launching an eager
-# step's kernels, not the GPU, sets the time, which no roofline sees. Calibrate.
+# Against a calibration on an H100 (bench/RESULTS.md): close for a 7B model; for one as small
+# as SmolLM2 the host launching an eager step's kernels, not the GPU, sets the time of prefill
+# and mixed steps, which no roofline sees. Calibrate.
 
 
 def gpu_spec(name: str, properties=None) -> GPUSpec:
@@ -670,7 +662,7 @@ def gpu_roofline(key: CostModelKey, shape: ModelConfig, spec: GPUSpec | None = N
     nbytes = dtype_bytes(key.dtype)
     bw = spec.bytes_per_s * BANDWIDTH_EFFICIENCY
     flops = (spec.flops_32 if key.dtype == "fp32" else spec.flops_16) * FLOPS_EFFICIENCY
-    kv_read = shape.kv_bytes_per_token * nbytes / bw  # kv_bytes_per_token counts elements
+    kv_read = shape.kv_elems_per_token * nbytes / bw
     lm_head = 2 * shape.hidden_size * shape.vocab_size / flops
     per_token = 2 * shape.num_layers * shape.layer_params / flops
     const = shape.params * nbytes / bw + shape.num_layers * LAYER_OVERHEAD_S + STEP_OVERHEAD_S

@@ -13,6 +13,7 @@ import queue
 import random
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -535,7 +536,11 @@ def _parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch
 
 
 def _kernel_set(attention: str, device: torch.device) -> str:
-    if attention in ("auto", "fast"):  # "fast": the name before there were two fast paths
+    if attention == "fast":  # the name from before there were two fast paths
+        warnings.warn("attention='fast' is deprecated: use 'auto' (the device's fast path) or "
+                      "'cpu'", DeprecationWarning, stacklevel=3)
+        attention = "auto"
+    if attention == "auto":
         return "triton" if device.type == "cuda" else "cpu"
     if attention not in KERNEL_SETS:
         raise ValueError(f"unknown attention {attention!r} (use 'auto' or one of "

@@ -312,7 +312,7 @@ def test_cpu_estimate_for_another_model_or_dtype_is_the_default_scaled(tmp_path,
     assert 45 < ratio < 55 and "scaled" in big.source and "llmdb calibrate" in big.source
     assert big.coefficients["tokens"] == pytest.approx(default.coefficients["tokens"] * ratio)
     assert big.floor_s == pytest.approx(default.floor_s * ratio)
-    kv = LLAMA2_7B.kv_bytes_per_token / SMOLLM2_SHAPE.kv_bytes_per_token
+    kv = LLAMA2_7B.kv_elems_per_token / SMOLLM2_SHAPE.kv_elems_per_token
     assert big.coefficients["decode_kv"] == pytest.approx(default.coefficients["decode_kv"] * kv)
 
 

@@ -247,7 +247,7 @@ def test_prefix_cache_hits_and_keeps_outputs(engine_fp32):
 
 
 def test_one_shared_engine_per_model_and_clear_conflicts():
-    from llmdb.engine.shared import shared_engine, shutdown_engines
+    from llmdb.engine.process_engines import shared_engine, shutdown_engines
 
     shutdown_engines()  # start from no shared engine, whatever earlier tests left running
     try:
@@ -270,3 +270,10 @@ def test_cut_output_drops_a_partial_character(engine):
                if engine.tokenizer.decode(ids[:k]).endswith("\ufffd"))
     assert without_partial_char(engine.tokenizer.decode(cut)) == "café 日本"
     assert without_partial_char("done 🙂") == "done 🙂"
+
+
+def test_attention_fast_is_a_deprecated_name_for_auto():
+    from llmdb.engine.engine import _kernel_set
+
+    with pytest.warns(DeprecationWarning, match="attention='fast' is deprecated"):
+        assert _kernel_set("fast", torch.device("cpu")) == _kernel_set("auto", torch.device("cpu"))
