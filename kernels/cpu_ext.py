@@ -11,7 +11,6 @@ import ctypes
 import functools
 import hashlib
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
@@ -19,22 +18,9 @@ from pathlib import Path
 
 import torch
 
+from .host import cache_dir, cpu_info
+
 SOURCES = [Path(__file__).parent / "csrc" / n for n in ("row_attention.cpp", "elementwise.cpp")]
-
-
-def _build_dir() -> Path:
-    base = os.environ.get("LLMDB_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "llmdb"
-    )
-    return Path(base) / "kernels"
-
-
-def _cpu_key() -> str:
-    try:
-        flags = next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = platform.processor()
-    return flags
 
 
 @functools.cache
@@ -46,8 +32,10 @@ def load_library() -> ctypes.CDLL | None:
     if compiler is None or not all(s.exists() for s in SOURCES):
         return None
     source_bytes = b"".join(s.read_bytes() for s in SOURCES)
-    key = hashlib.sha256(source_bytes + _cpu_key().encode()).hexdigest()[:16]
-    lib_path = _build_dir() / f"llmdb_kernels_{key}.so"
+    cpu = cpu_info()  # -march=native: a build is this CPU's own
+    cpu_key = " ".join([cpu.model, *sorted(cpu.flags)]).encode()
+    key = hashlib.sha256(source_bytes + cpu_key).hexdigest()[:16]
+    lib_path = cache_dir() / "kernels" / f"llmdb_kernels_{key}.so"
     if not lib_path.exists():
         lib_path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:

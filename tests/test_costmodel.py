@@ -110,16 +110,11 @@ def test_opt13b_preset_matches_apt_serve_decode_figure():
     assert model.step_time(batch + [Chunk(0, 512, False)]) > model.step_time(batch)
 
 
-def test_floor_empty_step_and_swaps():
-    model = CostModel("t", {"const": 0.001, "tokens": 0.0001}, "test", floor_s=0.01,
-                      swap_bytes_per_s=1e9)
+def test_floor_and_empty_step():
+    model = CostModel("t", {"const": 0.001, "tokens": 0.0001}, "test", floor_s=0.01)
     assert model.step_time([]) == 0.0
     assert model.step_time([Chunk(5, 1, True)]) == 0.01  # below the floor
     assert model.step_time([Chunk(0, 1000, False)]) == pytest.approx(0.101)
-    assert model.step_time([Chunk(5, 1, True)], swap_bytes=10**8) == pytest.approx(0.1)
-    assert model.step_time([], swap_bytes=10**6) == pytest.approx(0.001)
-    with pytest.raises(ValueError, match="swap"):
-        CostModel("t", {}, "test").step_time([Chunk(0, 1, False)], swap_bytes=1)
     with pytest.raises(ValueError):
         CostModel("t", {"const": -1.0}, "test")
     with pytest.raises(ValueError, match="unknown"):
@@ -340,7 +335,7 @@ def test_gpu_roofline_of_a_7b_model_on_an_h100_is_sane(tmp_path, monkeypatch):
     # More context, more requests, more tokens never make a step cheaper.
     assert cm.step_time([Chunk(4096, 1, True)] * 64) > cm.step_time([Chunk(128, 1, True)] * 64)
     assert cm.step_time([Chunk(128, 1, True)] * 256) > lone
-    assert cm.swap_bytes_per_s and cm.rho > 0
+    assert cm.rho > 0
     # A faster GPU is faster, a slower one slower, and fp32 is much slower.
     h200 = load_cost_model(key=cost_model_key("llama-2-7b", "0123456789ab", "bf16",
                                               "cuda:NVIDIA H200", 0), config=LLAMA2_7B)

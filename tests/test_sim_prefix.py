@@ -43,9 +43,9 @@ def _recording_cost_model():
     log: list[list[Chunk]] = []
     step_time = cm.step_time
 
-    def recording(chunks, swap_bytes=0):
+    def recording(chunks):
         log.append(list(chunks))
-        return step_time(chunks, swap_bytes)
+        return step_time(chunks)
 
     cm.step_time = recording
     return cm, step_time, log

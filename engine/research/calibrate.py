@@ -346,20 +346,16 @@ class Calibration:
 def machine_info(engine) -> dict:
     import torch
 
-    from ..hardware import cpu_flags
+    from llmdb.kernels.host import cpu_info
 
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    from ..hardware import BF16_FLAGS
+
     device = engine_device(engine)
     info = {
-        "cpu": name,
+        "cpu": cpu_info().model,
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "bf16_flags": sorted({"amx_bf16", "avx512_bf16"} & cpu_flags()),
+        "bf16_flags": sorted(BF16_FLAGS & cpu_info().flags),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "model": engine.model_name,

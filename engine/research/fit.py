@@ -9,16 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..costmodel import (
-    CPU_SWAP_BYTES_PER_S,
-    FEATURES,
-    Chunk,
-    CostModel,
-    CostModelKey,
-    features,
-    gpu_spec,
-    kv_projection_fraction,
-)
+from ..costmodel import FEATURES, Chunk, CostModel, CostModelKey, features, kv_projection_fraction
 
 # (context m, tokens c, decode) per request of one step.
 Plan = list[tuple[int, int, bool]]
@@ -123,8 +114,8 @@ def fit(measured: Sequence[Measured], config, source: str, key: CostModelKey | N
         ) -> tuple[CostModel, list[Measured], list[Measured]]:
     """(model, training steps, held-out steps): fitted on ~75% of the steps, to be judged on
     the rest. The model is the one fitted on the training steps, so the error reported on
-    the held-out ones is that of the coefficients written. `key` names the model and gives
-    its device's host-copy bandwidth (default: a CPU)."""
+    the held-out ones is that of the coefficients written. `key` names the model (default:
+    a CPU's)."""
     train, held = split_held_out(measured)
     coef = fit_coefficients([m.chunks for m in train], [m.seconds for m in train], FITTED)
     coef["hidden_tokens"] = coef["tokens"] * kv_projection_fraction(config)
@@ -134,13 +125,5 @@ def fit(measured: Sequence[Measured], config, source: str, key: CostModelKey | N
     batch = min(len(m.plan) for m in decodes)
     floor = min(m.seconds for m in decodes if len(m.plan) == batch)
     name = "cpu" if key is None or key.device == "cpu" else f"calibrated-{key.gpu}"
-    model = CostModel(name, coef, source, floor_s=floor, swap_bytes_per_s=_swap_bandwidth(key))
-    return model, train, held
-
-
-def _swap_bandwidth(key: CostModelKey | None) -> float:
-    """Host-tier copies: this machine's memory on a CPU, the GPU's host link on a GPU."""
-    if key is None or key.gpu is None:
-        return CPU_SWAP_BYTES_PER_S
-    return gpu_spec(key.gpu).host_bytes_per_s
+    return CostModel(name, coef, source, floor_s=floor), train, held
 

@@ -72,11 +72,6 @@ class RequestMetrics:
         return float(np.percentile(gaps, 99)) if gaps else 0.0
 
     @property
-    def tpot(self) -> float:
-        n = len(self.token_times)
-        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else 0.0
-
-    @property
     def latency(self) -> float:
         return self.token_times[-1] - self.arrival if self.finished else float("inf")
 
@@ -98,19 +93,6 @@ class SimResult:
         rs = self.of(priority)
         ok = [r.finished and r.ttft <= slo_ttft and r.p99_tbt <= slo_tbt for r in rs]
         return sum(ok) / len(ok) if ok else 1.0
-
-    def ttft_attainment(self, slo: float, priority: str = "RT") -> float:
-        rs = self.of(priority)
-        return sum(r.ttft <= slo for r in rs) / len(rs) if rs else 1.0
-
-    def tpot_attainment(self, slo: float, priority: str = "RT") -> float:
-        rs = self.of(priority)
-        return sum(r.finished and r.tpot <= slo for r in rs) / len(rs) if rs else 1.0
-
-    def normalized_latency(self, priority: str | None = None) -> float:
-        """Mean over requests of latency per output token."""
-        rs = [r for r in self.of(priority) if r.finished]
-        return float(np.mean([r.latency / r.output_len for r in rs])) if rs else float("inf")
 
     def throughput(self, priority: str | None = None) -> float:
         """Generated tokens per second of simulated time."""
