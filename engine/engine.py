@@ -35,6 +35,7 @@ from .runner import ModelRunner, StepOutput
 from .sched.policies import Policy, make_policy
 from .sched.request import Request
 from .sched.scheduler import Scheduler
+from .stop_strings import StopStringWatch
 
 Prompt = str | list[int] | list[dict[str, Any]]
 
@@ -124,6 +125,7 @@ class LLMEngine:
         self._cond = threading.Condition(threading.RLock())
         self._step_lock = threading.Lock()
         self._requests: dict[str, Request] = {}
+        self._stop_watches: dict[str, StopStringWatch] = {}  # of requests with stop strings
         self._results: dict[str, RequestResult] = {}
         self._loop: threading.Thread | None = None
         self._stopping = False
@@ -351,7 +353,7 @@ class LLMEngine:
             cb(token)
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.config.eos_token_ids):
             reason = "stop"
-        elif p.stop and any(s in self.tokenizer.decode(req.output_ids) for s in p.stop):
+        elif p.stop and self._stop_watch(req).add(token):
             reason = "stop"
         elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.config.max_context:
             reason = "length"
@@ -360,9 +362,17 @@ class LLMEngine:
         self._finish(req, reason)
         return True
 
+    def _stop_watch(self, req: Request) -> StopStringWatch:
+        watch = self._stop_watches.get(req.request_id)
+        if watch is None:  # from its first token on
+            watch = StopStringWatch(self.tokenizer.decode, req.params.stop)
+            self._stop_watches[req.request_id] = watch
+        return watch
+
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         if req.is_finished:
             return
+        self._stop_watches.pop(req.request_id, None)
         self.scheduler.finish(req)
         req.finish_reason, req.error = reason, error
         req.finish_time = time.perf_counter()

@@ -157,3 +157,13 @@ def test_seed_cached_leaves_blocks_free_but_findable():
     pool.allocate(pool.num_blocks - 16)
     assert pool.num_cached == 16
     assert len(sched.prefix_hit(_request("still", PREFIX + (1,)))) == 16
+
+
+def test_token_slice_is_a_slice_of_prompt_and_output():
+    """What block hashing reads instead of building prompt + output for every block."""
+    req = _request("r", range(100, 137))
+    req.output_ids = list(range(7))
+    whole = req.prompt_ids + req.output_ids
+    for start in range(len(whole) + 2):
+        for n in (1, 5, 16, 50):
+            assert req.token_slice(start, n) == whole[start : start + n], (start, n)

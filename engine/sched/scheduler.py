@@ -145,7 +145,7 @@ class Scheduler:
 
     def _block_tokens(self, req: Request, i: int) -> tuple[int, ...]:
         bs = self.pool.block_size
-        return tuple(req.token_ids[i * bs : (i + 1) * bs])
+        return tuple(req.token_slice(i * bs, bs))
 
     def _hashes(self, req: Request, num_blocks: int) -> list[int]:
         """Chained hashes of the request's first num_blocks full blocks."""
