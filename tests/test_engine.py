@@ -203,13 +203,14 @@ def test_request_that_never_fits_the_pool_is_rejected():
 
 
 def test_background_loop_serves_many_threads(engine):
+    prompts = _mixed_prompts(engine, 8)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    alone = [engine.generate([p], params)[0].token_ids for p in prompts]
+    results: dict[int, list[int]] = {}
     engine.start_background_loop()
     try:
-        prompts = _mixed_prompts(engine, 8)
-        results: dict[int, list[int]] = {}
-
         def worker(i: int) -> None:
-            rid = engine.add_request(prompts[i], SamplingParams(max_tokens=6, ignore_eos=True))
+            rid = engine.add_request(prompts[i], params)
             while (r := engine.wait(rid, timeout=0.1)) is None:
                 pass
             results[i] = r.token_ids
@@ -219,9 +220,11 @@ def test_background_loop_serves_many_threads(engine):
             t.start()
         for t in threads:
             t.join()
-        assert sorted(results) == list(range(8)) and all(len(v) == 6 for v in results.values())
     finally:
         engine.stop_background_loop()
+    assert sorted(results) == list(range(8))
+    for i, prompt in enumerate(prompts):  # batched across threads: the tokens of each alone
+        assert_same_tokens(engine, prompt, alone[i], results[i])
 
 
 def test_prefix_cache_hits_and_keeps_outputs(engine_fp32):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from ..cache.block_pool import BlockPool
 from ..costmodel import Chunk, CostModel
 from ..params import SamplingParams
-from ..sched.policies import Policy, make_policy
+from ..sched.policies import make_policy
 from ..sched.request import Request
 from ..sched.scheduler import Scheduler, SchedulerOutput
 from .sim import SimConfig, simulate
@@ -118,24 +118,15 @@ def sim_config(C: int, P: int, M: int) -> SimConfig:
 
 def policy_steps(requests: Sequence[tuple[int, int]], policy: str, cost_model: CostModel,
                  C: int, P: int, M: int) -> list[Step]:
-    """The simulator's batches under `policy`, recorded by a subclass of it that logs what
-    each call to schedule() returned (the scheduler accepts a policy object)."""
-    log: list[tuple[list[str], list[tuple[str, int]]]] = []
-
-    class Recording(type(make_policy(policy))):  # type: ignore[misc]
-        def schedule(self, s, now):
-            out = super().schedule(s, now)
-            log.append(([r.request_id for r in out.preempted],
-                        [(r.request_id, k) for r, k in out.scheduled]))
-            return out
-
-    recorder: Policy = Recording()
-    simulate(_specs(requests), recorder, cost_model, sim_config(C, P, M))  # type: ignore[arg-type]
+    """The simulator's batches under `policy`, as the scheduler's observer saw them."""
+    log: list[SchedulerOutput] = []
+    simulate(_specs(requests), policy, cost_model, sim_config(C, P, M), observe=log.append)
     steps, pending = [], []
-    for evicted, scheduled in log:
-        pending += [int(r[1:]) for r in evicted]
-        if scheduled:  # a call that scheduled nothing is not a batch; its evictions carry on
-            steps.append(Step(tuple(pending), {int(r[1:]): k for r, k in scheduled}))
+    for out in log:
+        pending += [int(r.request_id[1:]) for r in out.preempted]
+        if out.scheduled:  # a call that scheduled nothing is not a batch; its evictions carry on
+            steps.append(Step(tuple(pending),
+                              {int(r.request_id[1:]): k for r, k in out.scheduled}))
             pending = []
     return steps
 

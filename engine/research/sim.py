@@ -22,7 +22,7 @@ from ..costmodel import CostModel
 from ..params import SamplingParams
 from ..sched.policies import Policy, make_policy
 from ..sched.request import Request
-from ..sched.scheduler import Scheduler
+from ..sched.scheduler import Scheduler, SchedulerOutput
 from .workloads import RequestSpec
 
 
@@ -117,10 +117,12 @@ def _request(spec: RequestSpec, cfg: SimConfig, ids: Callable[[], int]) -> Reque
 
 def simulate(specs: Sequence[RequestSpec], policy: str | Policy, cost_model: CostModel,
              cfg: SimConfig, be_stream: Callable[[int, float], list[RequestSpec]] | None = None,
-             be_batches: int = 0) -> SimResult:
+             be_batches: int = 0, observe: Callable[[SchedulerOutput], None] | None = None
+             ) -> SimResult:
     """Run `specs` (sorted by arrival) under `policy` (a name, or a fresh Policy object for a
     variant the registry does not name); `be_stream(k, now)` makes the k-th BE batch, started
-    at time 0 and again whenever the previous one has completed."""
+    at time 0 and again whenever the previous one has completed. `observe` sees every
+    schedule() output (Scheduler.observers)."""
     import time
 
     pool = BlockPool(cfg.num_blocks, cfg.block_size, enable_prefix_caching=cfg.prefix_caching)
@@ -128,6 +130,8 @@ def simulate(specs: Sequence[RequestSpec], policy: str | Policy, cost_model: Cos
                       make_policy(policy) if isinstance(policy, str) else policy,
                       cfg.max_prefill_tokens, cost_model=cost_model,
                       hidden_ratio=cfg.hidden_ratio)
+    if observe is not None:
+        sched.observers.append(observe)
     if cfg.prefix_caching:
         for ids in cfg.cached_prefixes:
             sched.seed_cached(ids)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -76,6 +76,9 @@ class Scheduler:
         # Requests switched hidden -> KV by projection in the last schedule() (their step
         # re-projects their context once: costs()).
         self._converted: set[str] = set()
+        # Called with each schedule()'s output, before anything runs it: how tests and the
+        # bound's recording of a policy (research/schedules.py) watch the decisions.
+        self.observers: list[Callable[[SchedulerOutput], None]] = []
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -87,7 +90,10 @@ class Scheduler:
     def schedule(self, now: float | None = None) -> SchedulerOutput:
         self._hits.clear()
         self._converted.clear()
-        return self.policy.schedule(self, time.perf_counter() if now is None else now)
+        out = self.policy.schedule(self, time.perf_counter() if now is None else now)
+        for observe in self.observers:
+            observe(out)
+        return out
 
     # ---- what a request needs --------------------------------------------------------------
 
