@@ -266,17 +266,12 @@ def _evict_and_finish(md: cp_model.CpModel, p: _Problem, st: _State, x: _Cell, i
     md.add(st.sqm[i][j] == x.squ).only_enforce_if(~done)
 
 
-def _left(p: _Problem, st: _State, i: int, j: int):  # noqa: ANN202 - a linear expression
-    """S[i,j-1] - m[i,j-1]: the tokens still to compute before batch j."""
-    return p.requests[i][0] + st.gen(i, j - 1) - st.m[i][j - 1]
-
-
 def _tokens_and_phase(md: cp_model.CpModel, p: _Problem, st: _State, x: _Cell, i: int,
                       j: int) -> None:
     """Tokens to process, and a token generated exactly when all are processed. Phase: a
     decode computes the one token it generated last (the engine's is_decode); everything
     else that runs, refills included, is a prefill."""
-    left = _left(p, st, i, j)
+    left = p.requests[i][0] + st.gen(i, j - 1) - st.m[i][j - 1]  # S - m: still to compute
     md.add(st.gen(i, j) - st.gen(i, j - 1) == x.gen)
     md.add(x.c <= left)
     md.add(x.c == left).only_enforce_if(x.gen)

@@ -106,7 +106,6 @@ def replay(requests: Sequence[tuple[int, int]], steps: Sequence[Step], cost_mode
     return Replay(batches, now, evictions, times)
 
 
-
 def _specs(requests: Sequence[tuple[int, int]]) -> list[RequestSpec]:
     return [RequestSpec(0.0, inp, out, "RT", f"r{i}") for i, (inp, out) in enumerate(requests)]
 
