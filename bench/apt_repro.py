@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from policies import setup  # noqa: E402
 
 from llmdb.engine.costmodel import load_cost_model  # noqa: E402
-from llmdb.engine.sim import simulate  # noqa: E402
-from llmdb.engine.workloads import dataset  # noqa: E402
+from llmdb.engine.research.sim import simulate  # noqa: E402
+from llmdb.engine.research.workloads import dataset  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESET = "opt13b-a100"

@@ -22,8 +22,8 @@ import numpy as np
 from llmdb.engine.costmodel import engine_cost_model
 from llmdb.engine.engine import LLMEngine
 from llmdb.engine.params import SamplingParams
-from llmdb.engine.sim import SimConfig, simulate
-from llmdb.engine.workloads import RequestSpec, arrivals, lognormal
+from llmdb.engine.research.sim import SimConfig, simulate
+from llmdb.engine.research.workloads import RequestSpec, arrivals, lognormal
 
 
 def workload(n: int, rate: float, seed: int) -> list[RequestSpec]:

@@ -45,7 +45,7 @@ import torch
 
 from llmdb.engine.engine import LLMEngine
 from llmdb.engine.params import SamplingParams
-from llmdb.engine.workloads import LENGTHS, arrivals, lognormal
+from llmdb.engine.research.workloads import LENGTHS, arrivals, lognormal
 
 ROOT = Path(__file__).resolve().parent
 TARGET = 0.9

@@ -28,10 +28,11 @@ import sys
 import time
 
 from llmdb.engine.costmodel import preset
-from llmdb.engine.optimal import sim_config, solve
+from llmdb.engine.research.optimal import solve
+from llmdb.engine.research.schedules import sim_config
+from llmdb.engine.research.sim import simulate
+from llmdb.engine.research.workloads import RequestSpec
 from llmdb.engine.sched.policies import POLICIES
-from llmdb.engine.sim import simulate
-from llmdb.engine.workloads import RequestSpec
 
 NUM_REQUESTS, OUTPUT_LEN = 4, 4  # InferMax's B and O
 # The bound comes from coefficients rounded down to integer units, at most ~2e-4 below the

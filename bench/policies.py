@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 
 from llmdb.engine.costmodel import load_cost_model
+from llmdb.engine.research.sim import SimConfig, simulate
+from llmdb.engine.research.workloads import dataset
 from llmdb.engine.sched.policies import POLICIES
-from llmdb.engine.sim import SimConfig, simulate
-from llmdb.engine.workloads import dataset
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"

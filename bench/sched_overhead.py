@@ -21,7 +21,7 @@ import time
 from llmdb.engine.cache.block_pool import BlockPool
 from llmdb.engine.costmodel import preset
 from llmdb.engine.params import SamplingParams
-from llmdb.engine.sched.policies import POLICIES
+from llmdb.engine.sched.policies import POLICIES, make_policy
 from llmdb.engine.sched.request import Request
 from llmdb.engine.sched.scheduler import Scheduler, SchedulerOutput
 
@@ -31,7 +31,7 @@ def decode_scheduler(policy: str, n: int, seed: int) -> Scheduler:
     lengths = [(rng.randint(16, 512), rng.randint(1, 256)) for _ in range(n)]
     blocks = sum(-(-(p + o + 1) // 16) for p, o in lengths) + 16
     sched = Scheduler(BlockPool(blocks, 16, enable_prefix_caching=False), 1 << 20, n + 1,
-                      policy, cost_model=preset("opt13b-a100"))
+                      make_policy(policy), cost_model=preset("opt13b-a100"))
     out = SchedulerOutput()
     for i, (p, o) in enumerate(lengths):
         req = Request(f"r{i}", list(range(p)), SamplingParams(max_tokens=o + 8),
@@ -51,7 +51,7 @@ def waiting_scheduler(n: int, seed: int, fill: float = 0.7) -> Scheduler:
     prompts = [rng.randint(16, 768) for _ in range(n)]
     blocks = int(fill * sum(-(-p // 16) for p in prompts))
     sched = Scheduler(BlockPool(blocks, 16, enable_prefix_caching=False), 1 << 20, n + 1,
-                      "apt", cost_model=preset("opt13b-a100"))
+                      make_policy("apt"), cost_model=preset("opt13b-a100"))
     for i, p in enumerate(prompts):
         sched.add(Request(f"w{i}", list(range(p)), SamplingParams(max_tokens=8),
                           arrival=-rng.uniform(0, 10)))

@@ -31,7 +31,7 @@ from workload import review_messages  # noqa: E402
 
 import llmdb  # noqa: E402
 from llmdb.engine.params import SamplingParams  # noqa: E402
-from llmdb.engine.shared import shared_engine  # noqa: E402
+from llmdb.engine.process_engines import shared_engine  # noqa: E402
 from llmdb.session import Session  # noqa: E402
 
 WORKLOADS = {"unique": (400, 400, 64), "half_dup": (400, 200, 64), "10k": (10_000, 10_000, 8)}

@@ -20,7 +20,6 @@ import argparse
 import inspect
 import json
 import os
-import platform
 import random
 import subprocess
 import sys
@@ -256,12 +255,9 @@ def device_name(device: str) -> str:
 
     if device.startswith("cuda"):
         return torch.cuda.get_device_name()
-    try:  # platform.processor() is empty on Linux
-        info = Path("/proc/cpuinfo").read_text()
-        return next(ln.split(":", 1)[1].strip() for ln in info.splitlines()
-                    if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.machine()
+    from llmdb.kernels.host import cpu_info
+
+    return cpu_info().model
 
 
 def _device_fields(device: str) -> dict:

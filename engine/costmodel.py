@@ -2,9 +2,8 @@
 
 The shape is InferMax's (Sec. 3.2): non-attention work grows with the tokens computed, decode
 attention with the K/V read, prefill attention with sum(c^2 + 2cm), plus per-request and
-per-phase terms. Two additions: a floor (at small batches a step costs about the time to read
-the weights, whatever the FLOPs) and BROS's max(exec, swap) for steps that move cache blocks
-between memory tiers. The simulator, EXPLAIN and the policies all ask this module; the
+per-phase terms. One addition: a floor (at small batches a step costs about the time to read
+the weights, whatever the FLOPs). The simulator, EXPLAIN and the policies all ask this module; the
 coefficients come from a preset for published hardware or from `llmdb calibrate` here.
 """
 
@@ -18,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import platformdirs
+from llmdb.kernels.host import cache_dir
 
 from .models.config import ModelConfig
 
@@ -90,7 +89,6 @@ class CostModel:
     coefficients: dict[str, float]  # seconds per unit of each feature (non-negative)
     source: str  # where the numbers come from: a calibration file, a preset's derivation
     floor_s: float = 0.0  # memory-bound floor: a non-empty step never takes less
-    swap_bytes_per_s: float | None = None  # host <-> device tier bandwidth, for swaps
 
     def __post_init__(self) -> None:
         unknown = set(self.coefficients) - set(FEATURES)
@@ -106,15 +104,9 @@ class CostModel:
         feats = features(chunks)
         return sum(self.coefficients[f] * feats[f] for f in FEATURES)
 
-    def step_time(self, chunks: Sequence[Chunk], swap_bytes: int = 0) -> float:
-        """Seconds for one step: max(floor, linear) to execute; a swap of swap_bytes runs
-        alongside it, so the step takes the longer of the two (BROS)."""
-        execute = max(self.floor_s, self.linear_time(chunks)) if chunks else 0.0
-        if not swap_bytes:
-            return execute
-        if not self.swap_bytes_per_s:
-            raise ValueError(f"cost model {self.name!r} has no swap bandwidth")
-        return max(execute, swap_bytes / self.swap_bytes_per_s)
+    def step_time(self, chunks: Sequence[Chunk]) -> float:
+        """Seconds for one step: max(floor, linear); 0 for an empty one."""
+        return max(self.floor_s, self.linear_time(chunks)) if chunks else 0.0
 
     @property
     def rho(self) -> float:
@@ -124,14 +116,12 @@ class CostModel:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "coefficients": dict(self.coefficients),
-                "source": self.source, "floor_s": self.floor_s,
-                "swap_bytes_per_s": self.swap_bytes_per_s}
+                "source": self.source, "floor_s": self.floor_s}
 
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
         return cls(name=d["name"], coefficients=dict(d["coefficients"]), source=d["source"],
-                   floor_s=float(d.get("floor_s", 0.0)),
-                   swap_bytes_per_s=d.get("swap_bytes_per_s"))
+                   floor_s=float(d.get("floor_s", 0.0)))
 
 
 # ---- llama2-7b-a100: InferMax's own model -------------------------------------------------
@@ -161,8 +151,6 @@ _LLAMA2_MS_PER_LAYER = {
     "prefill_m": 9.224e-6,
     "hidden_tokens": 1.91e-3 * (2 * 4096) / (4 * 4096 + 3 * 11008),
 }
-# PCIe 4.0 x16: 32 GB/s peak, ~25 GB/s achieved by pinned host copies.
-_A100_PCIE_BYTES_PER_S = 25e9
 
 
 def _llama2_7b_a100() -> CostModel:
@@ -172,7 +160,6 @@ def _llama2_7b_a100() -> CostModel:
         coefficients={f: v * scale for f, v in _LLAMA2_MS_PER_LAYER.items()},
         source="preset: InferMax's linear model of Llama-2-7B on one A100 (ms per layer x 32 "
                "layers); underestimates small-batch decode, no floor",
-        swap_bytes_per_s=_A100_PCIE_BYTES_PER_S,
     )
 
 
@@ -251,21 +238,15 @@ def _opt13b_a100() -> CostModel:
                f"TFLOP/s) plus {overhead * 1e3:.2f} ms per request, fitted to Apt-Serve's "
                f"~120 ms for 50 decodes at {APT_SERVE_CONTEXT} tokens of context",
         floor_s=coef["const"],
-        swap_bytes_per_s=_A100_PCIE_BYTES_PER_S,
     )
 
 
 # ---- cpu: this machine --------------------------------------------------------------------
 # Built-in default for SmolLM2-135M in bf16 on a 2-core AVX512-BF16 CPU (torch, 2 threads),
-# used until `llmdb calibrate` has written a file: the coefficients of a full calibration on
-# this VM at 0e65b37 (prepacked oneDNN weights, every query through the C++ attention kernel,
-# all model work on one compute thread; 2026-11-22, 66 steps x 4 passes, 2 of 266 runs
-# disturbed by other load and retried; held-out MAPE 7.1% per step, training 4.7%),
-# rounded. A lone decode takes ~22 ms (30 layers of small ops: overhead, not FLOPs), each
-# further decode ~0.9 ms, a prefill token ~0.69 ms plus attention. It puts a 400-request
-# decode step at ~90 tokens of context at ~440 ms. (Earlier calibrations the same day: lone
-# decode 46 ms and prefill token 0.85 ms before these kernels; 45 ms when the calibration's
-# own slot arithmetic ran off the compute thread, see engine/compute.py.)
+# used until `llmdb calibrate` has written a file: a full calibration's coefficients, rounded
+# (the run, its error and the earlier ones: bench/RESULTS.md, "Cost model calibration"). A
+# lone decode takes ~22 ms (30 layers of small ops: overhead, not FLOPs), each further decode
+# ~0.9 ms, a prefill token ~0.69 ms plus attention.
 _CPU_DEFAULT = {
     "const": 0.0193,
     "tokens": 6.92e-4,
@@ -277,12 +258,10 @@ _CPU_DEFAULT = {
     "n_prefill": 0.0,
     "prefill_m": 1.20e-5,
     # Not measurable (no hidden cache in the engine): K/V projection's share of a token's
-    # linear-layer work in SmolLM2, 6.25% of "tokens" (see calibrate.kv_projection_fraction).
+    # linear-layer work in SmolLM2, 6.25% of "tokens" (see kv_projection_fraction).
     "hidden_tokens": 5.2e-5,
 }
 _CPU_DEFAULT_FLOOR_S = 0.022
-# A host-tier copy reads and writes: half the ~26 GB/s this machine reads at.
-CPU_SWAP_BYTES_PER_S = 13e9
 
 def _cpu_default() -> CostModel:
     return CostModel(
@@ -291,7 +270,6 @@ def _cpu_default() -> CostModel:
         source="built-in default for a 2-core AVX512-BF16 CPU (SmolLM2-135M, bf16); run "
                "`llmdb calibrate` to measure this machine",
         floor_s=_CPU_DEFAULT_FLOOR_S,
-        swap_bytes_per_s=CPU_SWAP_BYTES_PER_S,
     )
 
 
@@ -398,10 +376,6 @@ def default_cost_model_key() -> CostModelKey:
 
     return cost_model_key(DEFAULT_MODEL, SMOLLM2_FINGERPRINT, default_dtype(), "cpu",
                           os.cpu_count() or 1)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("LLMDB_CACHE_DIR") or platformdirs.user_cache_dir("llmdb"))
 
 
 def _slug(text: str) -> str:
@@ -548,7 +522,7 @@ def scaled_cpu_default(key: CostModelKey, shape: ModelConfig | None) -> CostMode
     base, f = SMOLLM2_SHAPE, dtype_bytes(key.dtype) / 2
     params = shape.params / base.params
     by_params = f * params
-    by_kv = f * shape.kv_bytes_per_token / base.kv_bytes_per_token  # (elements, in fact)
+    by_kv = f * shape.kv_elems_per_token / base.kv_elems_per_token
     by_attention = f * _attention_width(shape) / _attention_width(base)
     scale = dict.fromkeys(FEATURES, by_params)
     scale.update(decode_kv=by_kv, prefill_m=by_kv, prefill_attn=by_attention)
@@ -562,7 +536,6 @@ def scaled_cpu_default(key: CostModelKey, shape: ModelConfig | None) -> CostMode
                 f"parameters{', x2 for fp32' if f > 1 else ''}); run `llmdb calibrate "
                 f"--model {key.model_name} --device cpu` to measure it"),
         floor_s=_CPU_DEFAULT_FLOOR_S * by_params,
-        swap_bytes_per_s=CPU_SWAP_BYTES_PER_S,
     )
 
 
@@ -576,37 +549,35 @@ class GPUSpec:
     bytes_per_s: float  # memory bandwidth
     flops_16: float  # bf16/fp16 tensor-core FLOP/s
     flops_32: float  # fp32 FLOP/s (torch does not use TF32 for matmuls by default)
-    host_bytes_per_s: float  # achieved host <-> device copy bandwidth (pinned)
     origin: str = "datasheet"
 
 
-_PCIE5, _PCIE4, _PCIE3 = 50e9, 25e9, 12e9
 # Matched as whole words, in this order: the first pattern found in the name wins, so the
 # more specific names (H100 NVL, H100 PCIe, GH200) come before the plain ones.
 GPU_SPECS: tuple[tuple[str, GPUSpec], ...] = (
-    ("GH200", GPUSpec(4.0e12, 989e12, 67e12, 400e9)),  # NVLink-C2C to the Grace CPU
-    ("H200 NVL", GPUSpec(4.8e12, 835e12, 60e12, _PCIE5)),
-    ("H200", GPUSpec(4.8e12, 989e12, 67e12, _PCIE5)),
-    ("H100 NVL", GPUSpec(3.9e12, 835e12, 60e12, _PCIE5)),
-    ("H100 PCIe", GPUSpec(2.0e12, 756e12, 51e12, _PCIE5)),
-    ("H100", GPUSpec(3.35e12, 989e12, 67e12, _PCIE5)),  # SXM: "NVIDIA H100 80GB HBM3"
-    ("B200", GPUSpec(8.0e12, 2250e12, 80e12, _PCIE5)),
-    ("A100 80GB PCIe", GPUSpec(1.935e12, 312e12, 19.5e12, _PCIE4)),
-    ("A100-SXM4-80GB", GPUSpec(2.039e12, 312e12, 19.5e12, _PCIE4)),
-    ("A100", GPUSpec(1.555e12, 312e12, 19.5e12, _PCIE4)),  # the 40 GB parts
-    ("L40S", GPUSpec(864e9, 362e12, 91.6e12, _PCIE4)),
-    ("L40", GPUSpec(864e9, 181e12, 90.5e12, _PCIE4)),
-    ("L4", GPUSpec(300e9, 121e12, 30.3e12, _PCIE4)),
-    ("A10", GPUSpec(600e9, 125e12, 31.2e12, _PCIE4)),
-    ("RTX 4090", GPUSpec(1.008e12, 165e12, 82.6e12, _PCIE4)),
-    ("V100", GPUSpec(900e9, 125e12, 15.7e12, _PCIE3)),  # fp16 only: no bf16 tensor cores
-    ("T4", GPUSpec(320e9, 65e12, 8.1e12, _PCIE3)),
+    ("GH200", GPUSpec(4.0e12, 989e12, 67e12)),
+    ("H200 NVL", GPUSpec(4.8e12, 835e12, 60e12)),
+    ("H200", GPUSpec(4.8e12, 989e12, 67e12)),
+    ("H100 NVL", GPUSpec(3.9e12, 835e12, 60e12)),
+    ("H100 PCIe", GPUSpec(2.0e12, 756e12, 51e12)),
+    ("H100", GPUSpec(3.35e12, 989e12, 67e12)),  # SXM: "NVIDIA H100 80GB HBM3"
+    ("B200", GPUSpec(8.0e12, 2250e12, 80e12)),
+    ("A100 80GB PCIe", GPUSpec(1.935e12, 312e12, 19.5e12)),
+    ("A100-SXM4-80GB", GPUSpec(2.039e12, 312e12, 19.5e12)),
+    ("A100", GPUSpec(1.555e12, 312e12, 19.5e12)),  # the 40 GB parts
+    ("L40S", GPUSpec(864e9, 362e12, 91.6e12)),
+    ("L40", GPUSpec(864e9, 181e12, 90.5e12)),
+    ("L4", GPUSpec(300e9, 121e12, 30.3e12)),
+    ("A10", GPUSpec(600e9, 125e12, 31.2e12)),
+    ("RTX 4090", GPUSpec(1.008e12, 165e12, 82.6e12)),
+    ("V100", GPUSpec(900e9, 125e12, 15.7e12)),  # fp16 only: no bf16 tensor cores
+    ("T4", GPUSpec(320e9, 65e12, 8.1e12)),
 )
 # Dense bf16 FLOPs per SM per clock by compute capability major version, for GPUs not in
 # the table (H100: 132 SMs x 1.83 GHz x 4096 = 989 TFLOP/s; A100: 108 x 1.41 GHz x 2048).
 _FLOPS_PER_SM_CLOCK = {7: 1024, 8: 2048, 9: 4096, 10: 8192}
 # Neither in the table nor visible to torch: a mid-range data-center GPU.
-_UNKNOWN_GPU = GPUSpec(1.0e12, 150e12, 20e12, _PCIE4, origin="a guess for an unknown GPU")
+_UNKNOWN_GPU = GPUSpec(1.0e12, 150e12, 20e12, origin="a guess for an unknown GPU")
 # Shares of the peaks a serving step achieves: streaming reads reach ~80% of the memory
 # bandwidth; the mix of GEMM shapes in a step ~70% of the tensor-core peak.
 BANDWIDTH_EFFICIENCY = 0.8
@@ -615,12 +586,9 @@ FLOPS_EFFICIENCY = 0.7
 # kernels), and ~1 ms of host work a step (inputs, sampling, ids back to the host).
 LAYER_OVERHEAD_S = 30e-6
 STEP_OVERHEAD_S = 1e-3
-# Checked against `llmdb calibrate` on one H100 (2026-11-23, random weights, this engine
-# with decode steps replayed from CUDA graphs): Llama-2-7B shape, lone decode 6.4 ms measured
-# vs 7.0 estimated, a 4,096-token prefill 82 vs 90 ms, 16% mean error over 42 steps.
-# SmolLM2-135M shape: decodes within ~30% (1.3 to 18 ms), but prefill and mixed steps took
-# 11-21 ms against 2-8 ms estimated: for a model that small the host launching an eager
-# step's kernels, not the GPU, sets the time, which no roofline sees. Calibrate.
+# Against a calibration on an H100 (bench/RESULTS.md): close for a 7B model; for one as small
+# as SmolLM2 the host launching an eager step's kernels, not the GPU, sets the time of prefill
+# and mixed steps, which no roofline sees. Calibrate.
 
 
 def gpu_spec(name: str, properties=None) -> GPUSpec:
@@ -656,7 +624,7 @@ def _spec_from_properties(p) -> GPUSpec:
     per_clock = _FLOPS_PER_SM_CLOCK.get(p.major, 1024)
     flops = p.multi_processor_count * sm_khz * 1e3 * per_clock
     # Double data rate; fp32 runs at ~1/15 of the tensor-core rate on H100 and A100 alike.
-    return GPUSpec(2 * mem_khz * 1e3 * bus_bits / 8, flops, flops / 15, _PCIE4,
+    return GPUSpec(2 * mem_khz * 1e3 * bus_bits / 8, flops, flops / 15,
                    origin="torch's device properties")
 
 
@@ -670,7 +638,7 @@ def gpu_roofline(key: CostModelKey, shape: ModelConfig, spec: GPUSpec | None = N
     nbytes = dtype_bytes(key.dtype)
     bw = spec.bytes_per_s * BANDWIDTH_EFFICIENCY
     flops = (spec.flops_32 if key.dtype == "fp32" else spec.flops_16) * FLOPS_EFFICIENCY
-    kv_read = shape.kv_bytes_per_token * nbytes / bw  # kv_bytes_per_token counts elements
+    kv_read = shape.kv_elems_per_token * nbytes / bw
     lm_head = 2 * shape.hidden_size * shape.vocab_size / flops
     per_token = 2 * shape.num_layers * shape.layer_params / flops
     const = shape.params * nbytes / bw + shape.num_layers * LAYER_OVERHEAD_S + STEP_OVERHEAD_S
@@ -694,5 +662,4 @@ def gpu_roofline(key: CostModelKey, shape: ModelConfig, spec: GPUSpec | None = N
                 f"{FLOPS_EFFICIENCY:.0%}; {shape.params / 1e9:.2f}B parameters); run "
                 f"`llmdb calibrate --model {key.model_name} --device cuda` to measure it"),
         floor_s=const,
-        swap_bytes_per_s=spec.host_bytes_per_s,
     )

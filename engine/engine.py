@@ -13,6 +13,7 @@ import queue
 import random
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,8 +32,10 @@ from .outputs import RequestResult, Usage
 from .params import SamplingParams
 from .registry import resolve_model
 from .runner import ModelRunner, StepOutput
+from .sched.policies import Policy, make_policy
 from .sched.request import Request
 from .sched.scheduler import Scheduler
+from .stop_strings import StopStringWatch
 
 Prompt = str | list[int] | list[dict[str, Any]]
 
@@ -50,11 +53,12 @@ class LLMEngine:
     kv_cache_bytes sizes the block pool (None: 2 GiB on the CPU, most of the free memory on a
     GPU); max_num_batched_tokens is the per-step token budget C (decodes plus prefill
     chunks), max_prefill_tokens the prefill budget P (<= C), max_num_seqs the most requests
-    running at once; policy names the scheduling policy (sched/policies: sarathi, fcfs,
-    infermax, rr, ...). RT requests get the rt_slo_* targets. dtype None picks bf16 on GPUs
-    (fp16 where bf16 is missing) and on CPUs with native bf16, fp32 elsewhere. attention picks
-    the kernel set: "auto" (C++ on the CPU, Triton on GPUs), "cpu", "triton" or
-    "reference". cuda_graphs replays decode-only steps from captured graphs on GPUs.
+    running at once; policy is the scheduling policy, by name (sched/policies: sarathi, fcfs,
+    infermax, rr, ...) or as a Policy object. RT requests get the rt_slo_* targets. dtype
+    None picks bf16 on GPUs (fp16 where bf16 is missing) and on CPUs with native bf16, fp32
+    elsewhere. attention picks the kernel set: "auto" (C++ on the CPU, Triton on GPUs),
+    "cpu", "triton" or "reference". cuda_graphs replays decode-only steps from captured
+    graphs on GPUs.
     hidden_cache lets the scheduler keep a request's hidden states instead of its K/V
     (Apt-Serve; only the apt policy chooses it): None turns it on where the model's hidden
     states are smaller than its K/V (MHA models such as OPT), True insists (an error where
@@ -73,7 +77,7 @@ class LLMEngine:
         attention: str = "auto",
         threads: int | None = None,
         enable_prefix_caching: bool = True,
-        policy: str = "sarathi",
+        policy: str | Policy = "sarathi",
         max_prefill_tokens: int | None = None,
         rt_slo_ttft_s: float = 1.0,
         rt_slo_tbt_s: float = 0.25,
@@ -99,7 +103,8 @@ class LLMEngine:
             self.hidden_cache_reason = "turned off (hidden_cache=False)"
         # This model's, dtype's and device's calibration, or a labelled estimate.
         self.cost_model = engine_cost_model(self)
-        self.scheduler = Scheduler(self.pool, max_num_batched_tokens, max_num_seqs, policy,
+        self.scheduler = Scheduler(self.pool, max_num_batched_tokens, max_num_seqs,
+                                   make_policy(policy) if isinstance(policy, str) else policy,
                                    max_prefill_tokens, cost_model=self.cost_model,
                                    hidden_ratio=HIDDEN_RATIO if self.hidden_cache else None)
         self.rt_slos = (rt_slo_ttft_s, rt_slo_tbt_s)
@@ -117,6 +122,7 @@ class LLMEngine:
         self._cond = threading.Condition(threading.RLock())
         self._step_lock = threading.Lock()
         self._requests: dict[str, Request] = {}
+        self._stop_watches: dict[str, StopStringWatch] = {}  # of requests with stop strings
         self._results: dict[str, RequestResult] = {}
         self._loop: threading.Thread | None = None
         self._stopping = False
@@ -345,7 +351,7 @@ class LLMEngine:
             cb(token)
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.config.eos_token_ids):
             reason = "stop"
-        elif p.stop and any(s in self.tokenizer.decode(req.output_ids) for s in p.stop):
+        elif p.stop and self._stop_watch(req).add(token):
             reason = "stop"
         elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.config.max_context:
             reason = "length"
@@ -354,9 +360,17 @@ class LLMEngine:
         self._finish(req, reason)
         return True
 
+    def _stop_watch(self, req: Request) -> StopStringWatch:
+        watch = self._stop_watches.get(req.request_id)
+        if watch is None:  # from its first token on
+            watch = StopStringWatch(self.tokenizer.decode, req.params.stop)
+            self._stop_watches[req.request_id] = watch
+        return watch
+
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         if req.is_finished:
             return
+        self._stop_watches.pop(req.request_id, None)
         self.scheduler.finish(req)
         req.finish_reason, req.error = reason, error
         req.finish_time = time.perf_counter()
@@ -538,7 +552,11 @@ def _parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch
 
 
 def _kernel_set(attention: str, device: torch.device) -> str:
-    if attention in ("auto", "fast"):  # "fast": the name before there were two fast paths
+    if attention == "fast":  # the name from before there were two fast paths
+        warnings.warn("attention='fast' is deprecated: use 'auto' (the device's fast path) or "
+                      "'cpu'", DeprecationWarning, stacklevel=3)
+        attention = "auto"
+    if attention == "auto":
         return "triton" if device.type == "cuda" else "cpu"
     if attention not in KERNEL_SETS:
         raise ValueError(f"unknown attention {attention!r} (use 'auto' or one of "

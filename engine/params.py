@@ -31,6 +31,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not all(self.stop):
+            raise ValueError(f"stop strings must be non-empty, got {self.stop!r}")
 
     @property
     def greedy(self) -> bool:

@@ -5,7 +5,7 @@ block_size + offset. A step's queries are packed sequence by sequence. Two imple
 the same contract:
 - `paged_attention_reference`: per sequence, gather K/V, expand GQA heads, fp32 softmax.
 - `paged_attention`: the CPU fast path. Every query, decode or prefill, goes through the C++
-  kernel (csrc/decode_attention.cpp) as its own row with its own causal length, reading K/V in
+  kernel (csrc/row_attention.cpp) as its own row with its own causal length, reading K/V in
   place from the blocks. Measured here (bf16, SmolLM2 shapes, 2 threads) it beats torch's
   fused SDPA on every chunk shape tried, 1-2048 queries over 436-4096 keys, by 1.3-3x, so
   there is no size threshold. Without a C++ compiler (or for a head shape the kernel does not
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .cpu_ext import decode_attention, supports_shape
+from .cpu_ext import row_attention, supports_shape
 
 
 @dataclass
@@ -168,8 +168,8 @@ def paged_attention(
     out = torch.empty(q.shape, dtype=q.dtype)
     if q.device.type == "cpu" and supports_shape(q.shape[1], k_cache.shape[1], q.shape[2]):
         tables, lens = batch.cpu_rows()
-        decode_attention(q.contiguous(), k_cache, v_cache, tables, lens, batch.block_size,
-                         scale, out)
+        row_attention(q.contiguous(), k_cache, v_cache, tables, lens, batch.block_size,
+                      scale, out)
         return out
     starts, qlens, ctxs = batch.host()
     for i, (start, qlen) in enumerate(zip(starts, qlens, strict=True)):

@@ -11,7 +11,6 @@ import ctypes
 import functools
 import hashlib
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
@@ -19,22 +18,9 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).parent / "csrc" / n for n in ("decode_attention.cpp", "elementwise.cpp")]
+from .host import cache_dir, cpu_info
 
-
-def _build_dir() -> Path:
-    base = os.environ.get("LLMDB_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "llmdb"
-    )
-    return Path(base) / "kernels"
-
-
-def _cpu_key() -> str:
-    try:
-        flags = next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = platform.processor()
-    return flags
+SOURCES = [Path(__file__).parent / "csrc" / n for n in ("row_attention.cpp", "elementwise.cpp")]
 
 
 @functools.cache
@@ -46,8 +32,10 @@ def load_library() -> ctypes.CDLL | None:
     if compiler is None or not all(s.exists() for s in SOURCES):
         return None
     source_bytes = b"".join(s.read_bytes() for s in SOURCES)
-    key = hashlib.sha256(source_bytes + _cpu_key().encode()).hexdigest()[:16]
-    lib_path = _build_dir() / f"llmdb_kernels_{key}.so"
+    cpu = cpu_info()  # -march=native: a build is this CPU's own
+    cpu_key = " ".join([cpu.model, *sorted(cpu.flags)]).encode()
+    key = hashlib.sha256(source_bytes + cpu_key).hexdigest()[:16]
+    lib_path = cache_dir() / "kernels" / f"llmdb_kernels_{key}.so"
     if not lib_path.exists():
         lib_path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
@@ -62,7 +50,7 @@ def load_library() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(lib_path))
     args = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [
         ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
-    for name in ("llmdb_decode_attention_f32", "llmdb_decode_attention_bf16"):
+    for name in ("llmdb_row_attention_f32", "llmdb_row_attention_bf16"):
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = None
     lib.llmdb_rms_norm_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [
@@ -87,7 +75,7 @@ def _check_cpu(*tensors: torch.Tensor) -> None:
         raise ValueError(f"the C++ CPU kernels got a tensor on {bad[0]}")
 
 
-def decode_attention(
+def row_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, scale: float,
     out: torch.Tensor,
@@ -99,8 +87,8 @@ def decode_attention(
     context_lens [R] int64."""
     _check_cpu(q, k_cache, v_cache, block_tables, context_lens, out)
     lib = load_library()
-    fn = {torch.float32: lib.llmdb_decode_attention_f32,
-          torch.bfloat16: lib.llmdb_decode_attention_bf16}[q.dtype]
+    fn = {torch.float32: lib.llmdb_row_attention_f32,
+          torch.bfloat16: lib.llmdb_row_attention_bf16}[q.dtype]
     s, h, d = q.shape
     fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
        context_lens.data_ptr(), s, h, k_cache.shape[1], d, block_size, block_tables.shape[1],

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sqlite3
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import platformdirs
+from llmdb.kernels.host import cache_dir
 
 DEFAULT_MAX_BYTES = 1 << 30
 _SCHEMA = """
@@ -32,8 +31,7 @@ CREATE INDEX IF NOT EXISTS results_lru ON results (last_used);
 
 
 def default_cache_path() -> Path:
-    base = os.environ.get("LLMDB_CACHE_DIR") or platformdirs.user_cache_dir("llmdb")
-    return Path(base) / "results.sqlite"
+    return cache_dir() / "results.sqlite"
 
 
 def request_key(*parts: Any) -> str:

@@ -87,7 +87,7 @@ def _sql(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from llmdb.engine.calibrate import calibrate, report
+    from llmdb.engine.research.calibrate import calibrate, report
 
     print(report(calibrate(quick=args.quick, passes=args.passes, path=args.output,
                            model=args.model, device=args.device)))

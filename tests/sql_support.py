@@ -21,14 +21,14 @@ RESULT_MARK = "RESULT "
 
 def engine():
     """The process's shared engine: the one every llmdb connection in the process uses."""
-    from llmdb.engine.shared import shared_engine
+    from llmdb.engine.process_engines import shared_engine
 
     return shared_engine(MODEL)
 
 
 def release_engine() -> None:
     """Stop the shared engine, so that later tests may start it with their own options."""
-    from llmdb.engine.shared import shutdown_engines
+    from llmdb.engine.process_engines import shutdown_engines
 
     shutdown_engines()
 
@@ -37,7 +37,7 @@ def start_engine():
     """The shared engine in fp32 (where batching never changes tokens, so that SQL answers can
     be compared with the engine's own). Started once and kept for the next test module; an
     engine running with other options is stopped first."""
-    from llmdb.engine.shared import shared_engine
+    from llmdb.engine.process_engines import shared_engine
 
     try:
         return shared_engine(MODEL, dtype="fp32")

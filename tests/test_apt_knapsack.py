@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from llmdb.engine.sched.apt_knapsack import Candidate, Selection, brute_force, select
+from llmdb.engine.sched.policies.apt_knapsack import Candidate, Selection, brute_force, select
 
 # Memory in whole and half units, so every sum of weights is exact in floating point and "fits"
 # means the same to the greedy and to brute force.

@@ -1,4 +1,5 @@
-"""Apt-Serve's traces (engine/workloads.py) and its FCFS-on-hybrid-cache ablation policy."""
+"""Apt-Serve's traces (engine/research/workloads.py) and its FCFS-on-hybrid-cache ablation
+policy."""
 
 from __future__ import annotations
 
@@ -8,17 +9,17 @@ import pytest
 from llmdb.engine.cache.block_pool import BlockPool
 from llmdb.engine.costmodel import preset
 from llmdb.engine.params import SamplingParams
-from llmdb.engine.sched.policies import make_policy
-from llmdb.engine.sched.request import Request
-from llmdb.engine.sched.scheduler import Scheduler
-from llmdb.engine.sim import SimConfig, simulate
-from llmdb.engine.workloads import (
+from llmdb.engine.research.sim import SimConfig, simulate
+from llmdb.engine.research.workloads import (
     LONGBENCH_DOC_WORDS,
     TOKENS_PER_WORD,
     arrivals,
     dataset,
     humaneval_lengths,
 )
+from llmdb.engine.sched.policies import make_policy
+from llmdb.engine.sched.request import Request
+from llmdb.engine.sched.scheduler import Scheduler
 
 
 def test_humaneval_pairs_are_the_real_prompts_and_canonical_solutions():

@@ -21,6 +21,7 @@ import pytest
 from llmdb.engine.cache.block_pool import BlockPool
 from llmdb.engine.costmodel import Chunk, preset
 from llmdb.engine.params import SamplingParams
+from llmdb.engine.sched.policies import make_policy
 from llmdb.engine.sched.policies.bros import largest_chunk
 from llmdb.engine.sched.request import Request
 from llmdb.engine.sched.scheduler import Scheduler
@@ -68,8 +69,8 @@ def _rt(rid: str, ids: list[int], arrival: float) -> Request:
 def _decoding_scheduler():
     """A bros scheduler with DECODERS RT requests that got their first token at t=0.02."""
     cm = preset("llama2-7b-a100")
-    sched = Scheduler(BlockPool(2000, 16, enable_prefix_caching=False), 4096, 1024, "bros",
-                      max_prefill_tokens=4096, cost_model=cm)
+    sched = Scheduler(BlockPool(2000, 16, enable_prefix_caching=False), 4096, 1024,
+                      make_policy("bros"), max_prefill_tokens=4096, cost_model=cm)
     decoders = [_rt(f"d{i}", list(range(1000 * i, 1000 * i + PROMPT)), 0.0)
                 for i in range(DECODERS)]
     for r in decoders:

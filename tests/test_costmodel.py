@@ -1,4 +1,5 @@
-"""The step cost model: features, presets, the NNLS fit, loading, and a quick calibration."""
+"""The step cost model: features, presets, the NNLS fit (research/fit.py), loading, and a quick
+calibration (research/calibrate.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import random
 import numpy as np
 import pytest
 
-from llmdb.engine import calibrate as cal
 from llmdb.engine.costmodel import (
     FEATURES,
     SMOLLM2_SHAPE,
@@ -22,10 +22,13 @@ from llmdb.engine.costmodel import (
     engine_cost_model_key,
     features,
     gpu_spec,
+    kv_projection_fraction,
     load_cost_model,
     preset,
 )
 from llmdb.engine.models.config import ModelConfig
+from llmdb.engine.research import calibrate as cal
+from llmdb.engine.research import fit
 
 
 def test_features_of_hand_made_steps():
@@ -107,16 +110,11 @@ def test_opt13b_preset_matches_apt_serve_decode_figure():
     assert model.step_time(batch + [Chunk(0, 512, False)]) > model.step_time(batch)
 
 
-def test_floor_empty_step_and_swaps():
-    model = CostModel("t", {"const": 0.001, "tokens": 0.0001}, "test", floor_s=0.01,
-                      swap_bytes_per_s=1e9)
+def test_floor_and_empty_step():
+    model = CostModel("t", {"const": 0.001, "tokens": 0.0001}, "test", floor_s=0.01)
     assert model.step_time([]) == 0.0
     assert model.step_time([Chunk(5, 1, True)]) == 0.01  # below the floor
     assert model.step_time([Chunk(0, 1000, False)]) == pytest.approx(0.101)
-    assert model.step_time([Chunk(5, 1, True)], swap_bytes=10**8) == pytest.approx(0.1)
-    assert model.step_time([], swap_bytes=10**6) == pytest.approx(0.001)
-    with pytest.raises(ValueError, match="swap"):
-        CostModel("t", {}, "test").step_time([Chunk(0, 1, False)], swap_bytes=1)
     with pytest.raises(ValueError):
         CostModel("t", {"const": -1.0}, "test")
     with pytest.raises(ValueError, match="unknown"):
@@ -127,10 +125,10 @@ def test_nnls_matches_known_solutions():
     rng = np.random.default_rng(0)
     a = rng.uniform(0, 1, (60, 6))
     x_true = np.array([0.5, 0.0, 2.0, 0.0, 1.0, 3.0])
-    assert np.allclose(cal.nnls(a, a @ x_true), x_true, atol=1e-9)
+    assert np.allclose(fit.nnls(a, a @ x_true), x_true, atol=1e-9)
     # An unconstrained fit would go negative: check the KKT conditions instead.
     b = a @ np.array([1.0, -2.0, 0.5, 0.0, 0.0, 1.0]) + rng.normal(0, 0.01, 60)
-    x = cal.nnls(a, b)
+    x = fit.nnls(a, b)
     grad = a.T @ (b - a @ x)
     assert (x >= 0).all()
     assert np.all(grad[x == 0] <= 1e-9) and np.allclose(grad[x > 0], 0, atol=1e-9)
@@ -150,7 +148,7 @@ def test_fit_recovers_known_coefficients():
              "prefill_m": 2e-6}
     model = CostModel("truth", truth, "test")
     steps = [_random_step(rng) for _ in range(300)]
-    fitted = cal.fit_coefficients(steps, [model.linear_time(s) for s in steps], cal.FITTED)
+    fitted = fit.fit_coefficients(steps, [model.linear_time(s) for s in steps], fit.FITTED)
     for f, v in truth.items():
         assert fitted[f] == pytest.approx(v, rel=1e-6, abs=1e-12), f
     assert all(v >= 0 for v in fitted.values())
@@ -309,14 +307,14 @@ def test_cpu_estimate_for_another_model_or_dtype_is_the_default_scaled(tmp_path,
     assert 45 < ratio < 55 and "scaled" in big.source and "llmdb calibrate" in big.source
     assert big.coefficients["tokens"] == pytest.approx(default.coefficients["tokens"] * ratio)
     assert big.floor_s == pytest.approx(default.floor_s * ratio)
-    kv = LLAMA2_7B.kv_bytes_per_token / SMOLLM2_SHAPE.kv_bytes_per_token
+    kv = LLAMA2_7B.kv_elems_per_token / SMOLLM2_SHAPE.kv_elems_per_token
     assert big.coefficients["decode_kv"] == pytest.approx(default.coefficients["decode_kv"] * kv)
 
 
 def test_model_shape_counts_parameters():
     assert SMOLLM2_SHAPE.params == pytest.approx(134.5e6, rel=0.01)  # SmolLM2-135M
     assert LLAMA2_7B.params == pytest.approx(6.74e9, rel=0.01)  # Llama-2-7B
-    assert cal.kv_projection_fraction(SMOLLM2_SHAPE) == pytest.approx(0.0625)
+    assert kv_projection_fraction(SMOLLM2_SHAPE) == pytest.approx(0.0625)
 
 
 def test_gpu_roofline_of_a_7b_model_on_an_h100_is_sane(tmp_path, monkeypatch):
@@ -337,7 +335,7 @@ def test_gpu_roofline_of_a_7b_model_on_an_h100_is_sane(tmp_path, monkeypatch):
     # More context, more requests, more tokens never make a step cheaper.
     assert cm.step_time([Chunk(4096, 1, True)] * 64) > cm.step_time([Chunk(128, 1, True)] * 64)
     assert cm.step_time([Chunk(128, 1, True)] * 256) > lone
-    assert cm.swap_bytes_per_s and cm.rho > 0
+    assert cm.rho > 0
     # A faster GPU is faster, a slower one slower, and fp32 is much slower.
     h200 = load_cost_model(key=cost_model_key("llama-2-7b", "0123456789ab", "bf16",
                                               "cuda:NVIDIA H200", 0), config=LLAMA2_7B)

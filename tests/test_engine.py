@@ -203,13 +203,14 @@ def test_request_that_never_fits_the_pool_is_rejected():
 
 
 def test_background_loop_serves_many_threads(engine):
+    prompts = _mixed_prompts(engine, 8)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    alone = [engine.generate([p], params)[0].token_ids for p in prompts]
+    results: dict[int, list[int]] = {}
     engine.start_background_loop()
     try:
-        prompts = _mixed_prompts(engine, 8)
-        results: dict[int, list[int]] = {}
-
         def worker(i: int) -> None:
-            rid = engine.add_request(prompts[i], SamplingParams(max_tokens=6, ignore_eos=True))
+            rid = engine.add_request(prompts[i], params)
             while (r := engine.wait(rid, timeout=0.1)) is None:
                 pass
             results[i] = r.token_ids
@@ -219,9 +220,11 @@ def test_background_loop_serves_many_threads(engine):
             t.start()
         for t in threads:
             t.join()
-        assert sorted(results) == list(range(8)) and all(len(v) == 6 for v in results.values())
     finally:
         engine.stop_background_loop()
+    assert sorted(results) == list(range(8))
+    for i, prompt in enumerate(prompts):  # batched across threads: the tokens of each alone
+        assert_same_tokens(engine, prompt, alone[i], results[i])
 
 
 def test_prefix_cache_hits_and_keeps_outputs(engine_fp32):
@@ -247,7 +250,7 @@ def test_prefix_cache_hits_and_keeps_outputs(engine_fp32):
 
 
 def test_one_shared_engine_per_model_and_clear_conflicts():
-    from llmdb.engine.shared import shared_engine, shutdown_engines
+    from llmdb.engine.process_engines import shared_engine, shutdown_engines
 
     shutdown_engines()  # start from no shared engine, whatever earlier tests left running
     try:
@@ -270,3 +273,10 @@ def test_cut_output_drops_a_partial_character(engine):
                if engine.tokenizer.decode(ids[:k]).endswith("\ufffd"))
     assert without_partial_char(engine.tokenizer.decode(cut)) == "café 日本"
     assert without_partial_char("done 🙂") == "done 🙂"
+
+
+def test_attention_fast_is_a_deprecated_name_for_auto():
+    from llmdb.engine.engine import _kernel_set
+
+    with pytest.warns(DeprecationWarning, match="attention='fast' is deprecated"):
+        assert _kernel_set("fast", torch.device("cpu")) == _kernel_set("auto", torch.device("cpu"))

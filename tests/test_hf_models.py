@@ -185,7 +185,7 @@ def _assert_close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
 # ---- the tests -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("attention", ["reference", "fast"])
+@pytest.mark.parametrize("attention", ["reference", "cpu"])
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_logits_match_transformers(name, attention, hf_ref, engines):
     ref_model, engine = hf_ref(name), engines(name, attention)
@@ -203,7 +203,7 @@ def test_logits_match_transformers(name, attention, hf_ref, engines):
 def test_chunked_prefill_logits_match_transformers(name, hf_dirs, hf_ref):
     """Prompts split over steps: later chunks attend to cached K/V at offset positions."""
     engine = LLMEngine(model=str(hf_dirs[name]), dtype="fp32", kv_cache_bytes=4 << 20,
-                       attention="fast", threads=2, max_num_batched_tokens=24)
+                       attention="cpu", threads=2, max_num_batched_tokens=24)
     ids = _sequences(seed=3)[-1]
     _assert_close(engine.logits(ids), _ref_logits(hf_ref(name), ids), f"{name} chunked")
 
@@ -244,7 +244,7 @@ def _assert_same_greedy(ref_model, prompt: list[int], ref: list[int], got: list[
     )
 
 
-@pytest.mark.parametrize("attention", ["reference", "fast"])
+@pytest.mark.parametrize("attention", ["reference", "cpu"])
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_greedy_generation_matches_transformers(name, attention, hf_ref, engines):
     ref_model, engine = hf_ref(name), engines(name, attention)
@@ -286,7 +286,6 @@ def test_metadata_and_tokenizer(name, hf_dirs):
         assert cfg.norm_eps == hf_cfg.rms_norm_eps
         assert cfg.rope_theta == hf_cfg.rope_parameters["rope_theta"]
     else:
-        assert cfg.word_embed_proj_dim == hf_cfg.word_embed_proj_dim
         assert cfg.norm_before == hf_cfg.do_layer_norm_before
     hf_tok = transformers.AutoTokenizer.from_pretrained(hf_dirs[name])
     assert ours.vocab_size == len(hf_tok) == VOCAB_SIZE
@@ -370,7 +369,7 @@ def test_rope_scaling_is_refused(hf_dirs, tmp_path, where):
 
 def test_generation_stops_at_the_context_length(engines):
     """A request that reaches the model's context finishes with reason `length`."""
-    engine = engines("llama-gqa", "fast")
+    engine = engines("llama-gqa", "cpu")
     ctx = engine.config.max_context
     prompt = [5 + i % 20 for i in range(ctx - 10)]
     r = engine.generate([prompt], SamplingParams(max_tokens=50, ignore_eos=True))[0]

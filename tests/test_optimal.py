@@ -1,5 +1,5 @@
-"""The optimal-schedule bound (engine/optimal.py): valid schedules, no slower than any policy,
-equal to an exhaustive search on tiny instances, and evictions help where InferMax says."""
+"""The optimal-schedule bound (engine/research/optimal.py): valid schedules, no slower than any
+policy, equal to an exhaustive search on tiny instances, and evictions help where InferMax says."""
 
 from __future__ import annotations
 
@@ -9,11 +9,14 @@ import math
 
 import pytest
 
-from llmdb.engine.costmodel import Chunk, CostModel, preset
-from llmdb.engine.optimal import OptimalResult, policy_steps, replay, sim_config, solve
-from llmdb.engine.sched.policies import POLICIES
-from llmdb.engine.sim import simulate
-from llmdb.engine.workloads import RequestSpec
+pytest.importorskip("ortools", reason="the bound needs OR-Tools: pip install 'llmdb[bound]'")
+
+from llmdb.engine.costmodel import Chunk, CostModel, preset  # noqa: E402
+from llmdb.engine.research.optimal import OptimalResult, solve  # noqa: E402
+from llmdb.engine.research.schedules import policy_steps, replay, sim_config  # noqa: E402
+from llmdb.engine.research.sim import simulate  # noqa: E402
+from llmdb.engine.research.workloads import RequestSpec  # noqa: E402
+from llmdb.engine.sched.policies import POLICIES  # noqa: E402
 
 CM = preset("llama2-7b-a100")
 C, P = 4096, 512

@@ -20,10 +20,11 @@ import pytest
 from llmdb.engine.cache.block_pool import BlockPool
 from llmdb.engine.costmodel import Chunk, preset
 from llmdb.engine.params import SamplingParams
+from llmdb.engine.research.sim import SimConfig, simulate
+from llmdb.engine.research.workloads import RequestSpec, dataset
+from llmdb.engine.sched.policies import make_policy
 from llmdb.engine.sched.request import Request
 from llmdb.engine.sched.scheduler import Scheduler
-from llmdb.engine.sim import SimConfig, simulate
-from llmdb.engine.workloads import RequestSpec, dataset
 
 BS = 16
 N = 4
@@ -42,9 +43,9 @@ def _recording_cost_model():
     log: list[list[Chunk]] = []
     step_time = cm.step_time
 
-    def recording(chunks, swap_bytes=0):
+    def recording(chunks):
         log.append(list(chunks))
-        return step_time(chunks, swap_bytes)
+        return step_time(chunks)
 
     cm.step_time = recording
     return cm, step_time, log
@@ -113,7 +114,8 @@ def test_without_prompt_ids_prefix_caching_changes_nothing():
 
 
 def _scheduler(num_blocks: int = 64) -> Scheduler:
-    return Scheduler(BlockPool(num_blocks, BS, enable_prefix_caching=True), 4096, 64)
+    return Scheduler(BlockPool(num_blocks, BS, enable_prefix_caching=True), 4096, 64,
+                     make_policy("sarathi"))
 
 
 def _request(rid: str, ids) -> Request:
@@ -155,3 +157,13 @@ def test_seed_cached_leaves_blocks_free_but_findable():
     pool.allocate(pool.num_blocks - 16)
     assert pool.num_cached == 16
     assert len(sched.prefix_hit(_request("still", PREFIX + (1,)))) == 16
+
+
+def test_token_slice_is_a_slice_of_prompt_and_output():
+    """What block hashing reads instead of building prompt + output for every block."""
+    req = _request("r", range(100, 137))
+    req.output_ids = list(range(7))
+    whole = req.prompt_ids + req.output_ids
+    for start in range(len(whole) + 2):
+        for n in (1, 5, 16, 50):
+            assert req.token_slice(start, n) == whole[start : start + n], (start, n)

@@ -39,7 +39,7 @@ import json, os, signal, threading, time
 import llmdb
 from llmdb import batch
 from llmdb.engine.params import SamplingParams
-from llmdb.engine.shared import shared_engine
+from llmdb.engine.process_engines import shared_engine
 
 # Steps of at most 128 tokens, so that Ctrl-C never waits long for the current one; no
 # prefix cache, so that a prompt run alone is computed the same way before and after.

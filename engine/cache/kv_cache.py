@@ -33,5 +33,5 @@ class KVCache:
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        return config.kv_bytes_per_token * block_size * torch.finfo(dtype).bits // 8
+        return config.kv_elems_per_token * block_size * torch.finfo(dtype).bits // 8
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -21,15 +21,12 @@ class ModelConfig:
     tie_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # OPT only: learned positions start at this offset; projection around the decoder stack.
-    position_offset: int = 0
-    word_embed_proj_dim: int | None = None
+    position_offset: int = 0  # OPT only: learned positions start at this offset
     norm_before: bool = True
-    extra: dict = field(default_factory=dict, compare=False)
 
     @property
-    def kv_bytes_per_token(self) -> int:
-        """Elements of K plus V per token over all layers (multiply by the dtype size)."""
+    def kv_elems_per_token(self) -> int:
+        """Elements of K plus V per token over all layers (times the dtype's size: bytes)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
     @property
@@ -44,11 +41,6 @@ class ModelConfig:
     def params(self) -> int:
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2)
         return self.num_layers * self.layer_params + embeddings
-
-    @property
-    def hidden_elems_per_token(self) -> int:
-        """Elements of the layer-input hidden states per token over all layers."""
-        return self.num_layers * self.hidden_size
 
     def hidden_cache_support(self) -> tuple[bool, str]:
         """Can the engine keep this model's hidden states instead of K/V (Apt-Serve), and

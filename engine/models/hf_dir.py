@@ -99,7 +99,6 @@ def read_hf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
             ffn_size=cfg["ffn_dim"],
             tie_embeddings=cfg.get("tie_word_embeddings", True),
             position_offset=2,  # OPT's learned position table starts at index 2
-            word_embed_proj_dim=cfg.get("word_embed_proj_dim", hidden),
             norm_before=cfg.get("do_layer_norm_before", True),
             **common,
         )

@@ -14,10 +14,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import platformdirs
 import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
+
+from llmdb.kernels.host import cache_dir
 
 from .config import ModelConfig
 from .errors import ModelLoadError
@@ -33,10 +34,6 @@ class LoadedModel:
     tokenizer: ModelTokenizer
     weights: dict[str, torch.Tensor]  # HF names and layout; fp32 from GGUF, as stored from HF
     fingerprint: str  # sha256 of the weight files' bytes
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("LLMDB_CACHE_DIR") or platformdirs.user_cache_dir("llmdb"))
 
 
 def _fingerprint(files: list[Path]) -> str:

@@ -71,16 +71,18 @@ class Request:
 
     @property
     def token_ids(self) -> list[int]:
+        """Prompt and output, as a new list: hot paths take a token_slice instead."""
         return self.prompt_ids + self.output_ids
 
     def token_slice(self, start: int, n: int) -> list[int]:
-        """token_ids[start : start + n] without building token_ids (a decode's one token)."""
+        """token_ids[start : start + n] without building token_ids (a decode's one token, a
+        block's worth)."""
         p = len(self.prompt_ids)
         if start >= p:
             return self.output_ids[start - p : start - p + n]
         if start + n <= p:
             return self.prompt_ids[start : start + n]
-        return (self.prompt_ids + self.output_ids)[start : start + n]
+        return self.prompt_ids[start:] + self.output_ids[: start + n - p]
 
     @property
     def is_finished(self) -> bool:

@@ -4,24 +4,21 @@ Which requests run in a step, with how many tokens, and who is evicted is the po
 decision (policies/): each policy is a small class over InferMax's Algorithm 1 (base.py).
 The scheduler sees requests through a few numbers (tokens to compute, cached tokens, pending
 time, class, SLOs, cache type) and the pool through block counts, so the same objects run in
-the engine and in the simulator (sim.py).
+the engine and in the simulator (research/sim.py).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..cache.block_pool import HIDDEN_RATIO, BlockPool, block_hash
 from ..costmodel import Chunk, CostModel
 from ..params import SamplingParams
 from .request import Request, Status
-
-if TYPE_CHECKING:
-    from .policies.base import Policy
 
 
 @dataclass
@@ -37,15 +34,28 @@ class SchedulerOutput:
         return sum(n for _, n in self.scheduled)
 
 
+class SchedulingPolicy(Protocol):
+    """What the scheduler asks of its policy (policies/base.py's Policy is one; the
+    scheduler never imports them: policies/ builds on this module, not the other way)."""
+
+    name: str
+    reserves_memory: bool  # reserve_tokens() counts when checking that a request fits
+
+    def schedule(self, s: Scheduler, now: float) -> SchedulerOutput: ...
+
+    def reserve_tokens(self, s: Scheduler, req: Request) -> int: ...
+
+    def observe_finished(self, req: Request) -> None: ...
+
+
 class Scheduler:
     """C = max_num_batched_tokens (tokens per step), P = max_prefill_tokens (prefill tokens
-    per step, <= C), M = the block pool; max_num_seqs caps the running requests."""
+    per step, <= C), M = the block pool; max_num_seqs caps the running requests. The policy
+    is an object (policies.make_policy builds one from a name)."""
 
     def __init__(self, pool: BlockPool, max_num_batched_tokens: int, max_num_seqs: int,
-                 policy: Policy | str = "sarathi", max_prefill_tokens: int | None = None,
+                 policy: SchedulingPolicy, max_prefill_tokens: int | None = None,
                  cost_model: CostModel | None = None, hidden_ratio: float | None = None):
-        from .policies import make_policy
-
         self.pool = pool
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_tokens = min(max_prefill_tokens or max_num_batched_tokens,
@@ -59,7 +69,7 @@ class Scheduler:
             raise ValueError(f"hidden_ratio must be None or {HIDDEN_RATIO} (hidden states take "
                              f"half blocks), got {hidden_ratio}")
         self.hidden_ratio = hidden_ratio
-        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.policy = policy
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._hits: dict[str, list[int]] = {}  # this step's prefix hits of waiting requests
@@ -70,6 +80,9 @@ class Scheduler:
         # Requests switched hidden -> KV by projection in the last schedule() (their step
         # re-projects their context once: costs()).
         self._converted: set[str] = set()
+        # Called with each schedule()'s output, before anything runs it: how tests and the
+        # bound's recording of a policy (research/schedules.py) watch the decisions.
+        self.observers: list[Callable[[SchedulerOutput], None]] = []
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -81,7 +94,10 @@ class Scheduler:
     def schedule(self, now: float | None = None) -> SchedulerOutput:
         self._hits.clear()
         self._converted.clear()
-        return self.policy.schedule(self, time.perf_counter() if now is None else now)
+        out = self.policy.schedule(self, time.perf_counter() if now is None else now)
+        for observe in self.observers:
+            observe(out)
+        return out
 
     # ---- what a request needs --------------------------------------------------------------
 
@@ -159,7 +175,7 @@ class Scheduler:
 
     def _block_tokens(self, req: Request, i: int) -> tuple[int, ...]:
         bs = self.pool.block_size
-        return tuple(req.token_ids[i * bs : (i + 1) * bs])
+        return tuple(req.token_slice(i * bs, bs))
 
     def _hashes(self, req: Request, num_blocks: int) -> list[int]:
         """Chained hashes of the request's first num_blocks full blocks."""

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from llmdb.engine.engine import LLMEngine
-from llmdb.engine.shared import shared_engine, shutdown_engines
+from llmdb.engine.process_engines import shared_engine, shutdown_engines
 
 from .base import BackendResult, ChoiceRequest, GenerationRequest, ModelRequest, ScoreRequest
 

@@ -245,8 +245,8 @@ def model_time(backend: Backend, batches: list[int], share: float, per_row: floa
     cm = cost_model(backend)
     if engine is None or not calibrated(cm):
         return None
-    from llmdb.engine.sim import SimConfig, simulate
-    from llmdb.engine.workloads import RequestSpec
+    from llmdb.engine.research.sim import SimConfig, simulate
+    from llmdb.engine.research.workloads import RequestSpec
 
     sched = engine.scheduler
     block = engine.pool.block_size

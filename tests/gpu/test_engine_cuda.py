@@ -214,6 +214,6 @@ def test_sql_on_cuda(model_dirs, tmp_path, monkeypatch):
         assert len(rows) == 6 and all(isinstance(a, str) for _, a in rows)
         assert "cuda" in con.explain_report(
             "SELECT llm_complete('hello ' || i::VARCHAR) FROM range(3) t(i)").engine
-    from llmdb.engine.shared import shared_engine
+    from llmdb.engine.process_engines import shared_engine
 
     _all_free(shared_engine("tiny-gpu"))

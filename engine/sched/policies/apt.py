@@ -23,9 +23,9 @@ with preemption.
 
 from __future__ import annotations
 
-from ..apt_knapsack import select_columns
 from ..request import Request, Status
 from ..scheduler import Scheduler, SchedulerOutput
+from .apt_knapsack import select_columns
 from .base import Policy
 from .fcfs import FCFSPolicy
 

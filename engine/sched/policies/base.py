@@ -28,7 +28,6 @@ class Policy:
     hybrid = True  # prefill chunks and decodes in one batch
     chunked_prefill = True  # a prefill may be split across steps under P
     reserves_memory = False  # reserve_tokens() is used by can-allocate
-    admit_after_eviction = False  # admit waiting requests in a step that evicted someone
 
     def groups(self, s: Scheduler, now: float) -> list[Group]:
         raise NotImplementedError
@@ -43,9 +42,6 @@ class Policy:
     def reserve_tokens(self, s: Scheduler, req: Request) -> int:
         return 0
 
-    def max_batch(self, s: Scheduler) -> int:
-        return s.max_num_seqs
-
     def observe_finished(self, req: Request) -> None:
         pass
 
@@ -54,10 +50,9 @@ class Policy:
         batch: dict[Request, int] = {}
         c_left, p_left = s.max_num_batched_tokens, s.max_prefill_tokens
         phase: bool | None = None  # True: the batch holds prefills (hybrid off)
-        limit = self.max_batch(s)
         for group in self.groups(s, now):
             for cand in list(group.requests):
-                if len(batch) >= limit or c_left <= 0:
+                if len(batch) >= s.max_num_seqs or c_left <= 0:
                     return out
                 if cand in batch or cand.status is Status.FINISHED or cand in out.preempted:
                     continue
@@ -68,9 +63,8 @@ class Policy:
                     c_left -= 1
                     phase = False if phase is None else phase
                     continue
-                if waiting and (len(s.running) >= s.max_num_seqs or (
-                        out.preempted and not self.admit_after_eviction)):
-                    continue  # memory is short this step: admit nobody new
+                if waiting and (len(s.running) >= s.max_num_seqs or out.preempted):
+                    continue  # full, or memory is short this step: admit nobody new
                 if waiting and s.waits_for_prefix(cand):
                     continue  # its prefix is being computed: reuse it next step
                 prefill = s.is_prefill(cand)

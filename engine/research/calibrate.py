@@ -1,4 +1,5 @@
-"""`llmdb calibrate`: time the real engine's steps on this machine and fit the cost model.
+"""`llmdb calibrate`: time the real engine's steps on this machine and fit the cost model
+(fit.py) to them.
 
 Each measured step is a hand-built batch (decodes at given context lengths, prefill chunks
 over given cached prefixes, mixes of both) run through ModelRunner.execute and the sampler,
@@ -35,39 +36,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-import numpy as np
-
-from .compute import run_on_compute_thread
-from .costmodel import (
-    CPU_SWAP_BYTES_PER_S,
-    FEATURES,
-    Chunk,
-    CostModel,
-    CostModelKey,
-    cost_model_path,
-    engine_cost_model_key,
-    features,
-    gpu_spec,
-    kv_projection_fraction,
-)
-
-# (context m, tokens c, decode) per request of one step.
-Plan = list[tuple[int, int, bool]]
-
-
-@dataclass
-class Measured:
-    kind: str  # "decode", "prefill" or "mixed": the held-out split is stratified by it
-    plan: Plan
-    seconds: float  # median of the runs kept (the quiet ones, if any)
-    fastest: float  # the quickest run kept, for comparison on a loaded machine
-    spread: float  # slowest / fastest of the runs kept
-    quiet: int = 0  # runs during which other processes stayed (nearly) idle
-    disturbed: int = 0  # runs discarded because they did not
-
-    @property
-    def chunks(self) -> list[Chunk]:
-        return [Chunk(m, c, d) for m, c, d in self.plan]
+from ..compute import run_on_compute_thread
+from ..costmodel import FEATURES, CostModel, CostModelKey, cost_model_path, engine_cost_model_key
+from .fit import Measured, Plan, fit, mape
 
 
 def _decodes(batch: int, context: int) -> Plan:
@@ -214,8 +185,8 @@ class StepTimer:
         self.blocks = []
 
     def build(self, plan: Plan) -> list[tuple]:
-        from .params import SamplingParams
-        from .sched.request import Request
+        from ..params import SamplingParams
+        from ..sched.request import Request
 
         scheduled, next_block = [], 0
         for i, (context, tokens, _decode) in enumerate(plan):
@@ -359,87 +330,6 @@ def _time_step(timer: StepTimer, scheduled: list[tuple], tries: int, left_s: flo
         noisy.append(t)
 
 
-# ---- fitting ------------------------------------------------------------------------------
-
-
-def nnls(a: np.ndarray, b: np.ndarray, tol: float | None = None) -> np.ndarray:
-    """min ||a x - b|| subject to x >= 0 (Lawson and Hanson's active-set method).
-
-    scipy.optimize.nnls does the same; a dozen columns and a hundred rows are not worth the
-    dependency."""
-    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
-    n = a.shape[1]
-    if tol is None:
-        tol = 10 * max(a.shape) * np.finfo(float).eps * max(1.0, np.abs(a).max())
-    x = np.zeros(n)
-    passive = np.zeros(n, dtype=bool)
-    for _ in range(3 * n + 10):
-        grad = a.T @ (b - a @ x)
-        candidates = ~passive & (grad > tol)
-        if not candidates.any():
-            break
-        passive[np.argmax(np.where(candidates, grad, -np.inf))] = True
-        while True:
-            z = np.zeros(n)
-            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
-            if (z[passive] > tol).all():
-                x = z
-                break
-            # Step from x toward z as far as feasibility allows, and drop what hits zero.
-            bad = passive & (z <= tol)
-            gap = x[bad] - z[bad]  # > 0 but for rounding on a variable already at zero
-            alpha = np.min(np.where(gap > 0, x[bad] / np.where(gap > 0, gap, 1.0), 0.0))
-            x = x + alpha * (z - x)
-            passive &= x > tol
-            x[~passive] = 0.0
-            if not passive.any():
-                break
-    return x
-
-
-def design_matrix(steps: Sequence[Sequence[Chunk]], names: Sequence[str]) -> np.ndarray:
-    return np.array([[features(chunks)[f] for f in names] for chunks in steps])
-
-
-def fit_coefficients(steps: Sequence[Sequence[Chunk]], seconds: Sequence[float],
-                     names: Sequence[str] = FEATURES) -> dict[str, float]:
-    """Non-negative coefficients minimizing the squared *relative* error of each step (rows
-    divided by the measured time), since the target is percentage error per step."""
-    a = design_matrix(steps, names)
-    t = np.asarray(seconds, dtype=float)
-    a = a / t[:, None]
-    b = np.ones(len(t))
-    # Features span 1 to 1e6: unit columns keep the active-set tolerances meaningful.
-    scale = np.linalg.norm(a, axis=0)
-    used = scale > 0
-    x = np.zeros(len(names))
-    x[used] = nnls(a[:, used] / scale[used], b) / scale[used]
-    return {f: float(v) for f, v in zip(names, x, strict=True)}
-
-
-def mape(model: CostModel, measured: Sequence[Measured]) -> float:
-    errors = [abs(model.step_time(m.chunks) - m.seconds) / m.seconds for m in measured]
-    return 100.0 * float(np.mean(errors)) if errors else float("nan")
-
-
-def split_held_out(measured: Sequence[Measured], fraction: float = 0.25,
-                   seed: int = 0) -> tuple[list[Measured], list[Measured]]:
-    """(train, held out): about `fraction` of each kind of step held out."""
-    rng = random.Random(seed)
-    train, held = [], []
-    for kind in sorted({m.kind for m in measured}):
-        group = [m for m in measured if m.kind == kind]
-        rng.shuffle(group)
-        k = max(1, round(fraction * len(group))) if len(group) > 1 else 0
-        held += group[:k]
-        train += group[k:]
-    return train, held
-
-
-# Hidden-cache re-projection cannot be measured (the engine has no hidden cache): it is
-# derived from the fitted per-token cost instead.
-FITTED = tuple(f for f in FEATURES if f != "hidden_tokens")
-
 
 @dataclass
 class Calibration:
@@ -453,49 +343,19 @@ class Calibration:
     key: CostModelKey | None = None
 
 
-def fit(measured: Sequence[Measured], config, source: str, key: CostModelKey | None = None
-        ) -> tuple[CostModel, list[Measured], list[Measured]]:
-    """(model, training steps, held-out steps): fitted on ~75% of the steps, to be judged on
-    the rest. The model is the one fitted on the training steps, so the error reported on
-    the held-out ones is that of the coefficients written. `key` names the model and gives
-    its device's host-copy bandwidth (default: a CPU)."""
-    train, held = split_held_out(measured)
-    coef = fit_coefficients([m.chunks for m in train], [m.seconds for m in train], FITTED)
-    coef["hidden_tokens"] = coef["tokens"] * kv_projection_fraction(config)
-    decodes = [m for m in measured if m.kind == "decode"]
-    # The floor: the smallest decode step, i.e. the fastest of the one-request decodes (their
-    # context barely matters, and the fastest is the least disturbed by other load).
-    batch = min(len(m.plan) for m in decodes)
-    floor = min(m.seconds for m in decodes if len(m.plan) == batch)
-    name = "cpu" if key is None or key.device == "cpu" else f"calibrated-{key.gpu}"
-    model = CostModel(name, coef, source, floor_s=floor, swap_bytes_per_s=_swap_bandwidth(key))
-    return model, train, held
-
-
-def _swap_bandwidth(key: CostModelKey | None) -> float:
-    """Host-tier copies: this machine's memory on a CPU, the GPU's host link on a GPU."""
-    if key is None or key.gpu is None:
-        return CPU_SWAP_BYTES_PER_S
-    return gpu_spec(key.gpu).host_bytes_per_s
-
-
 def machine_info(engine) -> dict:
     import torch
 
-    from .hardware import cpu_flags
+    from llmdb.kernels.host import cpu_info
 
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    from ..hardware import BF16_FLAGS
+
     device = engine_device(engine)
     info = {
-        "cpu": name,
+        "cpu": cpu_info().model,
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "bf16_flags": sorted({"amx_bf16", "avx512_bf16"} & cpu_flags()),
+        "bf16_flags": sorted(BF16_FLAGS & cpu_info().flags),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "model": engine.model_name,
@@ -515,8 +375,8 @@ def load_engine(model: str | None = None, device: str | None = None, log=print):
     and the CPU is asked for with no device argument, as engines before devices took it)."""
     import torch
 
-    from .engine import LLMEngine
-    from .registry import DEFAULT_MODEL
+    from ..engine import LLMEngine
+    from ..registry import DEFAULT_MODEL
 
     if device in (None, "auto") and not torch.cuda.is_available():
         device = "cpu"

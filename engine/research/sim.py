@@ -14,19 +14,16 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .cache.block_pool import BlockPool
-from .costmodel import CostModel
-from .params import SamplingParams
-from .sched.request import Request
-from .sched.scheduler import Scheduler
+from ..cache.block_pool import BlockPool
+from ..costmodel import CostModel
+from ..params import SamplingParams
+from ..sched.policies import Policy, make_policy
+from ..sched.request import Request
+from ..sched.scheduler import Scheduler, SchedulerOutput
 from .workloads import RequestSpec
-
-if TYPE_CHECKING:
-    from .sched.policies.base import Policy
 
 
 @dataclass
@@ -75,11 +72,6 @@ class RequestMetrics:
         return float(np.percentile(gaps, 99)) if gaps else 0.0
 
     @property
-    def tpot(self) -> float:
-        n = len(self.token_times)
-        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else 0.0
-
-    @property
     def latency(self) -> float:
         return self.token_times[-1] - self.arrival if self.finished else float("inf")
 
@@ -101,19 +93,6 @@ class SimResult:
         rs = self.of(priority)
         ok = [r.finished and r.ttft <= slo_ttft and r.p99_tbt <= slo_tbt for r in rs]
         return sum(ok) / len(ok) if ok else 1.0
-
-    def ttft_attainment(self, slo: float, priority: str = "RT") -> float:
-        rs = self.of(priority)
-        return sum(r.ttft <= slo for r in rs) / len(rs) if rs else 1.0
-
-    def tpot_attainment(self, slo: float, priority: str = "RT") -> float:
-        rs = self.of(priority)
-        return sum(r.finished and r.tpot <= slo for r in rs) / len(rs) if rs else 1.0
-
-    def normalized_latency(self, priority: str | None = None) -> float:
-        """Mean over requests of latency per output token."""
-        rs = [r for r in self.of(priority) if r.finished]
-        return float(np.mean([r.latency / r.output_len for r in rs])) if rs else float("inf")
 
     def throughput(self, priority: str | None = None) -> float:
         """Generated tokens per second of simulated time."""
@@ -138,16 +117,21 @@ def _request(spec: RequestSpec, cfg: SimConfig, ids: Callable[[], int]) -> Reque
 
 def simulate(specs: Sequence[RequestSpec], policy: str | Policy, cost_model: CostModel,
              cfg: SimConfig, be_stream: Callable[[int, float], list[RequestSpec]] | None = None,
-             be_batches: int = 0) -> SimResult:
+             be_batches: int = 0, observe: Callable[[SchedulerOutput], None] | None = None
+             ) -> SimResult:
     """Run `specs` (sorted by arrival) under `policy` (a name, or a fresh Policy object for a
     variant the registry does not name); `be_stream(k, now)` makes the k-th BE batch, started
-    at time 0 and again whenever the previous one has completed."""
+    at time 0 and again whenever the previous one has completed. `observe` sees every
+    schedule() output (Scheduler.observers)."""
     import time
 
     pool = BlockPool(cfg.num_blocks, cfg.block_size, enable_prefix_caching=cfg.prefix_caching)
-    sched = Scheduler(pool, cfg.max_num_batched_tokens, cfg.max_num_seqs, policy,
+    sched = Scheduler(pool, cfg.max_num_batched_tokens, cfg.max_num_seqs,
+                      make_policy(policy) if isinstance(policy, str) else policy,
                       cfg.max_prefill_tokens, cost_model=cost_model,
                       hidden_ratio=cfg.hidden_ratio)
+    if observe is not None:
+        sched.observers.append(observe)
     if cfg.prefix_caching:
         for ids in cfg.cached_prefixes:
             sched.seed_cached(ids)

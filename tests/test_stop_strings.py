@@ -1,0 +1,82 @@
+"""Stop strings found incrementally (engine/stop_strings.py) stop where decoding the whole
+output after every token would: across token boundaries, inside multi-byte characters,
+among special tokens."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from llmdb.engine.params import SamplingParams
+from llmdb.engine.stop_strings import StopStringWatch
+
+TEXT = "Café naïve — “quoted” 日本語 and 🙂🙂, then: 1, 2, 3;\n\tdef f(x): return x ** 2  # ok"
+
+
+def first_stop_by_full_decode(decode, ids: list[int], stops: list[str]) -> int | None:
+    """The reference: the first token after which the whole output's text holds a stop."""
+    return next((k for k in range(len(ids))
+                 if any(s in decode(ids[: k + 1]) for s in stops)), None)
+
+
+def first_stop_by_watch(decode, ids: list[int], stops: list[str]) -> int | None:
+    watch = StopStringWatch(decode, stops)
+    return next((k for k, t in enumerate(ids) if watch.add(t)), None)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(engine_fp32):
+    return engine_fp32.tokenizer
+
+
+def test_matches_the_full_decode_on_text_with_multibyte_characters(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    assert any(tokenizer.decode([t]).count("\ufffd") for t in ids)  # split characters
+    rng = random.Random(0)
+    for _ in range(300):  # stop strings cut anywhere in the text, over token boundaries
+        start = rng.randrange(len(TEXT))
+        stops = [TEXT[start : start + rng.randint(1, 12)], "never in the text"]
+        want = first_stop_by_full_decode(tokenizer.decode, ids, stops)
+        assert want is not None
+        assert first_stop_by_watch(tokenizer.decode, ids, stops) == want, stops
+
+
+def test_matches_the_full_decode_on_random_tokens(tokenizer):
+    rng = random.Random(1)
+    for _ in range(40):  # any ids, special tokens and stray UTF-8 bytes included
+        ids = [rng.randrange(tokenizer.vocab_size) for _ in range(30)]
+        text = tokenizer.decode(ids)
+        start = rng.randrange(max(1, len(text) - 3))
+        stops = [text[start : start + rng.randint(2, 6)] or "x"]
+        want = first_stop_by_full_decode(tokenizer.decode, ids, stops)
+        assert first_stop_by_watch(tokenizer.decode, ids, stops) == want, (ids, stops)
+
+
+def test_no_stop_string_never_stops(tokenizer):
+    assert first_stop_by_watch(tokenizer.decode, tokenizer.encode(TEXT), ["§§"]) is None
+
+
+def test_empty_stop_strings_are_refused():
+    with pytest.raises(ValueError, match="stop strings must be non-empty"):
+        SamplingParams(stop=["ok", ""]).validate()
+
+
+def test_matches_the_full_decode_with_a_sentencepiece_decoder():
+    """Metaspace (Llama-2's tokenizer.json) drops the leading space of a text's first token:
+    the new text of a token must not be decoded as a text's first."""
+    from tokenizers import Tokenizer, decoders, models
+
+    pieces = ["<unk>", "▁the", "▁cat", "s", "▁", "at", "é", "▁sat", ".", "▁on", "n"]
+    tok = Tokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, [], unk_token="<unk>"))
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+
+    assert tok.decode([1, 2, 3]) == "the cats" and tok.decode([2, 3]) == "cats"
+    rng = random.Random(2)
+    for _ in range(200):
+        ids = [rng.randrange(1, len(pieces)) for _ in range(12)]
+        text = tok.decode(ids)
+        start = rng.randrange(len(text))
+        stops = [text[start : start + rng.randint(1, 5)]]
+        want = first_stop_by_full_decode(tok.decode, ids, stops)
+        assert first_stop_by_watch(tok.decode, ids, stops) == want, (ids, stops)
