@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 import llmdb
@@ -9,6 +11,7 @@ from llmdb.backends.standin import standin_backend
 from llmdb.cli import main as cli_main
 from llmdb.functions import CONTENT_FREE
 from llmdb.planner import LEARNED
+from llmdb.planner.estimate import Request, shared_prefixes
 
 from .planner_shapes import STANDIN, make_tables
 
@@ -134,3 +137,27 @@ def test_explain_reports_the_class_the_run_uses(con, priorities):
     con.execute(sql).fetchall()
     assert site["priority"] == total["priority"] == "RT"  # 13 distinct prompts
     assert set(priorities) == {"RT"}
+
+
+def test_shared_prefixes_are_the_longest_prefix_another_request_shares():
+    """Against the definition: each request's leading full blocks (within what a prefix hit
+    may cover) that some other sampled request also leads with, or the pool holds."""
+    rng = random.Random(0)
+    block = 4
+    for _ in range(200):
+        stem = [rng.randrange(3) for _ in range(12)]
+        requests = []
+        for _ in range(rng.randrange(1, 7)):
+            ids = tuple(stem[:rng.randrange(13)] + [rng.randrange(3) for _ in range(6)])
+            requests.append(Request(ids, len(ids), 1, rng.randrange(len(ids) + 1)))
+        held = [rng.randrange(r.cacheable + 1) // block * block for r in requests]
+
+        def leading(a, b):
+            n = 0
+            while n < min(a.cacheable, b.cacheable) and a.ids[n] == b.ids[n]:
+                n += 1
+            return n
+
+        want = [max([h] + [leading(a, b) // block * block for j, b in enumerate(requests)
+                           if j != i]) for i, (a, h) in enumerate(zip(requests, held, strict=True))]
+        assert shared_prefixes(requests, block, held) == want

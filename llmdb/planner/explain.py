@@ -190,12 +190,7 @@ def actual(c: SiteCounts) -> SiteEstimate:
 def explain(planner: Planner, sql: str) -> Report:
     report = Report(sql)
     backend = planner.session.backend()
-    engine = getattr(backend, "engine", None)
-    if engine is not None:
-        d = engine.describe()
-        report.engine = f"{d['model']} on {d['device']}, {d['dtype']}, {d['kernels']} kernels"
-    else:
-        report.engine = f"{planner.session.options.model} (no local engine)"
+    report.engine = backend.describe()
     cm = cost_model(backend)
     report.cost_model = cm.source if calibrated(cm) else \
         f"uncalibrated ({cm.source}): no time estimates"

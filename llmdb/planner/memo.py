@@ -25,10 +25,10 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from llmdb.functions import _FUNCTIONS, PRIORITY
+from llmdb.functions import PRIORITY, SqlFunction
 from llmdb.session import Session
 
-from .callsites import SIGNATURES, Signature, Site
+from .callsites import SIGNATURES, Site
 from .guards import MAIN, lookup_name
 from .learned import LEARNED, PRIOR_WEIGHT, Learned, stable_hash
 
@@ -69,7 +69,7 @@ def freeze(v: Any) -> Any:
     return v
 
 
-def thaw(sig: Signature, key: tuple) -> list[Any]:
+def thaw(sig: SqlFunction, key: tuple) -> list[Any]:
     return [list(v) if p.sql_type.endswith("[]") and v is not None else v
             for p, v in zip(sig.params, key, strict=True)]
 
@@ -184,7 +184,7 @@ class QueryRun:
                     counts.sampled[j] = k
 
     def _call(self, site: Site, keys: list[tuple], counts: SiteCounts) -> list[Any]:
-        fn = _FUNCTIONS[site.function][0]
+        fn = site.signature.rows
         columns = [list(col) for col in zip(*(thaw(site.signature, k) for k in keys),
                                             strict=True)]
         before = self.session.stats()["total"]
@@ -293,8 +293,8 @@ class Runs:
             return self._runs.get(qid)
 
 
-def _site_udf(sig: Signature, runs: Runs, session: Session):
-    fn = _FUNCTIONS[sig.function][0]
+def _site_udf(sig: SqlFunction, runs: Runs, session: Session):
+    fn = sig.rows
     out_type = ARROW_TYPES[sig.returns]
 
     def udf(qid: pa.Array, tag: pa.Array, *arrays: pa.Array) -> pa.Array:
@@ -309,7 +309,7 @@ def _site_udf(sig: Signature, runs: Runs, session: Session):
         keys = [freeze(row) for row in zip(*columns, strict=True)]
         return pa.array(run.lookup(site_id, role, keys), out_type)
 
-    names = ["qid", "tag", *(p.name for p in sig.params)]
+    names = ["qid", "tag", *sig.names]
     udf.__signature__ = inspect.Signature(
         [inspect.Parameter(n, inspect.Parameter.POSITIONAL_ONLY) for n in names])
     return udf
@@ -317,7 +317,7 @@ def _site_udf(sig: Signature, runs: Runs, session: Session):
 
 def register(con: duckdb.DuckDBPyConnection, runs: Runs, session: Session) -> None:
     for sig in SIGNATURES.values():
-        con.create_function(lookup_name(sig.function), _site_udf(sig, runs, session),
+        con.create_function(lookup_name(sig.name), _site_udf(sig, runs, session),
                             ["INTEGER", "INTEGER", *(p.sql_type for p in sig.params)],
                             sig.returns, type="arrow", null_handling="special",
                             side_effects=False)

@@ -20,6 +20,7 @@ import sqlglot
 from sqlglot import exp
 from sqlglot.errors import SqlglotError
 
+from llmdb.functions import DEFAULT_PARAMS
 from llmdb.session import QueryCancelled, Session
 
 from . import drivers, memo
@@ -73,7 +74,8 @@ def call_cost(site: Site) -> float:
         return float(len(labels.expressions) ** 2) if isinstance(labels, exp.Array) else 4.0
     if site.function == "llm_complete":
         n = site.arg("max_tokens")
-        tokens = int(n.this) if isinstance(n, exp.Literal) and n.this.isdigit() else 256
+        tokens = int(n.this) if isinstance(n, exp.Literal) and n.this.isdigit() \
+            else DEFAULT_PARAMS.max_tokens
         return 1.0 + 0.5 * tokens
     return 2.0  # a filter asks with both answer orders
 
@@ -194,8 +196,7 @@ class Planner:
         from .estimate import calibrated, cost_model, estimate_site
 
         backend = self.session.backend()
-        if run.dry or getattr(backend, "engine", None) is None or \
-                not calibrated(cost_model(backend)):
+        if run.dry or backend.simulation() is None or not calibrated(cost_model(backend)):
             return
         for site in p.sites:
             c = run.counts[site.id]
@@ -203,7 +204,6 @@ class Planner:
                 continue
             sim = estimate_site(self.session, site, c, self.learned, observed=True).model_s
             if sim:
-                backend = self.session.backend(self.session.options.model)
                 self.learned.observe_time(backend.name, sim, c.model_s)
 
     def binds(self, p: Plan, parameters: Any) -> bool:
