@@ -9,7 +9,7 @@ llm_count_tokens is not a call site: it never reaches a model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 import sqlglot
 from sqlglot import exp
@@ -27,20 +27,19 @@ class Unsupported(Exception):
 SIGNATURES: dict[str, SqlFunction] = {n: f for n, f in FUNCTIONS.items() if f.call is not None}
 
 
-@dataclass
+@dataclass(frozen=True)
 class Site:
-    """One call in the query, in source order (id)."""
+    """One call in the query, in source order (id). Passes return new ones (replace)."""
 
     id: int
     signature: SqlFunction
     node: exp.Expression  # the call as parsed (in the planner's copy of the tree)
-    args: list[exp.Expression]  # one per UDF parameter, defaults filled in
-    priority: str | None = None  # `priority := 'RT'` on the call overrides the query's class
-    key: str = ""  # the call's normalized SQL text: learned statistics are kept under it
-    # Filled in by the rewrite.
+    args: tuple[exp.Expression, ...]  # one per UDF parameter, defaults filled in
+    priority: str | None  # `priority := 'RT'` on the call overrides the query's class
+    key: str  # the call's normalized SQL text: learned statistics are kept under it
+    # Set by the rewrite (guards.rewrite_sites).
     order: int = -1  # evaluation order among the query's sites
-    guard: list[exp.Expression] = field(default_factory=list)
-    placement: str = ""  # see drivers.placement
+    guard: tuple[exp.Expression, ...] = ()
 
     @property
     def function(self) -> str:
@@ -100,9 +99,7 @@ def resolve(node: exp.Anonymous, site_id: int) -> Site:
             raise Unsupported(f"{sig.name}: missing argument {p.name!r}")
         else:
             args.append(sqlglot.parse_one(p.default, read="duckdb"))
-    site = Site(site_id, sig, node, args, priority)
-    site.key = node.sql("duckdb")
-    return site
+    return Site(site_id, sig, node, tuple(args), priority, node.sql("duckdb"))
 
 
 def _priority_literal(e: exp.Expression) -> str:
@@ -136,10 +133,7 @@ def find_sites(tree: exp.Expression) -> list[Site]:
             raise Unsupported(f"{site.key}: sampling without a seed is a fresh draw per row")
         sites.append(site)
     # find_all is breadth-first; source order keeps site ids stable across runs.
-    sites.sort(key=lambda s: _position(s.node))
-    for i, s in enumerate(sites):
-        s.id = i
-    return sites
+    return [replace(s, id=i) for i, s in enumerate(sorted(sites, key=lambda s: _position(s.node)))]
 
 
 def _position(node: exp.Expression) -> tuple[int, ...]:
