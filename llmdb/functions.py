@@ -24,7 +24,7 @@ from llmdb.engine.params import SamplingParams
 
 from .backends import Backend, BackendResult, ChoiceRequest, GenerationRequest, ScoreRequest
 from .batch import Call, LLMError, describe_row, run_calls
-from .cache import request_key
+from .result_cache import request_key
 from .session import ON_ERROR, Session, Stats
 
 CLASSIFY_INSTRUCTION = ("Classify the text into exactly one of these labels: {labels}. "

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from .backends import Backend
 from .backends.standin import STANDIN_MODEL, standin_backend
-from .cache import DEFAULT_MAX_BYTES, ResultCache, open_cache
+from .result_cache import DEFAULT_MAX_BYTES, ResultCache, open_cache
 
 ENGINE_OPTIONS = ("device", "dtype", "kv_cache_bytes", "block_size", "max_num_batched_tokens",
                   "max_num_seqs", "attention", "threads", "enable_prefix_caching", "policy",
