@@ -203,8 +203,8 @@ def connect(database: str = ":memory:", model: str = "smollm2-135m", **options: 
 
     Options: on_error ('raise' | 'null'), cache (bool), cache_path, cache_max_bytes,
     progress (None = when stderr is a terminal), priority ('RT' | 'BE'), sample_rows, and
-    engine options (device: 'auto' | 'cpu' | 'cuda' | 'cuda:N', dtype, kv_cache_bytes,
-    max_num_batched_tokens, max_num_seqs, threads, enable_prefix_caching, cuda_graphs).
+    the engine's (LLMEngine's arguments: device 'auto' | 'cpu' | 'cuda' | 'cuda:N', dtype,
+    kv_cache_bytes, max_num_batched_tokens, max_num_seqs, threads, policy, ...).
     All connections of a process share one engine per model.
     planner=False runs queries as written (no minimal-calls rewrite, no EXPLAIN LLM)."""
     return Connection(database, model, **options)
