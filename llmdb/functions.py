@@ -87,11 +87,12 @@ def _execute(session: Session, function: str, rows: list[dict[str, Any]], priori
 # Set by the planner around the rows it computes: the class of the whole query (or of the
 # call, `priority := ...`), which one batch of rows cannot tell.
 PRIORITY: ContextVar[str | None] = ContextVar("llmdb_priority", default=None)
+RT_MAX_CALLS = 32  # interactive (RT) work: at most this many model calls
 
 
 def _priority(session: Session, n: int) -> str:
     # Without the planner (llmdb.register, DataFrames): small batches are interactive work.
-    return PRIORITY.get() or session.options.priority or ("RT" if n <= 32 else "BE")
+    return PRIORITY.get() or session.options.priority or ("RT" if n <= RT_MAX_CALLS else "BE")
 
 
 def _key(backend: Backend, function: str, request: Any) -> str:
@@ -125,6 +126,8 @@ def llm_complete(session: Session, *columns: Sequence) -> list[str | None]:
     rows = _row_args("llm_complete", columns)
     return _execute(session, "llm_complete", rows, _priority(session, len(rows)),
                     lambda call, parts: parts[0].text)
+
+
 # ---- calibration (llm_filter_score, llm_classify) -----------------------------------------
 #
 # A small model's answer to "which label?" leans on where each label sits in the prompt and

@@ -10,10 +10,9 @@ import llmdb
 from llmdb.backends import ChoiceRequest, GenerationRequest
 from llmdb.backends.standin import standin_backend
 from llmdb.cli import main as cli_main
-from llmdb.functions import CONTENT_FREE
+from llmdb.functions import CONTENT_FREE, RT_MAX_CALLS
 from llmdb.planner import LEARNED
 from llmdb.planner.estimate import Request, shared_prefixes
-from llmdb.planner.memo import RT_MAX_CALLS
 
 from .planner_shapes import STANDIN, make_tables
 

@@ -194,8 +194,8 @@ def model_time(backend: Backend, batches: list[int], share: float, per_row: floa
     it, as in the engine. Its pool starts with the prefixes the backend's cache holds now,
     or, for a run already made, with each request's first `cached` tokens (what it found). A
     sampled request used again stands for another row: it keeps only its shareable prefix."""
-    sim = backend.simulation()
-    if sim is None or not calibrated(cost_model(backend)):
+    sim, cm = backend.simulation(), cost_model(backend)
+    if sim is None or not calibrated(cm):
         return None
     from llmdb.engine.sim import simulate
     from llmdb.engine.workloads import RequestSpec
@@ -228,7 +228,7 @@ def model_time(backend: Backend, batches: list[int], share: float, per_row: floa
             continue
         cfg = dataclasses.replace(sim.config, prefix_caching=caching,
                                   cached_prefixes=list(seeds))
-        total += simulate(specs, sim.policy, cost_model(backend), cfg).end_time
+        total += simulate(specs, sim.policy, cm, cfg).end_time
         seeds.update(dict.fromkeys(tuple(requests[k].ids[:shared[k]]) for k in sorted(used)
                                    if shared[k]))
     return total

@@ -15,10 +15,12 @@ from dataclasses import dataclass, field, fields
 import duckdb
 import pyarrow as pa
 
+from llmdb.functions import RT_MAX_CALLS
+
 from .callsites import Site
 from .estimate import SiteEstimate, calibrated, cost_model, estimate_site
 from .guards import MAIN, tag
-from .memo import RT_MAX_CALLS, QueryRun, SiteCounts
+from .memo import QueryRun, SiteCounts
 from .placement import Placement
 from .run import Planner
 

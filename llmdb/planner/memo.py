@@ -26,7 +26,7 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from llmdb.functions import PRIORITY, SqlFunction
+from llmdb.functions import PRIORITY, RT_MAX_CALLS, SqlFunction
 from llmdb.session import Session
 
 from .callsites import SIGNATURES, Site
@@ -37,7 +37,6 @@ ARROW_TYPES = {"BOOLEAN": pa.bool_(), "DOUBLE": pa.float64(), "VARCHAR": pa.stri
                "INTEGER": pa.int32()}
 KEPT_RUNS = 16  # runs whose lookups may still execute (a lazy relation fetched later)
 SAMPLED_KEYS = 64  # argument tuples kept per site for token and cache estimates
-RT_MAX_CALLS = 32  # interactive (RT) when a query needs at most this many model calls
 
 
 @dataclass
