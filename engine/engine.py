@@ -14,7 +14,7 @@ import random
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -200,6 +200,12 @@ class LLMEngine:
                 f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})"
             )
         return ids
+
+    def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
+        """Tokens of a new request for token_ids that the prefix cache holds now (its last
+        token is always computed): what EXPLAIN LLM counts as already computed."""
+        with self._cond:
+            return self.scheduler.cached_prefix_tokens(token_ids)
 
     def _check_fits(self, num_tokens: int, what: str) -> None:
         if num_tokens == 0:

@@ -33,6 +33,7 @@ class Call:
     key: str | None  # None: never shared or cached (sampling without a seed)
     row: str  # the user's prompt, to name the row in errors
     on_error: str = "raise"
+    prior: str | None = None  # filter, classify: the key of the prior they are calibrated by
 
 
 @dataclass

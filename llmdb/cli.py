@@ -8,12 +8,16 @@ import shutil
 import sys
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import duckdb
 
 from llmdb.engine import __version__
 from llmdb.engine.models import ModelLoadError
 from llmdb.engine.registry import register_model, registered_models
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 # Statement types whose rows are the answer; the others (CREATE, COPY, ...) report a count.
 _RESULT_TYPES = {"SELECT", "EXPLAIN", "PRAGMA", "CALL", "RELATION"}
@@ -29,10 +33,7 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_table(con, max_rows: int) -> None:
-    with warnings.catch_warnings():  # the copy it warns about is what printing needs
-        warnings.simplefilter("ignore")
-        table = con.to_arrow_table()
+def _print_table(table: pa.Table, max_rows: int) -> None:
     view = duckdb.connect()
     try:
         view.from_arrow(table).show(max_rows=max_rows,
@@ -73,7 +74,10 @@ def _sql(args: argparse.Namespace) -> int:
                                  f"failed: {e}") from e
             kind = statement.type.name
             if kind in _RESULT_TYPES:
-                _print_table(con, args.max_rows)
+                with warnings.catch_warnings():  # the copy it warns about is what printing needs
+                    warnings.simplefilter("ignore")
+                    table = con.to_arrow_table()
+                _print_table(table, args.max_rows)
             else:
                 count = con.fetchone()
                 suffix = f": {count[0]:,} rows" if count and count[0] is not None else ""

@@ -27,22 +27,28 @@ _EXPLAIN_VIEW = "__llmdb_explain"
 
 
 class RowCallError(LLMError, duckdb.InvalidInputException):
-    """A row's model call failed inside a query: an llmdb.LLMError, and still the
-    duckdb.InvalidInputException that DuckDB raised (its message is the cause's)."""
+    """A row's model call failed inside a query: an llmdb.LLMError, and the
+    duckdb.InvalidInputException DuckDB raises for a failing UDF (the message is the row's)."""
 
 
 class QueryInterrupted(QueryCancelled, duckdb.InterruptException):
     """The query was cancelled: an llmdb.QueryCancelled, and still DuckDB's interrupt."""
 
 
-# How DuckDB reports an exception raised in a Python UDF (or its planner-made equivalent).
+# How DuckDB reports an exception raised in a Python UDF.
 _UDF_ERROR = re.compile(r"executing the UDF: (?P<kind>LLMError|QueryCancelled): (?P<msg>.*)",
                         re.S)
 
 
 def _as_llmdb_error(e: BaseException) -> BaseException:
-    """DuckDB's wrapper of a failed row or a cancel, as the llmdb type users catch."""
-    if isinstance(e, duckdb.InterruptException):
+    """A failed row or a cancel as the llmdb type users catch, also the DuckDB error it is
+    inside a query: raised by the planner's prefetch as itself, or by DuckDB around the
+    exception of a UDF."""
+    if isinstance(e, RowCallError | QueryInterrupted):
+        return e
+    if isinstance(e, LLMError):
+        return RowCallError(str(e))
+    if isinstance(e, QueryCancelled | duckdb.InterruptException):
         return QueryInterrupted("the query was cancelled")
     if isinstance(e, duckdb.Error) and (m := _UDF_ERROR.search(str(e))):
         if m["kind"] == "QueryCancelled":
@@ -197,8 +203,8 @@ def connect(database: str = ":memory:", model: str = "smollm2-135m", **options: 
 
     Options: on_error ('raise' | 'null'), cache (bool), cache_path, cache_max_bytes,
     progress (None = when stderr is a terminal), priority ('RT' | 'BE'), sample_rows, and
-    engine options (device: 'auto' | 'cpu' | 'cuda' | 'cuda:N', dtype, kv_cache_bytes,
-    max_num_batched_tokens, max_num_seqs, threads, enable_prefix_caching, cuda_graphs).
+    the engine's (LLMEngine's arguments: device 'auto' | 'cpu' | 'cuda' | 'cuda:N', dtype,
+    kv_cache_bytes, max_num_batched_tokens, max_num_seqs, threads, policy, ...).
     All connections of a process share one engine per model.
     planner=False runs queries as written (no minimal-calls rewrite, no EXPLAIN LLM)."""
     return Connection(database, model, **options)

@@ -3,16 +3,16 @@
 Each function has a row-level form over Python lists (used by the DataFrame API too) and a
 vectorized Arrow UDF around it (DuckDB hands it up to 2048 rows per call). A SQL macro in
 front of each UDF gives named parameters with defaults, which Python UDFs cannot have.
-NULL inputs give NULL without a model call.
+NULL inputs give NULL without a model call. row_call builds one row's model call: the rows
+are computed with it, and EXPLAIN LLM estimates with it (llmdb/planner/estimate.py).
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -24,49 +24,58 @@ from llmdb.engine.params import SamplingParams
 
 from .backends import Backend, BackendResult, ChoiceRequest, GenerationRequest, ScoreRequest
 from .batch import Call, LLMError, describe_row, run_calls
-from .cache import request_key
+from .result_cache import request_key
 from .session import ON_ERROR, Session, Stats
 
 CLASSIFY_INSTRUCTION = ("Classify the text into exactly one of these labels: {labels}. "
                         "Answer with the label only.")
 
 
-@dataclass
-class _Row:
-    """One non-NULL row of an LLM function, before it becomes a Call."""
-
-    index: int
-    text: str  # the user's prompt, to name the row in errors
-    model: str | None
-    on_error: str | None
-    build: Callable[[Backend], Call]
+def _row_args(function: str, columns: Sequence[Sequence]) -> list[dict[str, Any]]:
+    """Each row's arguments by parameter name (the columns come in the function's order)."""
+    names = FUNCTIONS[function].names
+    return [dict(zip(names, row, strict=True)) for row in zip(*columns, strict=True)]
 
 
-def _execute(session: Session, function: str, n: int, rows: list[_Row],
+def row_call(function: str, backend: Backend, args: Mapping[str, Any], priority: str
+             ) -> Call | None:
+    """The model call of one row of an SQL function (its arguments by parameter name), as
+    the function sends it and EXPLAIN LLM estimates it: the requests, the result-cache key,
+    and for filter and classify the key of the prior it is calibrated with. None: a NULL
+    input, answered NULL without a call. Raises ValueError for an ill-formed row."""
+    spec = FUNCTIONS[function]
+    return None if spec.null_row(args) else spec.call(backend, args, priority)
+
+
+def _execute(session: Session, function: str, rows: list[dict[str, Any]], priority: str,
              combine: Callable[[Call, list[BackendResult]], Any]) -> list[Any]:
-    """Values for n rows (None where NULL or failed with on_error='null')."""
+    """Values for the rows (None where NULL or failed with on_error='null')."""
     session.record(Stats())  # this query reached an LLM function, even if only with NULLs
-    out: list[Any] = [None] * n
-    by_model: dict[str | None, list[_Row]] = {}
-    for r in rows:
-        by_model.setdefault(r.model, []).append(r)
-    for model, group in by_model.items():
+    spec = FUNCTIONS[function]
+    out: list[Any] = [None] * len(rows)
+    by_model: dict[str | None, list[int]] = {}
+    for i, a in enumerate(rows):
+        if not spec.null_row(a):
+            by_model.setdefault(a["model"], []).append(i)
+    for model, indices in by_model.items():
         calls, where = [], []
-        for r in group:
-            policy = r.on_error or session.options.on_error
+        for i in indices:
+            a = rows[i]
+            policy = a["on_error"] or session.options.on_error
             try:
                 if policy not in ON_ERROR:
                     raise ValueError(f"on_error must be one of {ON_ERROR}, got {policy!r}")
-                call = r.build(session.backend(model))
+                call = row_call(function, session.backend(model), a, priority)
             except ValueError as e:
-                message = describe_row(function, r.text, str(e))
+                text = a[spec.params[0].name]
+                message = describe_row(function, text, str(e))
                 if policy != "null":
                     raise LLMError(message) from e
-                session.record_error(function, r.text, message)
+                session.record_error(function, text, message)
                 continue
             call.on_error = policy
             calls.append(call)
-            where.append(r.index)
+            where.append(i)
         if not calls:
             continue
         outcomes = run_calls(session, session.backend(model), function, calls, combine)
@@ -78,18 +87,12 @@ def _execute(session: Session, function: str, n: int, rows: list[_Row],
 # Set by the planner around the rows it computes: the class of the whole query (or of the
 # call, `priority := ...`), which one batch of rows cannot tell.
 PRIORITY: ContextVar[str | None] = ContextVar("llmdb_priority", default=None)
+RT_MAX_CALLS = 32  # interactive (RT) work: at most this many model calls
 
 
 def _priority(session: Session, n: int) -> str:
     # Without the planner (llmdb.register, DataFrames): small batches are interactive work.
-    return PRIORITY.get() or session.options.priority or ("RT" if n <= 32 else "BE")
-
-
-def _rows(text: Sequence, model: Sequence, on_error: Sequence,
-          build: Callable[[int, Backend], Call]) -> list[_Row]:
-    """The non-NULL rows of a call, each with how to build its model call."""
-    return [_Row(i, t, model[i], on_error[i], functools.partial(build, i))
-            for i, t in enumerate(text) if t is not None]
+    return PRIORITY.get() or session.options.priority or ("RT" if n <= RT_MAX_CALLS else "BE")
 
 
 def _key(backend: Backend, function: str, request: Any) -> str:
@@ -98,29 +101,30 @@ def _key(backend: Backend, function: str, request: Any) -> str:
 
 # ---- llm_complete --------------------------------------------------------------------------
 
-def llm_complete(session: Session, prompt: Sequence, max_tokens: Sequence, temperature: Sequence,
-                 top_p: Sequence, seed: Sequence, stop: Sequence, system: Sequence,
-                 model: Sequence, on_error: Sequence) -> list[str | None]:
-    priority = _priority(session, len(prompt))
+# llm_complete's defaults (its macro's, and a NULL argument's) are the engine's.
+DEFAULT_PARAMS = SamplingParams()
 
-    def build(i: int, backend: Backend) -> Call:
-        params = SamplingParams(
-            max_tokens=256 if max_tokens[i] is None else int(max_tokens[i]),
-            temperature=0.0 if temperature[i] is None else float(temperature[i]),
-            top_p=1.0 if top_p[i] is None else float(top_p[i]),
-            seed=None if seed[i] is None else int(seed[i]),
-            stop=[s for s in (stop[i] or []) if s],
-        )
-        params.validate()
-        rendered = backend.render_chat(prompt[i], system[i])
-        req = GenerationRequest(rendered, params, priority)
-        # Unseeded sampling is a fresh draw per row: never shared, never cached.
-        key = None if not params.greedy and params.seed is None else _key(
-            backend, "complete", [rendered, params.__dict__])
-        return Call([req], key, prompt[i])
 
-    rows = _rows(prompt, model, on_error, build)
-    return _execute(session, "llm_complete", len(prompt), rows,
+def _complete_call(backend: Backend, a: Mapping[str, Any], priority: str) -> Call:
+    params = SamplingParams(
+        max_tokens=DEFAULT_PARAMS.max_tokens if a["max_tokens"] is None else int(a["max_tokens"]),
+        temperature=DEFAULT_PARAMS.temperature if a["temperature"] is None
+        else float(a["temperature"]),
+        top_p=DEFAULT_PARAMS.top_p if a["top_p"] is None else float(a["top_p"]),
+        seed=None if a["seed"] is None else int(a["seed"]),
+        stop=[s for s in (a["stop"] or []) if s],
+    )
+    params.validate()
+    rendered = backend.render_chat(a["prompt"], a["system"])
+    # Unseeded sampling is a fresh draw per row: never shared, never cached.
+    key = None if not params.greedy and params.seed is None else _key(
+        backend, "complete", [rendered, params.__dict__])
+    return Call([GenerationRequest(rendered, params, priority)], key, a["prompt"])
+
+
+def llm_complete(session: Session, *columns: Sequence) -> list[str | None]:
+    rows = _row_args("llm_complete", columns)
+    return _execute(session, "llm_complete", rows, _priority(session, len(rows)),
                     lambda call, parts: parts[0].text)
 
 
@@ -214,49 +218,41 @@ def _filter_prior_call(backend: Backend, system: str | None, priority: str) -> C
                 "(content-free yes/no prior)")
 
 
-def filter_row_call(backend: Backend, prompt: str, system: str | None, priority: str
-                    ) -> tuple[Call, str]:
-    """A row's call, keyed by its prompts and its template's prior; and that prior's key."""
-    call = filter_call(backend, prompt, system, priority)
-    prior = _filter_prior_call(backend, system, priority).key
-    call.key = _key(backend, "filter", [call.key, prior])
-    return call, prior
+def _filter_row_call(backend: Backend, a: Mapping[str, Any], priority: str) -> Call:
+    """A row's call, keyed by its prompts and its template's prior (call.prior)."""
+    call = filter_call(backend, a["prompt"], a["system"], priority)
+    call.prior = _filter_prior_call(backend, a["system"], priority).key
+    call.key = _key(backend, "filter", [call.key, call.prior])
+    return call
 
 
 def _calibrated_yes(p: float, prior: float) -> float:
     return _divide_prior([p, 1 - p], [prior, 1 - prior])[0]
 
 
-def llm_filter_score(session: Session, prompt: Sequence, system: Sequence, model: Sequence,
-                     on_error: Sequence) -> list[float | None]:
+def llm_filter_score(session: Session, *columns: Sequence) -> list[float | None]:
     """Calibrated P(yes): the answer's first token, both answer orders, divided by the prior
     of the same question wrapper on content-free inputs (per system prompt and model)."""
-    n = len(prompt)
-    priority = _priority(session, n)
+    rows = _row_args("llm_filter_score", columns)
+    priority = _priority(session, len(rows))
     templates = {}
-    for i in range(n):
+    for a in rows:
+        if a["prompt"] is None:
+            continue
         try:
-            call = _filter_prior_call(session.backend(model[i]), system[i], priority)
+            call = _filter_prior_call(session.backend(a["model"]), a["system"], priority)
         except ValueError:
             continue  # the row's own error, raised (or NULLed) when it is built
-        if prompt[i] is not None:
-            templates.setdefault(call.key, (model[i], call))
+        templates.setdefault(call.key, (a["model"], call))
     priors = _template_priors(session, "llm_filter", templates,
                               lambda call, parts: _p_yes(parts))
-    prior_key: dict[int, str] = {}
-
-    def build(i: int, backend: Backend) -> Call:
-        call, prior_key[id(call)] = filter_row_call(backend, prompt[i], system[i], priority)
-        return call
-
-    rows = _rows(prompt, model, on_error, build)
-    return _execute(session, "llm_filter", n, rows,
-                    lambda call, parts: _calibrated_yes(_p_yes(parts),
-                                                        priors[prior_key[id(call)]]))
+    # Errors and stats name both functions llm_filter: one model call serves both.
+    return _execute(session, "llm_filter", rows, priority,
+                    lambda call, parts: _calibrated_yes(_p_yes(parts), priors[call.prior]))
 
 
-def llm_filter(session: Session, *args: Sequence) -> list[bool | None]:
-    return [None if s is None else s >= 0.5 for s in llm_filter_score(session, *args)]
+def llm_filter(session: Session, *columns: Sequence) -> list[bool | None]:
+    return [None if s is None else s >= 0.5 for s in llm_filter_score(session, *columns)]
 
 
 # ---- llm_classify --------------------------------------------------------------------------
@@ -315,49 +311,40 @@ def _content_free_probs(call: Call, parts: list[BackendResult]) -> list[float]:
                   for i in range(0, len(parts), per_text)])
 
 
-def classify_row_call(backend: Backend, text: str, labels: Sequence, instruction: str | None,
-                      system: str | None, priority: str) -> tuple[Call, str]:
-    """A row's call, keyed by its prompts and its template's prior; and that prior's key."""
-    canon = _labels(labels)
-    call = classify_call(backend, text, canon, instruction, system, priority)
-    prior = _classify_prior_call(backend, canon, instruction, system, priority).key
-    call.key = _key(backend, "classify", [call.key, prior])
-    return call, prior
+def _classify_row_call(backend: Backend, a: Mapping[str, Any], priority: str) -> Call:
+    """A row's call, keyed by its prompts and its template's prior (call.prior)."""
+    canon = _labels(a["labels"])
+    call = classify_call(backend, a["text"], canon, a["instruction"], a["system"], priority)
+    call.prior = _classify_prior_call(backend, canon, a["instruction"], a["system"],
+                                      priority).key
+    call.key = _key(backend, "classify", [call.key, call.prior])
+    return call
 
 
-def llm_classify(session: Session, text: Sequence, labels: Sequence, instruction: Sequence,
-                 system: Sequence, model: Sequence, on_error: Sequence) -> list[str | None]:
+def llm_classify(session: Session, *columns: Sequence) -> list[str | None]:
     """The most likely label after removing position and prior bias (see calibration above);
     the same labels in any order give the same answer; exact ties go to the first in sorted
     order."""
-    n = len(text)
-    priority = _priority(session, n)
+    rows = _row_args("llm_classify", columns)
+    priority = _priority(session, len(rows))
     templates = {}
-    for i in range(n):
-        if text[i] is None or labels[i] is None:
+    for a in rows:
+        if FUNCTIONS["llm_classify"].null_row(a):
             continue
         try:
-            call = _classify_prior_call(session.backend(model[i]), _labels(labels[i]),
-                                        instruction[i], system[i], priority)
+            call = _classify_prior_call(session.backend(a["model"]), _labels(a["labels"]),
+                                        a["instruction"], a["system"], priority)
         except ValueError:
             continue  # the row's own error, raised (or NULLed) when it is built
-        templates.setdefault(call.key, (model[i], call))
+        templates.setdefault(call.key, (a["model"], call))
     priors = _template_priors(session, "llm_classify", templates, _content_free_probs)
-    prior_key: dict[int, str] = {}
-
-    def build(i: int, backend: Backend) -> Call:
-        call, prior_key[id(call)] = classify_row_call(
-            backend, text[i], labels[i], instruction[i], system[i], priority)
-        return call
 
     def combine(call: Call, parts: list[BackendResult]) -> str:
-        probs = _divide_prior(_label_probs(call, parts), priors[prior_key[id(call)]])
+        probs = _divide_prior(_label_probs(call, parts), priors[call.prior])
         best = max(range(len(probs)), key=lambda j: (probs[j], -j))  # ties: first in order
         return call.requests[best].continuation
 
-    present = [None if lb is None else t for t, lb in zip(text, labels, strict=True)]
-    rows = _rows(present, model, on_error, build)
-    return _execute(session, "llm_classify", n, rows, combine)
+    return _execute(session, "llm_classify", rows, priority, combine)
 
 
 # ---- llm_count_tokens ----------------------------------------------------------------------
@@ -380,33 +367,70 @@ def _arrow_udf(session: Session, fn: Callable[..., list], names: list[str]
     return udf
 
 
-# name -> (row function, parameters with their SQL types and macro defaults, return type)
-_FUNCTIONS: dict[str, tuple[Callable, list[tuple[str, str, str | None]], str]] = {
-    "llm_complete": (llm_complete, [
-        ("prompt", "VARCHAR", None), ("max_tokens", "INTEGER", "256"),
-        ("temperature", "DOUBLE", "0.0"), ("top_p", "DOUBLE", "1.0"),
-        ("seed", "BIGINT", "NULL"), ("stop", "VARCHAR[]", "NULL"),
-        ("system", "VARCHAR", "NULL"), ("model", "VARCHAR", "NULL"),
-        ("on_error", "VARCHAR", "NULL")], "VARCHAR"),
-    "llm_filter": (llm_filter, [
-        ("prompt", "VARCHAR", None), ("system", "VARCHAR", "NULL"),
-        ("model", "VARCHAR", "NULL"), ("on_error", "VARCHAR", "NULL")], "BOOLEAN"),
-    "llm_filter_score": (llm_filter_score, [
-        ("prompt", "VARCHAR", None), ("system", "VARCHAR", "NULL"),
-        ("model", "VARCHAR", "NULL"), ("on_error", "VARCHAR", "NULL")], "DOUBLE"),
-    "llm_classify": (llm_classify, [
+@dataclass(frozen=True)
+class Param:
+    name: str
+    sql_type: str
+    default: str | None  # the macro's default, as SQL text; None: required
+
+
+@dataclass(frozen=True)
+class SqlFunction:
+    name: str
+    rows: Callable[..., list]  # (session, *columns in params order) -> a value per row
+    params: tuple[Param, ...]
+    returns: str  # SQL type
+    # One row's model call (see row_call); None: the function calls no model.
+    call: Callable[[Backend, Mapping[str, Any], str], Call] | None = None
+
+    @property
+    def names(self) -> list[str]:
+        return [p.name for p in self.params]
+
+    def index(self, name: str) -> int:
+        return self.names.index(name)
+
+    def null_row(self, args: Mapping[str, Any]) -> bool:
+        """A NULL in a required argument: the row is NULL, without a model call."""
+        return any(args[p.name] is None for p in self.params if p.default is None)
+
+
+def _params(*params: tuple[str, str, str | None]) -> tuple[Param, ...]:
+    return tuple(Param(*p) for p in params)
+
+
+_MODEL = (("model", "VARCHAR", "NULL"), ("on_error", "VARCHAR", "NULL"))
+
+FUNCTIONS: dict[str, SqlFunction] = {f.name: f for f in (
+    SqlFunction("llm_complete", llm_complete, _params(
+        ("prompt", "VARCHAR", None), ("max_tokens", "INTEGER", str(DEFAULT_PARAMS.max_tokens)),
+        ("temperature", "DOUBLE", repr(DEFAULT_PARAMS.temperature)),
+        ("top_p", "DOUBLE", repr(DEFAULT_PARAMS.top_p)), ("seed", "BIGINT", "NULL"),
+        ("stop", "VARCHAR[]", "NULL"), ("system", "VARCHAR", "NULL"), *_MODEL), "VARCHAR",
+        _complete_call),
+    SqlFunction("llm_filter", llm_filter, _params(
+        ("prompt", "VARCHAR", None), ("system", "VARCHAR", "NULL"), *_MODEL), "BOOLEAN",
+        _filter_row_call),
+    SqlFunction("llm_filter_score", llm_filter_score, _params(
+        ("prompt", "VARCHAR", None), ("system", "VARCHAR", "NULL"), *_MODEL), "DOUBLE",
+        _filter_row_call),
+    SqlFunction("llm_classify", llm_classify, _params(
         ("text", "VARCHAR", None), ("labels", "VARCHAR[]", None),
-        ("instruction", "VARCHAR", "NULL"), ("system", "VARCHAR", "NULL"),
-        ("model", "VARCHAR", "NULL"), ("on_error", "VARCHAR", "NULL")], "VARCHAR"),
-    "llm_count_tokens": (llm_count_tokens, [
-        ("text", "VARCHAR", None), ("model", "VARCHAR", "NULL")], "INTEGER"),
-}
+        ("instruction", "VARCHAR", "NULL"), ("system", "VARCHAR", "NULL"), *_MODEL), "VARCHAR",
+        _classify_row_call),
+    SqlFunction("llm_count_tokens", llm_count_tokens, _params(
+        ("text", "VARCHAR", None), ("model", "VARCHAR", "NULL")), "INTEGER"),
+)}
+
+
+def _with_default(p: Param) -> str:
+    return p.name if p.default is None else f"{p.name} := {p.default}"
 
 
 def signatures() -> list[str]:
     """'name(param, option := default, ...)' of every SQL function, for help texts."""
-    return [f"{name}({', '.join(p if d is None else f'{p} := {d}' for p, _, d in params)})"
-            for name, (_, params, _) in _FUNCTIONS.items()]
+    return [f"{f.name}({', '.join(_with_default(p) for p in f.params)})"
+            for f in FUNCTIONS.values()]
 
 
 def _errors_json(session: Session) -> str:
@@ -415,14 +439,14 @@ def _errors_json(session: Session) -> str:
 
 def register(con: duckdb.DuckDBPyConnection, session: Session) -> None:
     """Add the llm_* functions (and their macros) to a DuckDB connection."""
-    for name, (fn, params, returns) in _FUNCTIONS.items():
-        impl = f"__llmdb_{name}"
-        udf = _arrow_udf(session, fn, [p for p, _, _ in params])
-        con.create_function(impl, udf, [t for _, t, _ in params], returns, type="arrow",
-                            null_handling="special", side_effects=False)
-        args = ", ".join(p if d is None else f"{p} := {d}" for p, _, d in params)
-        call = ", ".join(p for p, _, _ in params)
-        con.execute(f"CREATE OR REPLACE TEMP MACRO {name}({args}) AS {impl}({call})")
+    for f in FUNCTIONS.values():
+        impl = f"__llmdb_{f.name}"
+        udf = _arrow_udf(session, f.rows, f.names)
+        con.create_function(impl, udf, [p.sql_type for p in f.params], f.returns,
+                            type="arrow", null_handling="special", side_effects=False)
+        args = ", ".join(_with_default(p) for p in f.params)
+        con.execute(f"CREATE OR REPLACE TEMP MACRO {f.name}({args}) AS "
+                    f"{impl}({', '.join(f.names)})")
     # Zero-argument helpers, evaluated per query (side effects: never folded or cached).
     con.create_function("__llmdb_stats", lambda: json.dumps(session.stats()), [], "VARCHAR",
                         side_effects=True)

@@ -9,6 +9,7 @@ so `SELECT llm_stats()` reports the query before it.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 import threading
 from collections import deque
@@ -21,11 +22,8 @@ from tqdm import tqdm
 
 from .backends import Backend
 from .backends.standin import STANDIN_MODEL, standin_backend
-from .cache import DEFAULT_MAX_BYTES, ResultCache, open_cache
+from .result_cache import DEFAULT_MAX_BYTES, ResultCache, open_cache
 
-ENGINE_OPTIONS = ("device", "dtype", "kv_cache_bytes", "block_size", "max_num_batched_tokens",
-                  "max_num_seqs", "attention", "threads", "enable_prefix_caching", "policy",
-                  "max_prefill_tokens", "cuda_graphs")
 ON_ERROR = ("raise", "null")
 PROGRESS_MIN_ROWS = 32  # smaller jobs finish before a bar would be worth reading
 MAX_KEPT_ERRORS = 10_000
@@ -45,18 +43,27 @@ class Options:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> Options:
+        """The session's options; the others are the engine's (LLMEngine's arguments)."""
         names = {f.name for f in dataclasses.fields(cls)} - {"engine"}
-        engine = {k: kwargs.pop(k) for k in list(kwargs) if k in ENGINE_OPTIONS}
-        unknown = set(kwargs) - names
+        engine = {k: kwargs.pop(k) for k in list(kwargs) if k not in names}
+        unknown = set(engine) - set(engine_options()) if engine else set()
         if unknown:
             raise TypeError(f"unknown llmdb option(s): {', '.join(sorted(unknown))}; engine "
-                            f"options are {', '.join(ENGINE_OPTIONS)}")
+                            f"options are {', '.join(engine_options())}")
         opts = cls(**kwargs, engine=engine)
         if opts.on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {opts.on_error!r}")
         if opts.priority not in (None, "RT", "BE"):
             raise ValueError(f"priority must be 'RT', 'BE' or None, got {opts.priority!r}")
         return opts
+
+
+def engine_options() -> list[str]:
+    """LLMEngine's keyword arguments. Asked only of a session given options that are not its
+    own: importing the engine loads torch, which the hash stand-in never needs."""
+    from llmdb.engine.engine import LLMEngine
+
+    return [p for p in inspect.signature(LLMEngine).parameters if p != "model"]
 
 
 @dataclass

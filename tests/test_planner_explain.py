@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 import llmdb
+from llmdb.backends import ChoiceRequest, GenerationRequest
 from llmdb.backends.standin import standin_backend
 from llmdb.cli import main as cli_main
-from llmdb.functions import CONTENT_FREE
+from llmdb.functions import CONTENT_FREE, RT_MAX_CALLS
 from llmdb.planner import LEARNED
+from llmdb.planner.estimate import Request, shared_prefixes
 
 from .planner_shapes import STANDIN, make_tables
 
@@ -26,14 +30,14 @@ def con(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def priorities(monkeypatch):
-    """The priority class of every request the stand-in receives."""
-    seen: list[str] = []
+def requests(monkeypatch):
+    """Every request the stand-in receives."""
+    seen: list = []
     backend = standin_backend()
     submit = backend.submit
 
     def spy(request, on_finish):
-        seen.append(request.priority)
+        seen.append(request)
         return submit(request, on_finish)
 
     monkeypatch.setattr(backend, "submit", spy)
@@ -107,30 +111,74 @@ def test_cli_explain(capsys):
     assert "priority RT" in out
 
 
-def test_small_queries_are_interactive_large_ones_bulk(con, priorities):
+def test_small_queries_are_interactive_large_ones_bulk(con, requests):
     con.execute("SELECT id FROM t WHERE id < 12 AND llm_filter(x)").fetchall()
-    assert set(priorities) == {"RT"}
-    priorities.clear()
+    assert {r.priority for r in requests} == {"RT"}
+    requests.clear()
     con.execute("SELECT id FROM t WHERE id < 500 AND llm_filter(x)").fetchall()
-    assert set(priorities) == {"BE"}
+    assert {r.priority for r in requests} == {"BE"}
 
 
-def test_priority_set_on_the_connection_and_on_a_call(priorities):
+def test_priority_set_on_the_connection_and_on_a_call(requests):
     c = llmdb.connect(model=STANDIN, cache=False, priority="BE")
     make_tables(c, 200)
     c.execute("SELECT id FROM t WHERE id < 5 AND llm_filter(x)").fetchall()
-    assert set(priorities) == {"BE"}
-    priorities.clear()
+    assert {r.priority for r in requests} == {"BE"}
+    requests.clear()
     c.execute("SELECT id FROM t WHERE id < 5 AND llm_filter(x, priority := 'RT')").fetchall()
-    assert set(priorities) == {"RT"}
+    assert {r.priority for r in requests} == {"RT"}
     with pytest.raises(Exception, match="priority"):
         c.execute("SELECT llm_filter(x, priority := 'urgent') FROM t").fetchall()
     c.close()
 
 
-def test_explain_reports_the_class_the_run_uses(con, priorities):
+def test_explain_reports_the_class_the_run_uses(con, requests):
     sql = "SELECT id FROM t WHERE id < 300 AND llm_filter(y)"
     [site, total] = _site_rows(con, sql)
     con.execute(sql).fetchall()
     assert site["priority"] == total["priority"] == "RT"  # 13 distinct prompts
-    assert set(priorities) == {"RT"}
+    assert {r.priority for r in requests} == {"RT"}
+
+
+def test_a_query_is_interactive_until_its_calls_pass_the_limit(con, requests):
+    """The filter's 13 prompts (26 requests, within RT_MAX_CALLS) are sent first, as RT; the
+    completions of the rows it passes take the query past the limit: BE."""
+    con.execute("SELECT id, llm_complete(x, max_tokens := 1) FROM t "
+                "WHERE id < 500 AND llm_filter(y)").fetchall()
+    choices = [r for r in requests if isinstance(r, ChoiceRequest)]
+    completions = [r for r in requests if isinstance(r, GenerationRequest)]
+    assert len(choices) >= 26 and {r.priority for r in choices} == {"RT"}
+    assert len(completions) > RT_MAX_CALLS - 26 and {r.priority for r in completions} == {"BE"}
+
+
+def test_shared_prefixes_are_the_longest_prefix_another_request_shares():
+    """Against the definition: each request's leading full blocks (within what a prefix hit
+    may cover) that some other sampled request also leads with, or the pool holds."""
+    rng = random.Random(0)
+    block = 4
+    for _ in range(200):
+        stem = [rng.randrange(3) for _ in range(12)]
+        requests = []
+        for _ in range(rng.randrange(1, 7)):
+            ids = tuple(stem[:rng.randrange(13)] + [rng.randrange(3) for _ in range(6)])
+            requests.append(Request(ids, len(ids), 1, rng.randrange(len(ids) + 1)))
+        held = [rng.randrange(r.cacheable + 1) // block * block for r in requests]
+
+        def leading(a, b):
+            n = 0
+            while n < min(a.cacheable, b.cacheable) and a.ids[n] == b.ids[n]:
+                n += 1
+            return n
+
+        want = [max([h] + [leading(a, b) // block * block for j, b in enumerate(requests)
+                           if j != i]) for i, (a, h) in enumerate(zip(requests, held, strict=True))]
+        assert shared_prefixes(requests, block, held) == want
+
+
+def test_each_site_gets_the_estimate_of_the_operator_evaluating_it(con):
+    """The filter runs on the scan's rows below id 500; the completion on the rows the filter
+    passes, which DuckDB estimates at fewer."""
+    complete, where, _ = _site_rows(
+        con, "SELECT id, llm_complete(x, max_tokens := 2) FROM t WHERE id < 500 AND llm_filter(x)")
+    assert where["function"] == "llm_filter" and complete["function"] == "llm_complete"
+    assert 0 < complete["rows_duckdb"] < where["rows_duckdb"] <= 500

@@ -9,7 +9,7 @@ import time
 import pytest
 
 import llmdb
-from llmdb.cache import ResultCache
+from llmdb.result_cache import ResultCache
 
 from .sql_support import (
     cache_entries,

@@ -117,9 +117,19 @@ def test_invalid_parameters_name_the_cause(con, call, cause):
         con.execute(f"SELECT {call}").fetchall()
 
 
-def test_a_failed_row_raises_llmdb_error_with_duckdbs_as_cause(con):
+@pytest.mark.parametrize("planner", [True, False])
+def test_a_failed_row_raises_llmdb_error_and_duckdbs(planner):
+    """The planner computes the row before the query runs (its own LLMError is the cause);
+    without it DuckDB does, inside the query (DuckDB's error is the cause)."""
+    con = llmdb.connect(cache=False, planner=planner)
     with pytest.raises(llmdb.LLMError, match="max_tokens must be positive") as e:
         con.execute("SELECT llm_complete('x', max_tokens := -5)").fetchall()
     assert isinstance(e.value, duckdb.InvalidInputException)  # as before, for DuckDB code
-    assert isinstance(e.value.__cause__, duckdb.Error)
-    assert "llm_complete" in str(e.value) and "Python exception" not in str(e.value)
+    assert str(e.value).startswith("llm_complete failed on the row with prompt 'x'")
+    if planner:
+        assert isinstance(e.value.__cause__, llmdb.LLMError)
+        assert str(e.value.__cause__) == str(e.value)
+    else:
+        assert isinstance(e.value.__cause__, duckdb.Error)
+        assert "Python exception" in str(e.value.__cause__)
+    con.close()

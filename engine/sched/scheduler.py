@@ -212,8 +212,11 @@ class Scheduler:
 
         At least one token is left to compute (its logits are needed), and a scoring request
         computes every position whose logits it asked for."""
-        if req.request_id in self._hits:
-            return self._hits[req.request_id]
+        if req.request_id not in self._hits:
+            self._hits[req.request_id] = self._cached_blocks(req)
+        return self._hits[req.request_id]
+
+    def _cached_blocks(self, req: Request) -> list[int]:
         hits: list[int] = []
         if self.pool.enable_prefix_caching and not req.num_computed and req.cache_type == "kv":
             num_blocks = self._prompt_blocks(req)
@@ -222,8 +225,12 @@ class Scheduler:
                 if b is None:
                     break
                 hits.append(b)
-        self._hits[req.request_id] = hits
         return hits
+
+    def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
+        """Tokens a new request for token_ids would find in the prefix cache now (EXPLAIN)."""
+        probe = Request("probe", list(token_ids), SamplingParams(max_tokens=1))
+        return len(self._cached_blocks(probe)) * self.pool.block_size
 
     def register_computed(self, req: Request) -> None:
         """Publish the request's newly completed full blocks for reuse by others."""

@@ -10,7 +10,9 @@ from .base import (
     GenerationRequest,
     ModelRequest,
     Prompt,
+    RequestTokens,
     ScoreRequest,
+    Simulation,
 )
 
 __all__ = [
@@ -20,5 +22,7 @@ __all__ = [
     "GenerationRequest",
     "ModelRequest",
     "Prompt",
+    "RequestTokens",
     "ScoreRequest",
+    "Simulation",
 ]

@@ -4,15 +4,23 @@ Prompts here are what the backend's render_chat made of a row: chat messages for
 with a chat template, which the model encodes itself so that row text stays data (a
 `<|im_end|>` in a row never ends a turn), or final text for a backend without one. The same
 request always means the same model input. Priority is carried for the scheduler
-(interactive = RT, bulk = BE)."""
+(interactive = RT, bulk = BE).
+
+EXPLAIN LLM asks a backend what its requests would cost without sending them: their tokens,
+the prompt tokens its prefix cache holds now, and how it schedules (a configuration for the
+engine's simulator)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from llmdb.engine.params import SamplingParams
+
+if TYPE_CHECKING:  # the simulator's types; loading them is the engine's business
+    from llmdb.engine.costmodel import CostModel
+    from llmdb.engine.research.sim import SimConfig
 
 # Chat messages ({"role": ..., "content": ...}) or, for a backend without a chat template,
 # final text.
@@ -59,6 +67,25 @@ class BackendResult:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class RequestTokens:
+    """What the model computes for a request: its prompt, and a scored continuation with its
+    end of turn."""
+
+    ids: tuple[int, ...] | None  # None: the backend tokenizes elsewhere (a count only)
+    count: int
+    cacheable: int  # leading tokens a prefix hit may cover; the rest is always computed
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """How a backend schedules its requests, for the engine's simulator."""
+
+    config: SimConfig  # its limits, block pool and prefix caching
+    policy: str
+    cost_model: CostModel
+
+
 class Backend(Protocol):
     name: str
 
@@ -81,3 +108,17 @@ class Backend(Protocol):
         progress bar's measure within one big batch."""
 
     def abort(self, handle: str) -> None: ...
+
+    # ---- for EXPLAIN LLM -----------------------------------------------------------------
+
+    def describe(self) -> str:
+        """Where the model runs, in words."""
+
+    def tokenize(self, request: ModelRequest) -> RequestTokens: ...
+
+    def cached_prefix(self, ids: Sequence[int]) -> int:
+        """Leading tokens of a new request with these token ids that the prefix cache holds
+        now (its last token is always computed); 0 without a prefix cache."""
+
+    def simulation(self) -> Simulation | None:
+        """None: the backend cannot say (no model time is estimated)."""

@@ -6,13 +6,22 @@ import atexit
 import hashlib
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from llmdb.engine.engine import LLMEngine
 from llmdb.engine.process_engines import shared_engine, shutdown_engines
+from llmdb.engine.research.sim import SimConfig
 
-from .base import BackendResult, ChoiceRequest, GenerationRequest, ModelRequest, ScoreRequest
+from .base import (
+    BackendResult,
+    ChoiceRequest,
+    GenerationRequest,
+    ModelRequest,
+    RequestTokens,
+    ScoreRequest,
+    Simulation,
+)
 
 
 class LocalBackend:
@@ -50,6 +59,10 @@ class LocalBackend:
     def count_tokens(self, text: str) -> int:
         return len(self.engine.tokenizer.encode_plain(text))
 
+    def _continuation(self, text: str) -> list[int]:
+        """A scored continuation's tokens: the text, then end of turn."""
+        return [*self.engine.tokenizer.encode_plain(text), self._end_of_turn]
+
     def _variants(self, word: str) -> list[int]:
         if word not in self._word_ids:
             ids = self.engine.tokenizer.single_token_variants(word)
@@ -65,8 +78,9 @@ class LocalBackend:
             return eng.add_request(request.prompt, request.params, on_finish=done,
                                    priority=request.priority)
         if isinstance(request, ScoreRequest):
-            cont = [*eng.tokenizer.encode_plain(request.continuation), self._end_of_turn]
-            return eng.add_score_request(request.prompt, cont, on_finish=done,
+            return eng.add_score_request(request.prompt,
+                                         self._continuation(request.continuation),
+                                         on_finish=done,
                                          priority=request.priority)
         if isinstance(request, ChoiceRequest):
             groups = [self._variants(w) for w in request.words]
@@ -105,6 +119,33 @@ class LocalBackend:
             self.engine.wait(handle, timeout=0)
         except KeyError:
             pass
+
+    # ---- for EXPLAIN LLM -----------------------------------------------------------------
+
+    def describe(self) -> str:
+        d = self.engine.describe()
+        return f"{d['model']} on {d['device']}, {d['dtype']}, {d['kernels']} kernels"
+
+    def tokenize(self, request: ModelRequest) -> RequestTokens:
+        ids = self.engine.encode_prompt(request.prompt)
+        cacheable = len(ids) - 1  # the engine computes the last prompt token's logits
+        if isinstance(request, ScoreRequest):
+            ids = ids + self._continuation(request.continuation)
+        return RequestTokens(tuple(ids), len(ids), cacheable)
+
+    def cached_prefix(self, ids: Sequence[int]) -> int:
+        return self.engine.cached_prefix_tokens(ids)
+
+    def simulation(self) -> Simulation:
+        sched, pool = self.engine.scheduler, self.engine.pool
+        ttft, tbt = self.engine.rt_slos
+        config = SimConfig(
+            num_blocks=pool.num_blocks, block_size=pool.block_size,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_prefill_tokens=sched.max_prefill_tokens, max_num_seqs=sched.max_num_seqs,
+            hidden_ratio=sched.hidden_ratio, slo_ttft_s=ttft, slo_tbt_s=tbt,
+            prefix_caching=pool.enable_prefix_caching)
+        return Simulation(config, sched.policy.name, self.engine.cost_model)
 
 
 _backends: dict[str, LocalBackend] = {}

@@ -11,10 +11,17 @@ from __future__ import annotations
 import hashlib
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from .base import BackendResult, ChoiceRequest, GenerationRequest, ModelRequest, ScoreRequest
+from .base import (
+    BackendResult,
+    ChoiceRequest,
+    GenerationRequest,
+    ModelRequest,
+    RequestTokens,
+    ScoreRequest,
+)
 
 STANDIN_MODEL = "hash-standin"
 
@@ -56,7 +63,7 @@ class StandinBackend:
                 _unit(request.prompt + w) for w in request.words))
         else:
             raise TypeError(f"unknown request type {type(request).__name__}")
-        result.prompt_tokens = self.count_tokens(request.prompt)
+        result.prompt_tokens = self.tokenize(request).count
         handle = f"standin-{next(self._ids)}"
         with self._lock:
             self._results[handle] = result
@@ -74,6 +81,23 @@ class StandinBackend:
     def abort(self, handle: str) -> None:
         with self._lock:
             self._results.pop(handle, None)
+
+    # ---- for EXPLAIN LLM: a word is a token; no prefix cache, no model time ---------------
+
+    def describe(self) -> str:
+        return f"{STANDIN_MODEL} (answers are hashes: no model)"
+
+    def tokenize(self, request: ModelRequest) -> RequestTokens:
+        n = self.count_tokens(request.prompt)
+        if isinstance(request, ScoreRequest):  # the continuation, then end of turn
+            return RequestTokens(None, n + self.count_tokens(request.continuation) + 1, n - 1)
+        return RequestTokens(None, n, n - 1)
+
+    def cached_prefix(self, ids: Sequence[int]) -> int:
+        return 0
+
+    def simulation(self) -> None:
+        return None
 
 
 _standin = StandinBackend()

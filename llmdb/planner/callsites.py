@@ -9,15 +9,13 @@ llm_count_tokens is not a call site: it never reaches a model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 import sqlglot
 from sqlglot import exp
 
-from llmdb.functions import _FUNCTIONS
+from llmdb.functions import FUNCTIONS, SqlFunction
 
-# The functions whose rows turn into model requests.
-CALL_FUNCTIONS = ("llm_complete", "llm_filter", "llm_filter_score", "llm_classify")
 PRIORITIES = ("RT", "BE")
 
 
@@ -25,52 +23,27 @@ class Unsupported(Exception):
     """The planner does not understand this query; it runs as written."""
 
 
-@dataclass(frozen=True)
-class Param:
-    name: str
-    sql_type: str
-    default: str | None  # SQL text; None: required
+# The functions whose rows turn into model requests, by name.
+SIGNATURES: dict[str, SqlFunction] = {n: f for n, f in FUNCTIONS.items() if f.call is not None}
 
 
 @dataclass(frozen=True)
-class Signature:
-    function: str
-    params: tuple[Param, ...]
-    returns: str
-
-    @property
-    def impl(self) -> str:
-        """The name of the Arrow UDF behind the macro (functions.register)."""
-        return f"__llmdb_{self.function}"
-
-    def index(self, name: str) -> int:
-        return [p.name for p in self.params].index(name)
-
-
-SIGNATURES: dict[str, Signature] = {
-    name: Signature(name, tuple(Param(*p) for p in params), returns)
-    for name, (_, params, returns) in _FUNCTIONS.items() if name in CALL_FUNCTIONS
-}
-
-
-@dataclass
 class Site:
-    """One call in the query, in source order (id)."""
+    """One call in the query, in source order (id). Passes return new ones (replace)."""
 
     id: int
-    signature: Signature
+    signature: SqlFunction
     node: exp.Expression  # the call as parsed (in the planner's copy of the tree)
-    args: list[exp.Expression]  # one per UDF parameter, defaults filled in
-    priority: str | None = None  # `priority := 'RT'` on the call overrides the query's class
-    key: str = ""  # the call's normalized SQL text: learned statistics are kept under it
-    # Filled in by the rewrite.
+    args: tuple[exp.Expression, ...]  # one per UDF parameter, defaults filled in
+    priority: str | None  # `priority := 'RT'` on the call overrides the query's class
+    key: str  # the call's normalized SQL text: learned statistics are kept under it
+    # Set by the rewrite (guards.rewrite_sites).
     order: int = -1  # evaluation order among the query's sites
-    guard: list[exp.Expression] = field(default_factory=list)
-    placement: str = ""  # see drivers.placement
+    guard: tuple[exp.Expression, ...] = ()
 
     @property
     def function(self) -> str:
-        return self.signature.function
+        return self.signature.name
 
     def arg(self, name: str) -> exp.Expression:
         return self.args[self.signature.index(name)]
@@ -100,7 +73,7 @@ def _literal_number(e: exp.Expression) -> float | None:
 def resolve(node: exp.Anonymous, site_id: int) -> Site:
     """A call's UDF arguments: positional ones, then `name := value` ones, then defaults."""
     sig = SIGNATURES[node.name.lower()]
-    names = [p.name for p in sig.params]
+    names = sig.names
     given: dict[str, exp.Expression] = {}
     priority = None
     positional = True
@@ -112,23 +85,21 @@ def resolve(node: exp.Anonymous, site_id: int) -> Site:
                 priority = _priority_literal(a.expression)
                 continue
             if name not in names or name in given:
-                raise Unsupported(f"{sig.function}: unknown or repeated parameter {name!r}")
+                raise Unsupported(f"{sig.name}: unknown or repeated parameter {name!r}")
             given[name] = a.expression
         else:
             if not positional or i >= len(names):
-                raise Unsupported(f"{sig.function}: unexpected positional argument")
+                raise Unsupported(f"{sig.name}: unexpected positional argument")
             given[names[i]] = a
     args = []
     for p in sig.params:
         if p.name in given:
             args.append(given[p.name])
         elif p.default is None:
-            raise Unsupported(f"{sig.function}: missing argument {p.name!r}")
+            raise Unsupported(f"{sig.name}: missing argument {p.name!r}")
         else:
             args.append(sqlglot.parse_one(p.default, read="duckdb"))
-    site = Site(site_id, sig, node, args, priority)
-    site.key = node.sql("duckdb")
-    return site
+    return Site(site_id, sig, node, tuple(args), priority, node.sql("duckdb"))
 
 
 def _priority_literal(e: exp.Expression) -> str:
@@ -162,10 +133,7 @@ def find_sites(tree: exp.Expression) -> list[Site]:
             raise Unsupported(f"{site.key}: sampling without a seed is a fresh draw per row")
         sites.append(site)
     # find_all is breadth-first; source order keeps site ids stable across runs.
-    sites.sort(key=lambda s: _position(s.node))
-    for i, s in enumerate(sites):
-        s.id = i
-    return sites
+    return [replace(s, id=i) for i, s in enumerate(sorted(sites, key=lambda s: _position(s.node)))]
 
 
 def _position(node: exp.Expression) -> tuple[int, ...]:

@@ -238,10 +238,9 @@ def plan_steps(tree: exp.Expression, root: exp.Expression, tops: list[exp.Select
         node = lookups.get(site.id)
         placed[site.id] = placement(node, tops, root) if node is not None else \
             Placement("lazy", None, "not found after the rewrite")
-        site.placement = placed[site.id].kind
     steps: list[Step] = []
     incremental: dict[int, list[Site]] = {}
-    ordered = sorted(sites, key=lambda x: (PHASE[x.placement], x.order))
+    ordered = sorted(sites, key=lambda x: (PHASE[placed[x.id].kind], x.order))
     done: set[int] = set()
     for site in ordered:
         p = placed[site.id]

@@ -10,19 +10,20 @@ the connection, the report puts what it actually did next to each estimate.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field, fields
 
 import duckdb
 import pyarrow as pa
 
+from llmdb.functions import RT_MAX_CALLS
+
 from .callsites import Site
 from .estimate import SiteEstimate, calibrated, cost_model, estimate_site
+from .guards import MAIN, tag
 from .memo import QueryRun, SiteCounts
 from .placement import Placement
-from .run import RT_MAX_CALLS, Planner
+from .run import Planner
 
-_LOOKUP_TAG = re.compile(r"__llmdb_site_\w+\((\d+), (\d+)")
 MEASURES = ("rows", "distinct", "cache_hits", "calls", "prompt_tokens", "output_tokens",
             "model_s")
 _LABELS = {"rows": "rows reaching it", "distinct": "distinct prompts",
@@ -150,12 +151,14 @@ def _measures(est: SiteEstimate | None, actual: SiteEstimate | None, has_actual:
 
 # ---- building the report -----------------------------------------------------------------
 
-def duckdb_rows(con: duckdb.DuckDBPyConnection, sql: str) -> dict[int, int]:
-    """Per site, DuckDB's estimated input rows of the operator evaluating its lookup."""
+def duckdb_rows(con: duckdb.DuckDBPyConnection, sql: str, sites: list[Site]) -> dict[int, int]:
+    """Per site, DuckDB's estimated input rows of the operator evaluating its lookup (the
+    one whose expressions carry the site's tag in the main role)."""
     try:
         plan = json.loads(con.execute(f"EXPLAIN (FORMAT JSON) {sql}").fetchall()[0][1])
     except (duckdb.Error, ValueError, IndexError):
         return {}
+    markers = {s.id: f"'{tag(s.id, MAIN)}'" for s in sites}
     out: dict[int, int] = {}
 
     def card(node: dict) -> int:
@@ -168,9 +171,8 @@ def duckdb_rows(con: duckdb.DuckDBPyConnection, sql: str) -> dict[int, int]:
         info = json.dumps(node.get("extra_info", {}))
         children = node.get("children", [])
         rows = max((card(c) for c in children), default=card(node))
-        for m in _LOOKUP_TAG.finditer(info):
-            site_id, role = divmod(int(m.group(2)), 2)
-            if role == 0:
+        for site_id, marker in markers.items():
+            if marker in info:
                 out[site_id] = max(out.get(site_id, 0), rows)
         for c in children:
             walk(c)
@@ -190,12 +192,7 @@ def actual(c: SiteCounts) -> SiteEstimate:
 def explain(planner: Planner, sql: str) -> Report:
     report = Report(sql)
     backend = planner.session.backend()
-    engine = getattr(backend, "engine", None)
-    if engine is not None:
-        d = engine.describe()
-        report.engine = f"{d['model']} on {d['device']}, {d['dtype']}, {d['kernels']} kernels"
-    else:
-        report.engine = f"{planner.session.options.model} (no local engine)"
+    report.engine = backend.describe()
     cm = cost_model(backend)
     report.cost_model = cm.source if calibrated(cm) else \
         f"uncalibrated ({cm.source}): no time estimates"
@@ -213,7 +210,7 @@ def explain(planner: Planner, sql: str) -> Report:
     options_priority = session.options.priority
     dry = QueryRun(p.qid, p.sites, session, dry=True, learned=planner.learned)
     planner.dry_run(p, dry)
-    duck = duckdb_rows(planner.con, p.dry_sql)
+    duck = duckdb_rows(planner.con, p.dry_sql, p.sites)
     if options_priority:
         report.priority, report.priority_why = options_priority, "set on the connection"
     else:

@@ -25,14 +25,14 @@ guarded by the earlier ones' results, so it runs only where they left the result
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from sqlglot import exp
 
-from .callsites import Site, call_name, resolve
+from .callsites import Site, Unsupported, call_name, resolve
 
 T, F, V = "T", "F", "V"
-MAIN, COPY = 0, 1  # a lookup's role: the site itself, or a copy of it inside another's guard
+MAIN, COPY = "main", "copy"  # a lookup's role: the site, or a copy of it in another's guard
 LOOKUP_PREFIX = "__llmdb_site_"
 
 # Nodes whose operands are evaluated on other rows than the node itself.
@@ -40,7 +40,7 @@ _GUARD_BARRIERS = (exp.AggFunc, exp.Window, exp.Lambda, exp.Anonymous, exp.Query
                    exp.Subquery)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Predicate:
     """An LLM operand of AND/OR in a T context: its pass rate is learned per `key`."""
 
@@ -59,15 +59,26 @@ def is_lookup(node: exp.Expression) -> bool:
     return isinstance(node, exp.Anonymous) and node.name.lower().startswith(LOOKUP_PREFIX)
 
 
-def lookup_tag(node: exp.Expression) -> tuple[int, int]:
+def tag(site_id: int, role: str) -> str:
+    """A lookup's second argument, naming its site and role. A string literal: DuckDB prints
+    it as it is in its plans, where EXPLAIN LLM finds the operator evaluating a site by it."""
+    return f"llmdb site {site_id} {role}"
+
+
+def parse_tag(text: str) -> tuple[int, str]:
+    """(site id, role) of a tag."""
+    _, _, site_id, role = text.split()
+    return int(site_id), role
+
+
+def lookup_tag(node: exp.Expression) -> tuple[int, str]:
     """(site id, role) of a lookup node."""
-    tag = int(node.expressions[1].this)
-    return tag // 2, tag % 2
+    return parse_tag(node.expressions[1].this)
 
 
-def make_lookup(site: Site, qid: int, role: int = MAIN) -> exp.Anonymous:
+def make_lookup(site: Site, qid: int) -> exp.Anonymous:
     return exp.Anonymous(this=lookup_name(site.function), expressions=[
-        exp.Literal.number(qid), exp.Literal.number(site.id * 2 + role),
+        exp.Literal.number(qid), exp.Literal.string(tag(site.id, MAIN)),
         *[a.copy() for a in site.args]])
 
 
@@ -77,7 +88,7 @@ def as_copy(e: exp.Expression) -> exp.Expression:
     for node in list(out.walk()):
         if is_lookup(node):
             site_id, _ = lookup_tag(node)
-            node.expressions[1].replace(exp.Literal.number(site_id * 2 + COPY))
+            node.expressions[1].replace(exp.Literal.string(tag(site_id, COPY)))
     return out
 
 
@@ -170,7 +181,7 @@ class Rewriter:
         self.sites = {id(s.node): s for s in sites}
         self.qid = qid
         self.rank = rank
-        self.next_order = 0
+        self.rewritten: dict[int, Site] = {}  # by site id, in evaluation order
         self.predicates: list[Predicate] = []
 
     def has_site(self, e: exp.Expression) -> bool:
@@ -223,11 +234,9 @@ class Rewriter:
         site = self.sites[id(node)]
         # Calls nested in the arguments come first: their values are this call's arguments.
         node.set("expressions", [self.rewrite(a, V, guard) for a in node.expressions])
-        fresh = resolve(node, site.id)
-        site.args = fresh.args
-        site.order = self.next_order
-        self.next_order += 1
-        site.guard = [g.copy() for g in guard]
+        site = replace(site, args=resolve(node, site.id).args, order=len(self.rewritten),
+                       guard=tuple(g.copy() for g in guard))
+        self.rewritten[site.id] = site
         return guarded(make_lookup(site, self.qid), guard)
 
     def connector(self, node: exp.Expression, ctx: str, guard: list[exp.Expression]
@@ -300,13 +309,13 @@ class Rewriter:
 
 def rewrite_sites(tree: exp.Expression, sites: list[Site], qid: int,
                   rank: Callable[[exp.Expression, str], float]
-                  ) -> tuple[exp.Expression, list[Predicate]]:
-    """The statement with every call site replaced by its guarded lookup."""
+                  ) -> tuple[exp.Expression, list[Site], list[Predicate]]:
+    """The statement with every call site replaced by its guarded lookup, and the sites
+    with their rewritten arguments, guards and evaluation order."""
     rw = Rewriter(sites, qid, rank)
     out = rw.run(tree)
-    missing = [s.key for s in sites if s.order < 0]
+    missing = [s.key for s in sites if s.id not in rw.rewritten]
     if missing:  # a call in a position the traversal never reached: do not guess
-        from .callsites import Unsupported
         raise Unsupported(f"call sites not rewritten: {missing}")
     assert all(call_name(n) is None for n in out.walk()), "a call site was left in place"
-    return out, rw.predicates
+    return out, [rw.rewritten[s.id] for s in sites], rw.predicates

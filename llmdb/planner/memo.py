@@ -1,13 +1,14 @@
 """The lookups a rewritten query calls instead of the LLM functions, and the query's memo.
 
 `__llmdb_site_<function>(qid, tag, args...)` has the LLM function's parameters plus the query
-run and the site (tag = site id x 2 + role, the role telling the site itself from a copy of
-it inside another site's guard). It answers from the run's memo: argument tuple -> value,
-filled by the planner's driver queries in one batch per site. A miss computes the value
-through the same row-level function the SQL function uses (so dedup, the result cache, errors
-and stats all apply) and remembers it: identical calls are computed once per query. A site
-in "strict" mode answers a miss with NULL instead (ORDER BY ... LIMIT evaluation, where rows
-past the first k passing ones are never computed and cannot reach the result).
+run and the site (tag: 'llmdb site <id> <role>', the role telling the site itself from a copy
+of it inside another site's guard; guards.tag). It answers from the run's memo: argument
+tuple -> value, filled by the planner's driver queries in one batch per site. A miss
+computes the value through the same row-level function the SQL function uses (so dedup, the
+result cache, errors and stats all apply) and remembers it: identical calls are computed
+once per query. A site in "strict" mode answers a miss with NULL instead (ORDER BY ... LIMIT
+evaluation, where rows past the first k passing ones are never computed and cannot reach
+the result).
 
 A run in dry mode (EXPLAIN) never calls a model: it answers with values drawn from what the
 site returned in earlier queries (or a neutral default) and counts what would be computed.
@@ -25,21 +26,17 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from llmdb.functions import _FUNCTIONS, PRIORITY
+from llmdb.functions import PRIORITY, RT_MAX_CALLS, SqlFunction
 from llmdb.session import Session
 
-from .callsites import SIGNATURES, Signature, Site
-from .guards import MAIN, lookup_name
+from .callsites import SIGNATURES, Site
+from .guards import MAIN, lookup_name, parse_tag
 from .learned import LEARNED, PRIOR_WEIGHT, Learned, stable_hash
 
 ARROW_TYPES = {"BOOLEAN": pa.bool_(), "DOUBLE": pa.float64(), "VARCHAR": pa.string(),
                "INTEGER": pa.int32()}
 KEPT_RUNS = 16  # runs whose lookups may still execute (a lazy relation fetched later)
 SAMPLED_KEYS = 64  # argument tuples kept per site for token and cache estimates
-
-
-class BudgetExceeded(Exception):
-    """A dry run found more calls than the question it answers needed to know about."""
 
 
 @dataclass
@@ -69,7 +66,7 @@ def freeze(v: Any) -> Any:
     return v
 
 
-def thaw(sig: Signature, key: tuple) -> list[Any]:
+def thaw(sig: SqlFunction, key: tuple) -> list[Any]:
     return [list(v) if p.sql_type.endswith("[]") and v is not None else v
             for p, v in zip(sig.params, key, strict=True)]
 
@@ -78,28 +75,25 @@ class QueryRun:
     """One execution (or dry run) of a planned query: its memo, modes and counts."""
 
     def __init__(self, qid: int, sites: list[Site], session: Session, *, dry: bool = False,
-                 budget: int | None = None, learned: Learned = LEARNED):
+                 learned: Learned = LEARNED):
         self.qid = qid
         self.sites = {s.id: s for s in sites}
         self.session = session
         self.dry = dry
-        self.budget = budget
         self.learned = learned
         self.modes = {s.id: "lazy" for s in sites}
-        self.priorities: dict[int, str | None] = {s.id: s.priority for s in sites}
         self.memo: dict[tuple, Any] = {}
         self.counts = {s.id: SiteCounts() for s in sites}
         self._seen: dict[int, set[tuple]] = {s.id: set() for s in sites}
         self._lock = threading.Lock()
         self.prefetched: set[int] = set()  # sites a driver computed (it counts their rows)
-        self.over_budget = False
 
     # ---- the memo ------------------------------------------------------------------------
 
     def _memo_key(self, site: Site, key: tuple) -> tuple:
         return (site.function, key)
 
-    def lookup(self, site_id: int, role: int, keys: list[tuple]) -> list[Any]:
+    def lookup(self, site_id: int, role: str, keys: list[tuple]) -> list[Any]:
         """Values for a vector of rows (the UDF path)."""
         site = self.sites[site_id]
         out: list[Any] = [None] * len(keys)
@@ -153,13 +147,11 @@ class QueryRun:
             counts.requests += sum(requests_per_call(site, k) for k in keys)
             counts.batches.append(len(keys))
             self._sample(counts, keys)
+            priority = site.priority or self.session.options.priority or self._query_class()
         if self.dry:
             values = self._pseudo(site, keys)
-            if self.budget is not None and self.total_requests() > self.budget:
-                self.over_budget = True
-                raise BudgetExceeded(f"more than {self.budget} calls")
         else:
-            values = self._call(site, keys, counts)
+            values = self._call(site, keys, counts, priority)
         with self._lock:
             for k, v in zip(keys, values, strict=True):
                 self.memo[self._memo_key(site, k)] = v
@@ -169,6 +161,12 @@ class QueryRun:
         """Model requests the computed tuples take (a classify scores every label)."""
         with self._lock:
             return sum(c.requests for c in self.counts.values())
+
+    def _query_class(self) -> str:
+        """RT while the query's requests so far, the batch being sent included, stay within
+        RT_MAX_CALLS; BE from the batch that goes past. A driver sends each site's rows as
+        one batch, so a bulk query is BE from its first large batch (the lock is held)."""
+        return "RT" if sum(c.requests for c in self.counts.values()) <= RT_MAX_CALLS else "BE"
 
     def _sample(self, counts: SiteCounts, keys: list[tuple]) -> None:
         """Reservoir sampling over the tuples this site computed (counts.computed of them,
@@ -183,12 +181,13 @@ class QueryRun:
                 if j < SAMPLED_KEYS:
                     counts.sampled[j] = k
 
-    def _call(self, site: Site, keys: list[tuple], counts: SiteCounts) -> list[Any]:
-        fn = _FUNCTIONS[site.function][0]
+    def _call(self, site: Site, keys: list[tuple], counts: SiteCounts, priority: str
+              ) -> list[Any]:
+        fn = site.signature.rows
         columns = [list(col) for col in zip(*(thaw(site.signature, k) for k in keys),
                                             strict=True)]
         before = self.session.stats()["total"]
-        token = PRIORITY.set(self.priorities.get(site.id))
+        token = PRIORITY.set(priority)
         try:
             values = fn(self.session, *columns)
         finally:
@@ -293,8 +292,8 @@ class Runs:
             return self._runs.get(qid)
 
 
-def _site_udf(sig: Signature, runs: Runs, session: Session):
-    fn = _FUNCTIONS[sig.function][0]
+def _site_udf(sig: SqlFunction, runs: Runs, session: Session):
+    fn = sig.rows
     out_type = ARROW_TYPES[sig.returns]
 
     def udf(qid: pa.Array, tag: pa.Array, *arrays: pa.Array) -> pa.Array:
@@ -305,11 +304,11 @@ def _site_udf(sig: Signature, runs: Runs, session: Session):
         run = runs.get(qid[0].as_py())
         if run is None:  # a run no longer kept: compute as the plain function would
             return pa.array(fn(session, *columns), out_type)
-        site_id, role = divmod(tag[0].as_py(), 2)
+        site_id, role = parse_tag(tag[0].as_py())
         keys = [freeze(row) for row in zip(*columns, strict=True)]
         return pa.array(run.lookup(site_id, role, keys), out_type)
 
-    names = ["qid", "tag", *(p.name for p in sig.params)]
+    names = ["qid", "tag", *sig.names]
     udf.__signature__ = inspect.Signature(
         [inspect.Parameter(n, inspect.Parameter.POSITIONAL_ONLY) for n in names])
     return udf
@@ -317,7 +316,7 @@ def _site_udf(sig: Signature, runs: Runs, session: Session):
 
 def register(con: duckdb.DuckDBPyConnection, runs: Runs, session: Session) -> None:
     for sig in SIGNATURES.values():
-        con.create_function(lookup_name(sig.function), _site_udf(sig, runs, session),
-                            ["INTEGER", "INTEGER", *(p.sql_type for p in sig.params)],
+        con.create_function(lookup_name(sig.name), _site_udf(sig, runs, session),
+                            ["INTEGER", "VARCHAR", *(p.sql_type for p in sig.params)],
                             sig.returns, type="arrow", null_handling="special",
                             side_effects=False)

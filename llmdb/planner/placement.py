@@ -10,7 +10,7 @@ from .guards import MAIN, is_lookup, lookup_tag
 from .shapes import aggregated, contains, has_window, int_literal, own_qualify
 
 
-@dataclass
+@dataclass(frozen=True)
 class Placement:
     kind: str
     scope: exp.Select | None = None

@@ -12,7 +12,7 @@ import logging
 import re
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import duckdb
@@ -20,6 +20,7 @@ import sqlglot
 from sqlglot import exp
 from sqlglot.errors import SqlglotError
 
+from llmdb.functions import DEFAULT_PARAMS
 from llmdb.session import QueryCancelled, Session
 
 from . import drivers, memo
@@ -27,7 +28,7 @@ from .callsites import Site, Unsupported, find_sites
 from .drivers import Fill, Incremental, Learn, Placement, Step
 from .guards import Predicate, rewrite_sites
 from .learned import DEFAULT_PASS_RATE, LEARNED, Learned
-from .memo import BudgetExceeded, QueryRun, Runs, SiteCounts, freeze
+from .memo import QueryRun, Runs, SiteCounts, freeze
 from .rules import (
     inline_llm_ctes,
     llm_conjuncts_to_where,
@@ -38,7 +39,6 @@ from .rules import (
     top_rows_before_calls,
 )
 
-RT_MAX_CALLS = 32  # interactive (RT) when a query needs at most this many model calls
 KEPT_HISTORY = 64
 _QUICK_CHECK = re.compile(r"llm_(complete|filter|classify)", re.IGNORECASE)
 
@@ -73,7 +73,8 @@ def call_cost(site: Site) -> float:
         return float(len(labels.expressions) ** 2) if isinstance(labels, exp.Array) else 4.0
     if site.function == "llm_complete":
         n = site.arg("max_tokens")
-        tokens = int(n.this) if isinstance(n, exp.Literal) and n.this.isdigit() else 256
+        tokens = int(n.this) if isinstance(n, exp.Literal) and n.this.isdigit() \
+            else DEFAULT_PARAMS.max_tokens
         return 1.0 + 0.5 * tokens
     return 2.0  # a filter asks with both answer orders
 
@@ -135,15 +136,15 @@ def _plan(sql: str, qid: int, model: str, parameters: Any, learned: Learned) -> 
     sites = find_sites(tree)
     if not sites:
         raise Unsupported("no LLM calls")
-    tree, predicates = rewrite_sites(tree, sites, qid, ranker(sites, model, learned))
+    tree, sites, predicates = rewrite_sites(tree, sites, qid, ranker(sites, model, learned))
     top_rows_before_calls(tree)
     root = root_query(tree)
     # With bound parameters a driver would need them too: every site stays lazy then.
     tops = [] if parameters else top_level_selects(root)
     steps, placements = drivers.plan_steps(tree, root, tops, sites, predicates)
     if parameters:
-        for p in placements.values():
-            p.why = "the query has bound parameters"
+        placements = {i: replace(p, why="the query has bound parameters")
+                      for i, p in placements.items()}
     return Plan(qid, tree.sql("duckdb"), root.sql("duckdb"), sites, predicates, steps,
                 placements)
 
@@ -180,7 +181,6 @@ class Planner:
         if p is None or not self.binds(p, parameters):
             return sql
         run = QueryRun(p.qid, p.sites, self.session, learned=self.learned)
-        self._assign_priorities(p, run, parameters)
         self.runs.put(run)
         self.execute_steps(p, run)
         self._learn_time_scale(p, run)
@@ -194,8 +194,7 @@ class Planner:
         from .estimate import calibrated, cost_model, estimate_site
 
         backend = self.session.backend()
-        if run.dry or getattr(backend, "engine", None) is None or \
-                not calibrated(cost_model(backend)):
+        if run.dry or backend.simulation() is None or not calibrated(cost_model(backend)):
             return
         for site in p.sites:
             c = run.counts[site.id]
@@ -203,7 +202,6 @@ class Planner:
                 continue
             sim = estimate_site(self.session, site, c, self.learned, observed=True).model_s
             if sim:
-                backend = self.session.backend(self.session.options.model)
                 self.learned.observe_time(backend.name, sim, c.model_s)
 
     def binds(self, p: Plan, parameters: Any) -> bool:
@@ -219,59 +217,23 @@ class Planner:
             p.notes.append(f"rewritten SQL rejected ({type(e).__name__}); ran as written")
             return False
 
-    # ---- priority ------------------------------------------------------------------------
-
-    def _assign_priorities(self, p: Plan, run: QueryRun, parameters: Any) -> None:
-        fixed = self.session.options.priority
-        if fixed is None and any(s.priority is None for s in p.sites):
-            fixed = self.query_class(p, parameters)
-        for s in p.sites:
-            run.priorities[s.id] = s.priority or fixed
-
-    def query_class(self, p: Plan, parameters: Any = None) -> str:
-        """RT when a dry run finds at most RT_MAX_CALLS model calls, else BE."""
-        dry = QueryRun(p.qid, p.sites, self.session, dry=True, budget=RT_MAX_CALLS,
-                       learned=self.learned)
-        self.runs.put(dry)
-        try:
-            self.dry_run(p, dry, parameters)
-        except BudgetExceeded:
-            return "BE"
-        return "RT" if dry.total_requests() <= RT_MAX_CALLS else "BE"
-
-    def dry_run(self, p: Plan, dry: QueryRun, parameters: Any = None) -> None:
+    def dry_run(self, p: Plan, dry: QueryRun) -> None:
         """Everything a run would do, with values drawn from what the sites returned
         before instead of model calls; dry.counts then hold the estimates."""
         self.runs.put(dry)
         self.execute_steps(p, dry)
         if p.has_lazy or any(m != "strict" and p.placements[i].kind == "incremental"
                              for i, m in dry.modes.items()):
-            try:
-                result = self.con.execute(p.dry_sql, parameters)
-                while result.fetchmany(8192):
-                    pass
-            except duckdb.InterruptException:
-                raise
-            except duckdb.Error:
-                if dry.over_budget:
-                    raise BudgetExceeded("dry run over budget") from None
-                raise
+            result = self.con.execute(p.dry_sql)
+            while result.fetchmany(8192):
+                pass
 
     # ---- steps ---------------------------------------------------------------------------
 
     def execute_steps(self, p: Plan, run: QueryRun) -> None:
-        try:
-            self._execute_steps(p, run)
-        except (duckdb.Error, BudgetExceeded):
-            raise
-        except Exception as e:
-            # A failing row (or a cancel) raises out of a UDF as DuckDB's error when the call
-            # runs inside the query; the same error when the planner computes it beforehand.
-            raise duckdb.InvalidInputException(
-                f"Invalid Input Error: Python exception occurred while executing the UDF: "
-                f"{type(e).__name__}: {e}") from e
-
-    def _execute_steps(self, p: Plan, run: QueryRun) -> None:
+        """Prefetch the calls of the plan's steps. A failed row raises its llmdb.LLMError
+        and a cancel QueryCancelled, as themselves (the connection presents both as the
+        DuckDB errors they are inside a query)."""
         for step in p.steps:
             if isinstance(step, Fill):
                 self._fill(run, step.site, step.sql)
@@ -281,26 +243,24 @@ class Planner:
             elif isinstance(step, Incremental):
                 self._incremental(run, step)
 
-    def _query(self, run: QueryRun, sql: str) -> list[tuple] | None:
+    def _query(self, sql: str) -> list[tuple] | None:
         """Rows of a driver query; None when it fails (its sites then stay lazy)."""
         try:
             return self.con.execute(sql).fetchall()
         except duckdb.InterruptException:
             raise
         except duckdb.Error:
-            if run.over_budget:
-                raise BudgetExceeded("dry run over budget") from None
             if self.session.cancel.is_set():
                 raise QueryCancelled("the query was cancelled") from None
             return None
 
     def _fill(self, run: QueryRun, site: Site, sql: str) -> None:
-        rows = self._query(run, sql)
+        rows = self._query(sql)
         if rows is not None:
             run.fill(site, [(freeze(r[:-1]), r[-1]) for r in rows])
 
     def _learn(self, run: QueryRun, step: Learn) -> None:
-        row = self._query(run, step.sql)
+        row = self._query(step.sql)
         if row:
             passed, seen = row[0]
             self.learned.observe_passes(f"{self.session.options.model}\x1f{step.predicate.key}",
@@ -313,13 +273,13 @@ class Planner:
         last: dict[int, int] = {}
         while True:
             for s in step.sites:
-                rows = self._query(run, drivers.with_limit(step.site_sql[s.id], n))
+                rows = self._query(drivers.with_limit(step.site_sql[s.id], n))
                 if rows is None:
                     return self._give_up(run, step)
                 keyed = [(freeze(r[:-1]), r[-1]) for r in rows]
                 run.fill(s, keyed, count_rows=False)
                 last[s.id] = sum(c for _, c in keyed)
-            counted = self._query(run, drivers.with_limit(step.count_sql, n))
+            counted = self._query(drivers.with_limit(step.count_sql, n))
             if counted is None:
                 return self._give_up(run, step)
             total, passed = counted[0]
