@@ -69,6 +69,7 @@ def _execute(session: Session, function: str, rows: list[dict[str, Any]], priori
             except ValueError as e:
                 text = a[spec.params[0].name]
                 message = describe_row(function, text, str(e))
+                session.record(Stats(rows=1, errors=1))
                 if policy != "null":
                     raise LLMError(message) from e
                 session.record_error(function, text, message)

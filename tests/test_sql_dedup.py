@@ -42,6 +42,15 @@ def test_a_connection_calls_the_model_once_per_distinct_prompt(con):
     assert last_query(con)["calls"] == 3
 
 
+def test_rows_repeating_a_prompt_count_as_rows_and_dedup_hits(con):
+    """The planner sends each distinct prompt once; the repeats still count as rows."""
+    prompts = ["Name a color."] * 20 + [f"Name {i} colors." for i in range(10)] + [None] * 3
+    register_rows(con, prompts)
+    column(con, "llm_complete(p, max_tokens := 2)")
+    stats = last_query(con)
+    assert (stats["rows"], stats["model_rows"], stats["dedup_hits"]) == (30, 11, 19)
+
+
 def test_dedup_covers_filter_and_classify(con):
     register_rows(con, ["Say yes.", "Say no.", "Say yes.", "Say yes."])
     scores = column(con, "llm_filter_score(p)")

@@ -37,7 +37,21 @@ def test_raise_names_the_row_the_cause_and_the_numbers(con, eng):
     assert "'word word word" in message  # the row, by a prefix of its prompt
     assert TOO_LONG.search(message), message
     assert _errors(con) == []  # raised, not recorded
+    assert con.stats()["last_query"]["errors"] == 1  # counted once
     _assert_engine_clean(eng)
+
+
+def test_an_ill_formed_row_is_counted_once():
+    con = llmdb.connect(cache=False)
+    con.execute("CREATE TABLE m AS SELECT 'Say ' || i AS p, CASE WHEN i = 2 THEN -1 ELSE 2 END "
+                "AS n FROM range(4) r(i)")
+    with pytest.raises(llmdb.LLMError, match="max_tokens must be positive"):
+        con.execute("SELECT llm_complete(p, max_tokens := n) FROM m").fetchall()
+    assert con.stats()["last_query"]["errors"] == 1
+    con.execute("SELECT llm_complete(p, max_tokens := n, on_error := 'null') FROM m").fetchall()
+    stats = con.stats()["last_query"]
+    assert (stats["rows"], stats["errors"], stats["model_rows"]) == (4, 1, 3)
+    con.close()
 
 
 def test_null_policy_answers_the_other_rows_and_records_the_failure(con, eng):

@@ -27,7 +27,7 @@ import duckdb
 import pyarrow as pa
 
 from llmdb.functions import PRIORITY, RT_MAX_CALLS, SqlFunction
-from llmdb.session import Session
+from llmdb.session import Session, Stats
 
 from .callsites import SIGNATURES, Site
 from .guards import MAIN, lookup_name, parse_tag
@@ -119,24 +119,30 @@ class QueryRun:
         """Compute a driver query's (argument tuple, row count) rows in one batch."""
         with self._lock:
             self.prefetched.add(site.id)
-            for key, n in rows:
-                if count_rows:
-                    self.counts[site.id].rows += n
-                if key not in self._seen[site.id]:
-                    self._seen[site.id].add(key)
-                    self.counts[site.id].distinct += 1
+            self._count(site, rows, count_rows)
             missing = [k for k, _ in rows if self._memo_key(site, k) not in self.memo]
         if missing:
             self.compute(site, missing)
 
     def _count_rows(self, site: Site, keys: list[tuple]) -> None:
-        c = self.counts[site.id]
-        c.rows += len(keys)
-        seen = self._seen[site.id]
-        for k in keys:
-            if k not in seen:
-                seen.add(k)
+        self._count(site, [(k, 1) for k in keys], True)
+
+    def _count(self, site: Site, rows: Sequence[tuple[tuple, int]], count_rows: bool) -> None:
+        """Rows per argument tuple (the lock is held). Rows repeating a tuple are answered
+        from the memo, and the row functions see each tuple once, so the repeats are counted
+        in the session's stats here: rows, and dedup_hits."""
+        c, seen, repeats = self.counts[site.id], self._seen[site.id], 0
+        for key, n in rows:
+            if count_rows:
+                c.rows += n
+            first = key not in seen
+            if first:
+                seen.add(key)
                 c.distinct += 1
+            if not site.signature.null_row(dict(zip(site.signature.names, key, strict=True))):
+                repeats += n - first
+        if repeats and count_rows and not self.dry:
+            self.session.record(Stats(rows=repeats, dedup_hits=repeats))
 
     # ---- computing -----------------------------------------------------------------------
 
