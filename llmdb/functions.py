@@ -438,6 +438,47 @@ def _errors_json(session: Session) -> str:
     return json.dumps([e.__dict__ for e in session.errors])
 
 
+_INTEGERS = ("TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "USMALLINT",
+             "UINTEGER", "UBIGINT")
+_NULL = '"NULL"'  # typeof(NULL)
+
+
+def _sql_list(items: Sequence[str]) -> str:
+    return ", ".join("'" + t.replace("'", "''") + "'" for t in items)
+
+
+def checked_arg(function: str, p: Param, x: str) -> str:
+    """SQL for the argument expression x of parameter p, typed as the UDF takes it, or an
+    error naming the SQL function and the parameter (DuckDB's own would name the internal
+    UDF, its positional arguments and a cast). A plain string is a one-element `stop` list,
+    as in the DataFrame API. typeof() is the expression's static type, so DuckDB decides
+    each branch once."""
+    kind = f"typeof({x})"
+
+    def fail(what: str) -> str:
+        return f"error('{function}: {p.name} must be {what}, got ' || {kind})"
+
+    if p.sql_type == "VARCHAR":
+        return (f"CASE WHEN {kind} IN ({_sql_list(['VARCHAR', 'JSON', _NULL])}) OR {kind} "
+                f"LIKE 'ENUM(%' THEN CAST({x} AS VARCHAR) ELSE {fail('text')} END")
+    if p.sql_type == "VARCHAR[]":
+        plain = (f"WHEN {kind} = 'VARCHAR' THEN [CAST({x} AS VARCHAR)] " if p.name == "stop"
+                 else "")
+        what = "text or a list of text" if p.name == "stop" else "a list of text"
+        return (f"CASE {plain}WHEN {kind} IN ({_sql_list(['VARCHAR[]', _NULL, _NULL + '[]'])}) "
+                f"THEN CAST({x} AS VARCHAR[]) ELSE {fail(what)} END")
+    if p.sql_type in ("INTEGER", "BIGINT"):
+        t = p.sql_type
+        return (f"CASE WHEN {kind} NOT IN ({_sql_list([*_INTEGERS, _NULL])}) THEN "
+                f"{fail('an integer')} WHEN {x} IS NOT NULL AND TRY_CAST({x} AS {t}) IS NULL "
+                f"THEN error('{function}: {p.name} = ' || CAST({x} AS VARCHAR) || ' is out of "
+                f"range for {t}') ELSE TRY_CAST({x} AS {t}) END")
+    if p.sql_type == "DOUBLE":
+        return (f"CASE WHEN {kind} IN ({_sql_list([*_INTEGERS, 'FLOAT', 'DOUBLE', _NULL])}) OR "
+                f"{kind} LIKE 'DECIMAL(%' THEN CAST({x} AS DOUBLE) ELSE {fail('a number')} END")
+    raise AssertionError(f"no argument check for {p.sql_type}")
+
+
 def register(con: duckdb.DuckDBPyConnection, session: Session) -> None:
     """Add the llm_* functions (and their macros) to a DuckDB connection."""
     for f in FUNCTIONS.values():
@@ -446,8 +487,8 @@ def register(con: duckdb.DuckDBPyConnection, session: Session) -> None:
         con.create_function(impl, udf, [p.sql_type for p in f.params], f.returns,
                             type="arrow", null_handling="special", side_effects=False)
         args = ", ".join(_with_default(p) for p in f.params)
-        con.execute(f"CREATE OR REPLACE TEMP MACRO {f.name}({args}) AS "
-                    f"{impl}({', '.join(f.names)})")
+        checked = ", ".join(checked_arg(f.name, p, p.name) for p in f.params)
+        con.execute(f"CREATE OR REPLACE TEMP MACRO {f.name}({args}) AS {impl}({checked})")
     # Zero-argument helpers, evaluated per query (side effects: never folded or cached).
     con.create_function("__llmdb_stats", lambda: json.dumps(session.stats()), [], "VARCHAR",
                         side_effects=True)

@@ -61,6 +61,37 @@ def test_complete_stop_strings_cut_the_answer(con, eng):
     ref = eng.generate([chat("Name a color.")], SamplingParams(max_tokens=8, stop=[word]))
     assert one == ref[0].text
     assert several == cut and absent == full
+    # A plain string is one stop string, as in the DataFrame API.
+    plain = con.execute("SELECT llm_complete('Name a color.', max_tokens := 8, stop := $1)",
+                        [word]).fetchall()[0][0]
+    assert plain == cut
+
+
+@pytest.mark.parametrize("planned", [True, False])
+@pytest.mark.parametrize(("call", "message"), [
+    ("llm_complete(42)", "llm_complete: prompt must be text, got INTEGER"),
+    ("llm_complete('x', max_tokens := 10**10)", "llm_complete: max_tokens must be an integer, "
+     "got DOUBLE"),
+    ("llm_complete('x', max_tokens := 10000000000)", "llm_complete: max_tokens = 10000000000 "
+     "is out of range for INTEGER"),
+    ("llm_complete('x', temperature := 'hot')", "llm_complete: temperature must be a number"),
+    ("llm_complete('x', stop := 42)", "llm_complete: stop must be text or a list of text"),
+    ("llm_classify('x', 'positive')", "llm_classify: labels must be a list of text, got "
+     "VARCHAR"),
+    ("llm_filter(1.5)", "llm_filter: prompt must be text, got DECIMAL"),
+])
+def test_type_mistakes_name_the_function_and_the_parameter(con, call, message, planned):
+    """Through the planner's rewrite and through the plain macros alike; never the internal
+    UDF, its positional arguments or a cast."""
+    target = con if planned else duckdb.connect()
+    if not planned:
+        import llmdb
+
+        llmdb.register(target, cache=False)
+    with pytest.raises(duckdb.Error) as info:
+        target.execute(f"SELECT {call} FROM range(2)").fetchall()
+    assert message in str(info.value)
+    assert "__llmdb" not in str(info.value)
 
 
 def test_seeded_sampling_is_reproducible_across_queries(con):

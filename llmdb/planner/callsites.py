@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import sqlglot
 from sqlglot import exp
 
-from llmdb.functions import FUNCTIONS, SqlFunction
+from llmdb.functions import FUNCTIONS, SqlFunction, checked_arg
 
 PRIORITIES = ("RT", "BE")
 
@@ -100,6 +100,18 @@ def resolve(node: exp.Anonymous, site_id: int) -> Site:
         else:
             args.append(sqlglot.parse_one(p.default, read="duckdb"))
     return Site(site_id, sig, node, tuple(args), priority, node.sql("duckdb"))
+
+
+_ARG = "__llmdb_arg"
+
+
+def checked(site: Site, i: int, arg: exp.Expression) -> exp.Expression:
+    """The site's i-th argument expression inside functions.checked_arg's type check, as the
+    SQL function's macro has it: a wrong type fails naming the function and parameter."""
+    p = site.signature.params[i]
+    template = sqlglot.parse_one(checked_arg(site.function, p, _ARG), read="duckdb")
+    return template.transform(
+        lambda n: arg.copy() if isinstance(n, exp.Column) and n.name == _ARG else n)
 
 
 def _priority_literal(e: exp.Expression) -> str:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from sqlglot import exp
 
-from .callsites import Site
+from .callsites import Site, checked
 from .guards import (
     Predicate,
     as_copy,
@@ -103,10 +103,8 @@ def _with(select: exp.Select, ctes: list[exp.CTE], own: exp.With | None = None) 
 
 
 def _arg_columns(site: Site) -> list[exp.Expression]:
-    return [exp.alias_(exp.Cast(this=as_copy(a), to=exp.DataType.build(p.sql_type,
-                                                                       dialect="duckdb")),
-                       ARG.format(i))
-            for i, (a, p) in enumerate(zip(site.args, site.signature.params, strict=True))]
+    return [exp.alias_(checked(site, i, as_copy(a)), ARG.format(i))
+            for i, a in enumerate(site.args)]
 
 
 def _rows_of(site: Site, inner: exp.Select, guarded: bool) -> exp.Select:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 
 from sqlglot import exp
 
-from .callsites import Site, Unsupported, call_name, resolve
+from .callsites import Site, Unsupported, call_name, checked, resolve
 
 T, F, V = "T", "F", "V"
 MAIN, COPY = "main", "copy"  # a lookup's role: the site, or a copy of it in another's guard
@@ -79,7 +79,7 @@ def lookup_tag(node: exp.Expression) -> tuple[int, str]:
 def make_lookup(site: Site, qid: int) -> exp.Anonymous:
     return exp.Anonymous(this=lookup_name(site.function), expressions=[
         exp.Literal.number(qid), exp.Literal.string(tag(site.id, MAIN)),
-        *[a.copy() for a in site.args]])
+        *[checked(site, i, a) for i, a in enumerate(site.args)]])
 
 
 def as_copy(e: exp.Expression) -> exp.Expression:
