@@ -454,9 +454,10 @@ def checked_arg(function: str, p: Param, x: str) -> str:
     as in the DataFrame API. typeof() is the expression's static type, so DuckDB decides
     each branch once."""
     kind = f"typeof({x})"
+    raise_as = _argument_error_udf(p.sql_type)
 
     def fail(what: str) -> str:
-        return f"error('{function}: {p.name} must be {what}, got ' || {kind})"
+        return f"{raise_as}('{function}: {p.name} must be {what}, got ' || {kind})"
 
     if p.sql_type == "VARCHAR":
         return (f"CASE WHEN {kind} IN ({_sql_list(['VARCHAR', 'JSON', _NULL])}) OR {kind} "
@@ -471,16 +472,36 @@ def checked_arg(function: str, p: Param, x: str) -> str:
         t = p.sql_type
         return (f"CASE WHEN {kind} NOT IN ({_sql_list([*_INTEGERS, _NULL])}) THEN "
                 f"{fail('an integer')} WHEN {x} IS NOT NULL AND TRY_CAST({x} AS {t}) IS NULL "
-                f"THEN error('{function}: {p.name} = ' || CAST({x} AS VARCHAR) || ' is out of "
-                f"range for {t}') ELSE TRY_CAST({x} AS {t}) END")
+                f"THEN {raise_as}('{function}: {p.name} = ' || CAST({x} AS VARCHAR) || ' is "
+                f"out of range for {t}') ELSE TRY_CAST({x} AS {t}) END")
     if p.sql_type == "DOUBLE":
         return (f"CASE WHEN {kind} IN ({_sql_list([*_INTEGERS, 'FLOAT', 'DOUBLE', _NULL])}) OR "
                 f"{kind} LIKE 'DECIMAL(%' THEN CAST({x} AS DOUBLE) ELSE {fail('a number')} END")
     raise AssertionError(f"no argument check for {p.sql_type}")
 
 
+def _argument_error_udf(sql_type: str) -> str:
+    """The UDF that raises an argument's error as a value of its type. DuckDB's error() is
+    volatile, which a window's ORDER BY refuses, so a pure Python function raises instead."""
+    return "__llmdb_argument_error_" + sql_type.lower().replace("[]", "_list")
+
+
+def _raise_argument_error(message: str) -> None:
+    raise ValueError(message)
+
+
+def is_argument_error(e: duckdb.Error) -> bool:
+    """Whether DuckDB raised one of checked_arg's errors (a wrong argument type)."""
+    text = str(e)
+    return isinstance(e, duckdb.InvalidInputException) and any(
+        f"{f.name}: {p.name} " in text for f in FUNCTIONS.values() for p in f.params)
+
+
 def register(con: duckdb.DuckDBPyConnection, session: Session) -> None:
     """Add the llm_* functions (and their macros) to a DuckDB connection."""
+    for sql_type in {p.sql_type for f in FUNCTIONS.values() for p in f.params}:
+        con.create_function(_argument_error_udf(sql_type), _raise_argument_error, ["VARCHAR"],
+                            sql_type, side_effects=False)
     for f in FUNCTIONS.values():
         impl = f"__llmdb_{f.name}"
         udf = _arrow_udf(session, f.rows, f.names)

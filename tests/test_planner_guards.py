@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import re
 
 import duckdb
 import pytest
@@ -48,7 +49,10 @@ def rewritten(sql: str) -> str:
     tree, _, _ = rewrite_sites(tree, sites, qid=0, rank=lambda o, op: 0.0)
     for node in list(tree.walk()):
         if is_lookup(node):
-            node.replace(exp.column("f" + node.expressions[2].this[1:]))
+            # The prompt literal 'pN' (inside the lookup's argument type check).
+            prompt = next(lit.this for lit in node.expressions[2].find_all(exp.Literal)
+                          if re.fullmatch(r"p\d+", lit.this))
+            node.replace(exp.column("f" + prompt[1:]))
     return tree.sql("duckdb")
 
 

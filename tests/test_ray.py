@@ -22,8 +22,9 @@ import llmdb.ray  # noqa: E402
 
 from .sql_support import isolated_cache_dir  # noqa: E402
 
-pytestmark = pytest.mark.slow
-OPTIONS = {"dtype": "float32", "max_tokens": 4, "kv_cache_bytes": 64 << 20}
+# The process's own engine runs in fp32 (tests/sql_support.start_engine); the workers' match.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("eng")]
+OPTIONS = {"dtype": "fp32", "max_tokens": 4}
 NAMES = ["Ada", "Grace", "Alan", "Edsger", "Barbara", "Donald", "Ken", "Dennis", "Frances",
          "John", "Leslie", "Tony", "Niklaus", "Margaret", "Radia", "Guido"]
 

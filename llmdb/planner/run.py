@@ -20,7 +20,7 @@ import sqlglot
 from sqlglot import exp
 from sqlglot.errors import SqlglotError
 
-from llmdb.functions import DEFAULT_PARAMS
+from llmdb.functions import DEFAULT_PARAMS, is_argument_error
 from llmdb.session import QueryCancelled, Session
 
 from . import drivers, memo
@@ -244,12 +244,15 @@ class Planner:
                 self._incremental(run, step)
 
     def _query(self, sql: str) -> list[tuple] | None:
-        """Rows of a driver query; None when it fails (its sites then stay lazy)."""
+        """Rows of a driver query; None when it fails (its sites then stay lazy), except
+        for a wrong argument type, which the query would meet too: raised as it is."""
         try:
             return self.con.execute(sql).fetchall()
         except duckdb.InterruptException:
             raise
-        except duckdb.Error:
+        except duckdb.Error as e:
+            if is_argument_error(e):
+                raise
             if self.session.cancel.is_set():
                 raise QueryCancelled("the query was cancelled") from None
             return None
