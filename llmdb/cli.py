@@ -141,8 +141,9 @@ def _serve(args: argparse.Namespace) -> int:
     limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                     max_tokens=args.max_tokens, max_concurrent=args.max_concurrent)
     engine_options = {"device": args.device, "policy": args.policy}
-    if args.dtype is not None:
-        engine_options["dtype"] = args.dtype
+    for name in ("dtype", "threads"):
+        if getattr(args, name) is not None:
+            engine_options[name] = getattr(args, name)
     serve(args.model, args.host, args.port, key, limits, args.shutdown_timeout,
           **engine_options)
     return 0
@@ -238,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--policy", default="sarathi", help="the engine's scheduling policy")
     srv.add_argument("--dtype", default=None,
                      help="the engine's dtype (bf16, fp32, ...; default: the device's best)")
+    srv.add_argument("--threads", type=int, default=None,
+                     help="CPU threads for the engine (default: all cores)")
     srv.add_argument("--api-key-env", default="LLMDB_API_KEY",
                      help="the environment variable holding the API key")
     srv.add_argument("--no-auth", action="store_true",

@@ -3,9 +3,11 @@
 Generation goes to /v1/chat/completions with the row's chat messages, so the server applies
 its model's own template. Scoring needs log-probabilities, which not every endpoint gives:
 - ChoiceRequest (llm_filter): the answer's first token with top_logprobs=20; each word's
-  probability sums its one-token spellings (yes, Yes, " yes", ...), as the local engine
-  does. A spelling outside the top 20 is scored exactly through prompt_logprobs where the
-  endpoints have /tokenize, else adds nothing (hosted APIs).
+  probability sums its one-token spellings (yes, Yes, " yes", ...) among them, as the
+  local engine sums them over the whole vocabulary. A spelling outside the top 20 is less
+  likely than the 20th token and is left out, unless the word has no spelling in the top
+  20 at all (content-free calibration prompts): then its spellings are scored one by one
+  through prompt_logprobs where the endpoints have /tokenize.
 - ScoreRequest (llm_classify): the continuation's tokens and the end of turn appended to the
   prompt's tokens (from vLLM's /tokenize, which llmdb serve also has), scored by
   /v1/completions with prompt_logprobs: the same ids the local engine scores.
@@ -221,17 +223,16 @@ class OpenAIBackend:
             forms = {p + f for f in (word, word.lower(), word.capitalize(), word.upper())
                      for p in ("", " ")}
             p = sum(top.get(f, 0.0) for f in forms)
-            missing = sorted(forms - top.keys())
-            if missing and self._has_tokenize is not False:
-                p += await self._probability_of(request.prompt, missing)
+            if p == 0.0 and self._has_tokenize is not False:
+                p = await self._probability_of(request.prompt, sorted(forms))
             probs.append(p)
         return BackendResult(word_probs=tuple(probs),
                              prompt_tokens=usage.get("prompt_tokens", 0))
 
     async def _probability_of(self, prompt: Prompt, spellings: list[str]) -> float:
-        """The summed next-token probability of the one-token spellings outside the top 20,
-        each scored exactly through prompt_logprobs (the local engine reads them all); 0
-        where the endpoints have no /tokenize."""
+        """The summed next-token probability of a word none of whose spellings is in the
+        top 20, each one-token spelling scored through prompt_logprobs (one request each);
+        0 where the endpoints have no /tokenize."""
         try:
             ids = [await self._tokenize({"prompt": s, "add_special_tokens": False})
                    for s in spellings]
@@ -271,7 +272,10 @@ class OpenAIBackend:
         if key not in self._tokenized:
             if len(self._tokenized) >= TOKENIZED_KEPT:
                 self._tokenized.clear()
-            self._tokenized[key] = asyncio.ensure_future(self._post_tokenize(body))
+            task = asyncio.ensure_future(self._post_tokenize(body))
+            # Its error reaches every waiter; marked read for when all of them were aborted.
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            self._tokenized[key] = task
         task = self._tokenized[key]
         try:
             return list(await asyncio.shield(task))

@@ -21,6 +21,7 @@ import email.utils
 import logging
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,8 +69,9 @@ class Replica:
             limits=httpx.Limits(max_connections=limits.max_concurrency))
         self.in_flight = 0
         self.down_until = 0.0
-        self.answered = 0  # requests it answered with 200: what tests count per replica
+        self.answered: Counter[str] = Counter()  # path -> requests it answered with 200
         self.dispatched = 0
+        self.unreachable = 0  # requests lost here with the connection (and sent elsewhere)
 
     def up(self, now: float) -> bool:
         return self.down_until <= now
@@ -152,6 +154,7 @@ class ReplicaPool:
                 response = await replica.client.post(path, json=body)
             except _UNREACHABLE as e:
                 last = f"{replica.url} is unreachable ({type(e).__name__}: {e})"
+                replica.unreachable += 1
                 await self._take_out(replica, last)
                 if not alone:  # others are up: resubmit there at once, no retry spent
                     continue
@@ -163,7 +166,7 @@ class ReplicaPool:
                 await self._release(replica)
             if response is not None:
                 if response.status_code == 200:
-                    replica.answered += 1
+                    replica.answered[path] += 1
                     try:
                         return response.json()
                     except ValueError as e:
