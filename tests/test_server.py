@@ -248,3 +248,11 @@ def test_tokenize_gives_the_ids_the_completion_endpoints_use(server, engine):
     assert httpx.post(url, json={"prompt": "x"}).status_code == 401
     r = httpx.post(url, json={"prompt": "x", "messages": messages}, headers=auth)
     assert r.status_code == 400 and "either prompt or messages" in r.json()["error"]["message"]
+
+
+def test_out_of_range_sampling_fields_are_a_400(server):
+    """Found by the fuzz (tests/test_server_fuzz.py): a top_k past int64 used to fail the
+    engine's step, a 500."""
+    r = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": MODEL, "prompt": "x", "max_tokens": 1, "top_k": 2**70})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_k"

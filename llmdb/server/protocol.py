@@ -38,7 +38,8 @@ class _Sampling(BaseModel):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)  # vLLM: -1 or 0 mean no limit
+    # vLLM: -1 or 0 mean no limit. The cap (above any vocabulary) keeps it an int64.
+    top_k: int = Field(default=0, ge=-1, lt=2**31)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
