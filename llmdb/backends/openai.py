@@ -39,7 +39,8 @@ from .base import (
     Prompt,
     ScoreRequest,
 )
-from .replicas import EndpointError, ReplicaLimits, ReplicaPool, base_url
+from .endpoints import base_url
+from .replicas import EndpointError, ReplicaLimits, ReplicaPool
 
 TOKENIZED_KEPT = 10_000  # /tokenize answers kept (prompts scored against several labels)
 TOP_LOGPROBS = 20  # the most OpenAI's API and vLLM's default allow

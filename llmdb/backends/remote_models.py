@@ -13,9 +13,10 @@ import os
 import re
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 from llmdb.engine.registry import DEFAULT_MODEL, config_file, registered_models
+
+from .endpoints import base_url
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -42,12 +43,7 @@ def add_remote_model(name: str, endpoints: list[str], api_key_env: str | None = 
     if not endpoints:
         raise ValueError("give at least one --endpoint URL")
     for url in endpoints:
-        parsed = urlparse(url)
-        if parsed.scheme not in ("http", "https") or not parsed.netloc:
-            raise ValueError(f"endpoint {url!r} is not an http(s) URL")
-        if parsed.username or parsed.password:
-            raise ValueError("put no credentials in an endpoint URL; name the variable that "
-                             "holds the API key with --api-key-env")
+        base_url(url)  # refuses what is not an http(s) URL, or holds credentials
     if api_key_env is not None and not _ENV_NAME.match(api_key_env):
         raise ValueError("--api-key-env takes the NAME of an environment variable (letters, "
                          "digits, _), not the key itself")

@@ -28,6 +28,8 @@ from typing import Any
 import httpx
 from aiolimiter import AsyncLimiter
 
+from .endpoints import base_url
+
 log = logging.getLogger(__name__)
 
 # A connection that fails like this means the replica is gone, not that the request is bad.
@@ -75,12 +77,6 @@ class Replica:
 
     def up(self, now: float) -> bool:
         return self.down_until <= now
-
-
-def base_url(url: str) -> str:
-    """The server's root: endpoints are given as OpenAI base URLs (.../v1) or roots."""
-    url = url.rstrip("/")
-    return url.removesuffix("/v1")
 
 
 class _Limiter:
