@@ -75,21 +75,17 @@ class OpenAIBackend:
                 raise ValueError(f"the environment variable {api_key_env} (the API key for "
                                  f"{', '.join(self.endpoints)}) is not set")
             headers["Authorization"] = f"Bearer {key}"
-        self._limits = ReplicaLimits(**limits)
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._futures: dict[str, Future] = {}
         self._results: dict[str, BackendResult] = {}
         self._tokenized: dict[str, asyncio.Future] = {}  # JSON of a /tokenize body -> ids
         self._has_tokenize: bool | None = None
+        self.pool = ReplicaPool(self.endpoints, headers, ReplicaLimits(**limits))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name=f"llmdb-openai-{name}")
         self._thread.start()
-        self.pool: ReplicaPool = self._run(self._make_pool(headers))
-
-    async def _make_pool(self, headers: dict[str, str]) -> ReplicaPool:
-        return ReplicaPool(self.endpoints, headers, self._limits)
 
     def _run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -109,14 +105,16 @@ class OpenAIBackend:
         return messages
 
     def count_tokens(self, text: str) -> int:
-        """Exact where the endpoints have /tokenize (vLLM, llmdb serve); else an estimate of
-        one token per four characters."""
+        """Exact where the endpoints have /tokenize (vLLM, llmdb serve); else, or while they
+        cannot be reached, an estimate of one token per four characters."""
         if self._has_tokenize is not False:
             try:
                 return len(self._run(self._tokenize({"prompt": text,
                                                      "add_special_tokens": False})))
             except _NoTokenize:
                 self._has_tokenize = False
+            except EndpointError:
+                pass
         return math.ceil(len(text) / CHARS_PER_TOKEN)
 
     def submit(self, request: ModelRequest, on_finish: Callable[[], None]) -> str:
