@@ -80,6 +80,7 @@ def test_retry_after_forms():
     date = time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(time.time() + 30))
     assert 25 <= retry_after(resp(**{"retry-after": date})) <= 31
     assert retry_after(resp()) is None
+    assert retry_after(resp(**{"retry-after": "soon"})) is None
 
 
 def test_gives_up_after_max_retries_naming_the_endpoint(backends):

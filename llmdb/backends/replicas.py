@@ -109,8 +109,12 @@ def retry_after(response: httpx.Response) -> float | None:
     try:
         return max(0.0, float(value))
     except ValueError:
-        when = email.utils.parsedate_to_datetime(value) if value.strip() else None
-        return None if when is None else max(0.0, when.timestamp() - time.time())
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):  # neither seconds nor a date: as if it were absent
+        return None
+    return max(0.0, when.timestamp() - time.time())
 
 
 def _message(response: httpx.Response) -> str:
