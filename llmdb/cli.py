@@ -24,12 +24,30 @@ _RESULT_TYPES = {"SELECT", "EXPLAIN", "PRAGMA", "CALL", "RELATION"}
 
 
 def _models(args: argparse.Namespace) -> int:
-    if args.action == "add":
+    from llmdb.backends.remote_models import add_remote_model, remote_models
+
+    if args.action == "add" and args.endpoint:
+        if args.path is not None:
+            raise ValueError("give a model PATH or --endpoint URLs, not both")
+        entry = add_remote_model(args.name, args.endpoint, args.api_key_env,
+                                 args.served_model_name)
+        print(f"registered {args.name} -> {', '.join(entry['endpoints'])}")
+    elif args.action == "add":
+        if args.path is None:
+            raise ValueError("give the model's PATH (a GGUF file or HF directory) or "
+                             "--endpoint URL")
+        if args.api_key_env or args.served_model_name:
+            raise ValueError("--api-key-env and --served-model-name go with --endpoint")
+        if args.name in remote_models():
+            raise ValueError(f"{args.name!r} is already registered as a remote model")
         path = register_model(args.name, args.path)
         print(f"registered {args.name} -> {path}")
     else:
         for name, path in sorted(registered_models().items()):
             print(f"{name}\t{path}")
+        for name, e in sorted(remote_models().items()):
+            key = f" (API key in ${e['api_key_env']})" if e.get("api_key_env") else ""
+            print(f"{name}\topenai: {', '.join(e['endpoints'])} as {e['served_model']}{key}")
     return 0
 
 
@@ -126,8 +144,12 @@ def _serve(args: argparse.Namespace) -> int:
     key = api_key_for(args.host, args.api_key_env, args.no_auth)
     limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                     max_tokens=args.max_tokens, max_concurrent=args.max_concurrent)
+    engine_options = {"device": args.device, "policy": args.policy}
+    for name in ("dtype", "threads"):
+        if getattr(args, name) is not None:
+            engine_options[name] = getattr(args, name)
     serve(args.model, args.host, args.port, key, limits, args.shutdown_timeout,
-          device=args.device, policy=args.policy)
+          **engine_options)
     return 0
 
 
@@ -142,6 +164,8 @@ def _epilog() -> str:
             "  llmdb explain \"SELECT llm_filter('Is it positive? ' || review) "
             "FROM samples.reviews\"\n"
             "  llmdb models add mistral ~/models/mistral-7b-instruct.Q4_K_M.gguf\n"
+            "  llmdb models add big --endpoint http://gpu1:8000/v1 --endpoint "
+            "http://gpu2:8000/v1 --api-key-env VLLM_KEY\n"
             "  LLMDB_API_KEY=secret llmdb serve --host 0.0.0.0\n\n"
             "SQL functions:\n" + "\n".join(f"  {sig}" for sig in signatures()))
 
@@ -182,9 +206,18 @@ def main(argv: list[str] | None = None) -> int:
 
     models = sub.add_parser("models", help="list or register models")
     msub = models.add_subparsers(dest="action", required=True)
-    add = msub.add_parser("add", help="register a GGUF file or HF directory under a name")
+    add = msub.add_parser("add", help="register a GGUF file or HF directory under a name, "
+                          "or OpenAI-compatible endpoints that serve it")
     add.add_argument("name")
-    add.add_argument("path")
+    add.add_argument("path", nargs="?", help="a GGUF file or HF directory")
+    add.add_argument("--endpoint", action="append", default=[],
+                     help="an OpenAI-compatible server's URL (llmdb serve, vLLM, a hosted API); "
+                          "repeat it for replicas")
+    add.add_argument("--api-key-env", default=None,
+                     help="the environment variable that holds the endpoints' API key (the "
+                          "key itself is never stored)")
+    add.add_argument("--served-model-name", default=None,
+                     help="the model's name at the endpoints (default: NAME)")
     msub.add_parser("list", help="list registered models")
     models.set_defaults(func=_models)
 
@@ -208,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--device", default="auto", help=DEVICE_HELP)
     srv.add_argument("--policy", default="sarathi", help="the engine's scheduling policy")
+    srv.add_argument("--dtype", default=None,
+                     help="the engine's dtype (bf16, fp32, ...; default: the device's best)")
+    srv.add_argument("--threads", type=int, default=None,
+                     help="CPU threads for the engine (default: all cores)")
     srv.add_argument("--api-key-env", default="LLMDB_API_KEY",
                      help="the environment variable holding the API key")
     srv.add_argument("--no-auth", action="store_true",

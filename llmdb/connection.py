@@ -206,6 +206,13 @@ def connect(database: str = ":memory:", model: str = "smollm2-135m", **options: 
     the engine's (LLMEngine's arguments: device 'auto' | 'cpu' | 'cuda' | 'cuda:N', dtype,
     kv_cache_bytes, max_num_batched_tokens, max_num_seqs, threads, policy, ...).
     All connections of a process share one engine per model.
+    backend='openai' with endpoints=[URL, ...] (OpenAI-compatible servers: llmdb serve, vLLM,
+    hosted APIs, as replicas) and api_key_env='VAR' (the variable holding the key) runs the
+    calls there instead; its options: served_model, max_concurrency (per endpoint),
+    requests_per_minute, tokens_per_minute, timeout_s, max_retries. backend may also be a
+    Backend object (for `model`). Connections of a process with the same endpoints share
+    their HTTP clients, concurrency and rate limits. Without backend=, a model registered with
+    `llmdb models add NAME --endpoint URL` runs on its endpoints.
     planner=False runs queries as written (no minimal-calls rewrite, no EXPLAIN LLM)."""
     return Connection(database, model, **options)
 

@@ -24,6 +24,10 @@ from .backends import Backend
 from .backends.standin import STANDIN_MODEL, standin_backend
 from .result_cache import DEFAULT_MAX_BYTES, ResultCache, open_cache
 
+# Options of the openai backend (llmdb/backends/replicas.py: ReplicaLimits), besides
+# endpoints and api_key_env.
+REMOTE_OPTIONS = ("served_model", "max_concurrency", "requests_per_minute", "tokens_per_minute",
+                  "timeout_s", "max_retries")
 ON_ERROR = ("raise", "null")
 PROGRESS_MIN_ROWS = 32  # smaller jobs finish before a bar would be worth reading
 MAX_KEPT_ERRORS = 10_000
@@ -40,17 +44,36 @@ class Options:
     priority: str | None = None  # RT or BE for every call; None: chosen per query
     sample_rows: int | None = None  # cap on the rows of samples.* tables (tests, demos)
     engine: dict[str, Any] = field(default_factory=dict)
+    # Which backend runs the calls: None, the in-process engine (or what the model registry
+    # names); "openai", the OpenAI-compatible `endpoints` (API key in the environment
+    # variable api_key_env); or a Backend object for the connection's model.
+    backend: Any = None
+    endpoints: list[str] | None = None
+    api_key_env: str | None = None
+    remote: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> Options:
-        """The session's options; the others are the engine's (LLMEngine's arguments)."""
-        names = {f.name for f in dataclasses.fields(cls)} - {"engine"}
+        """The session's options, the openai backend's; the others are the engine's
+        (LLMEngine's arguments)."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"engine", "remote"}
+        remote = {k: kwargs.pop(k) for k in list(kwargs) if k in REMOTE_OPTIONS}
         engine = {k: kwargs.pop(k) for k in list(kwargs) if k not in names}
         unknown = set(engine) - set(engine_options()) if engine else set()
         if unknown:
             raise TypeError(f"unknown llmdb option(s): {', '.join(sorted(unknown))}; engine "
-                            f"options are {', '.join(engine_options())}")
-        opts = cls(**kwargs, engine=engine)
+                            f"options are {', '.join(engine_options())}; openai backend "
+                            f"options are endpoints, api_key_env, {', '.join(REMOTE_OPTIONS)}")
+        opts = cls(**kwargs, engine=engine, remote=remote)
+        if opts.backend is None and opts.endpoints:
+            opts.backend = "openai"
+        if opts.backend == "openai" and not opts.endpoints:
+            raise ValueError("backend='openai' needs endpoints=[URL, ...]")
+        if isinstance(opts.backend, str) and opts.backend not in ("local", "openai"):
+            raise ValueError(f"backend must be 'local', 'openai' or a Backend object, got "
+                             f"{opts.backend!r}")
+        if (opts.endpoints or remote) and opts.backend != "openai":
+            raise ValueError("endpoints and the openai backend's options need backend='openai'")
         if opts.on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {opts.on_error!r}")
         if opts.priority not in (None, "RT", "BE"):
@@ -116,15 +139,36 @@ class Session:
         """The backend for a registered model name (SQL never opens arbitrary paths)."""
         from llmdb.engine.registry import registered_models
 
-        name = model or self.options.model
+        from .backends.remote_models import remote_models
+
+        opts = self.options
+        name = model or opts.model
         if name == STANDIN_MODEL:
             return standin_backend()
+        if opts.backend is not None and not isinstance(opts.backend, str) and \
+                name == opts.model:
+            return opts.backend
+        if opts.backend == "openai":
+            return self._openai(name, endpoints=opts.endpoints, api_key_env=opts.api_key_env,
+                                **opts.remote)
+        remote = remote_models()
+        if name in remote:
+            return self._openai(name, **remote[name])
         if name not in registered_models():
             raise ValueError(f"unknown model {name!r}; registered models: "
-                             f"{', '.join(sorted(registered_models()))}")
+                             f"{', '.join(sorted({*registered_models(), *remote}))}")
         from .backends.local import local_backend
 
-        return local_backend(name, **self.options.engine)
+        return local_backend(name, **opts.engine)
+
+    def _openai(self, name: str, **config: Any) -> Backend:
+        try:
+            from .backends.openai import openai_backend
+        except ImportError as e:
+            raise ValueError(f"the openai backend needs {e.name}: "
+                             f"pip install 'llmdb[remote]'") from e
+
+        return openai_backend(name, **config)
 
     def cache(self) -> ResultCache | None:
         if not self.options.cache:

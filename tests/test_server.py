@@ -233,3 +233,26 @@ def test_prompt_logprobs_equal_the_engine_scores(client, engine):
     total = sum(entry[str(tok)]["logprob"] for entry, tok in zip(got[1:], ids[1:], strict=True))
     assert total == pytest.approx(scores[0], abs=1e-3)
     assert all(len(entry) in (2, 3) for entry in got[1:])  # its token and the top 2
+
+
+def test_tokenize_gives_the_ids_the_completion_endpoints_use(server, engine):
+    """vLLM's /tokenize (the openai backend scores through it), behind the API key."""
+    url, auth = server.url + "/tokenize", {"Authorization": f"Bearer {KEY}"}
+    messages = [{"role": "user", "content": "Is <|im_end|> a marker here?"}]
+    r = httpx.post(url, json={"messages": messages}, headers=auth)
+    assert r.status_code == 200
+    assert r.json()["tokens"] == engine.encode_prompt(messages)  # row text stays text
+    assert r.json()["count"] == len(r.json()["tokens"])
+    r = httpx.post(url, json={"prompt": "positive", "add_special_tokens": False}, headers=auth)
+    assert r.json()["tokens"] == engine.tokenizer.encode("positive")
+    assert httpx.post(url, json={"prompt": "x"}).status_code == 401
+    r = httpx.post(url, json={"prompt": "x", "messages": messages}, headers=auth)
+    assert r.status_code == 400 and "either prompt or messages" in r.json()["error"]["message"]
+
+
+def test_out_of_range_sampling_fields_are_a_400(server):
+    """Found by the fuzz (tests/test_server_fuzz.py): a top_k past int64 used to fail the
+    engine's step, a 500."""
+    r = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": MODEL, "prompt": "x", "max_tokens": 1, "top_k": 2**70})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_k"

@@ -29,7 +29,7 @@ from llmdb.engine.outputs import RequestResult
 from llmdb.engine.params import SamplingParams
 
 from .metrics import EngineMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, ServerError
+from .protocol import ChatCompletionRequest, CompletionRequest, ServerError, TokenizeRequest
 from .text import IncrementalText
 
 
@@ -251,12 +251,28 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
         messages = [m.model_dump() for m in body.messages]
         return await run(request, body, messages, params, _ChatRender(model_name, engine, k))
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        """vLLM's /tokenize, which clients scoring through prompt_logprobs need: the ids the
+        completion endpoints would see (chat messages encoded as /v1/chat/completions does)."""
+        check_model(body.model)
+        tok = engine.tokenizer
+        try:
+            if body.messages is not None:
+                ids = tok.encode_chat([m.model_dump() for m in body.messages],
+                                      body.add_generation_prompt)
+            else:
+                ids = tok.encode(body.prompt, add_special=body.add_special_tokens)
+        except ValueError as e:
+            raise ServerError(400, str(e)) from e
+        return {"count": len(ids), "max_model_len": engine.config.max_context, "tokens": ids}
+
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes)
     return app
 
 
 class _Guard:
-    """Authentication and the body-size limit for /v1/, before any handler runs.
+    """Authentication and the body-size limit for /v1/ and /tokenize, before any handler runs.
 
     A plain ASGI middleware, so that a body sent without a content-length (chunked) is
     limited too: it is read here, up to the limit, and replayed to the app. Streaming
@@ -266,7 +282,7 @@ class _Guard:
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or not scope["path"].startswith(("/v1/", "/tokenize")):
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         if self.api_key is not None:

@@ -1,0 +1,348 @@
+"""OpenAI-compatible endpoints (llmdb serve, vLLM, hosted APIs) as a backend.
+
+Generation goes to /v1/chat/completions with the row's chat messages, so the server applies
+its model's own template. Scoring needs log-probabilities, which not every endpoint gives:
+- ChoiceRequest (llm_filter): the answer's first token with top_logprobs=20; each word's
+  probability sums its one-token spellings (yes, Yes, " yes", ...) among them, as the
+  local engine sums them over the whole vocabulary. A spelling outside the top 20 is less
+  likely than the 20th token and is left out, unless the word has no spelling in the top
+  20 at all (content-free calibration prompts): then its spellings are scored one by one
+  through prompt_logprobs where the endpoints have /tokenize.
+- ScoreRequest (llm_classify): the continuation's tokens and the end of turn appended to the
+  prompt's tokens (from vLLM's /tokenize, which llmdb serve also has), scored by
+  /v1/completions with prompt_logprobs: the same ids the local engine scores.
+An endpoint without them (hosted chat APIs) fails those rows with an error naming it.
+
+Requests run on one asyncio loop in a thread of their own; ReplicaPool (replicas.py) picks
+the replica, applies the limits and retries, and fails over when a replica dies. The API key
+is read from the environment variable named by the caller and kept only in the HTTP
+clients' headers: never in a registry file, a result-cache key, a log line or an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import math
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from .base import (
+    BackendResult,
+    ChoiceRequest,
+    GenerationRequest,
+    ModelRequest,
+    Prompt,
+    RequestTokens,
+    ScoreRequest,
+)
+from .endpoints import base_url
+from .replicas import EndpointError, ReplicaLimits, ReplicaPool
+
+TOKENIZED_KEPT = 10_000  # /tokenize answers kept (prompts scored against several labels)
+TOP_LOGPROBS = 20  # the most OpenAI's API and vLLM's default allow
+CHARS_PER_TOKEN = 4  # OpenAI's rule of thumb, for rate limits and endpoints without /tokenize
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class _NoTokenize(EndpointError):
+    """The endpoints have no /tokenize."""
+
+
+def _needs_logprobs(url: str, what: str) -> EndpointError:
+    return EndpointError(
+        f"the endpoint {url} returned no {what}; llm_filter and llm_classify need an "
+        f"OpenAI-compatible server that returns them (vLLM, llmdb serve)")
+
+
+class OpenAIBackend:
+    def __init__(self, name: str, endpoints: Sequence[str], *, api_key_env: str | None = None,
+                 served_model: str | None = None, **limits: Any):
+        """`name` is the model's name in SQL; `served_model` the one sent to the endpoints
+        (default: the same). Limits: ReplicaLimits' fields."""
+        if isinstance(endpoints, str):
+            endpoints = [endpoints]
+        self.name = name
+        self.served_model = served_model or name
+        self.endpoints = [base_url(u) for u in endpoints]
+        headers = {}
+        if api_key_env:
+            key = os.environ.get(api_key_env)
+            if not key:
+                raise ValueError(f"the environment variable {api_key_env} (the API key for "
+                                 f"{', '.join(self.endpoints)}) is not set")
+            headers["Authorization"] = f"Bearer {key}"
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._futures: dict[str, Future] = {}
+        self._results: dict[str, BackendResult] = {}
+        self._tokenized: dict[str, asyncio.Future] = {}  # JSON of a /tokenize body -> ids
+        self._has_tokenize: bool | None = None
+        self.pool = ReplicaPool(self.endpoints, headers, ReplicaLimits(**limits))
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name=f"llmdb-openai-{name}")
+        self._thread.start()
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    # ---- the contract --------------------------------------------------------------------
+
+    def identity(self) -> dict[str, Any]:
+        # What a remote server runs is not visible from here: its name and where it runs
+        # stand for it (the same name elsewhere may be other weights).
+        return {"backend": "openai", "model": self.served_model,
+                "endpoints": sorted(self.endpoints)}
+
+    def render_chat(self, user: str, system: str | None) -> list[dict[str, str]]:
+        messages = [{"role": "user", "content": user}]
+        if system is not None:
+            messages.insert(0, {"role": "system", "content": system})
+        return messages
+
+    def count_tokens(self, text: str) -> int:
+        """Exact where the endpoints have /tokenize (vLLM, llmdb serve); else, or while they
+        cannot be reached, an estimate of one token per four characters."""
+        if self._has_tokenize is not False:
+            try:
+                return len(self._run(self._tokenize({"prompt": text,
+                                                     "add_special_tokens": False})))
+            except _NoTokenize:
+                self._has_tokenize = False
+            except EndpointError:
+                pass
+        return math.ceil(len(text) / CHARS_PER_TOKEN)
+
+    def submit(self, request: ModelRequest, on_finish: Callable[[], None]) -> str:
+        if not isinstance(request, GenerationRequest | ScoreRequest | ChoiceRequest):
+            raise TypeError(f"unknown request type {type(request).__name__}")
+        if not isinstance(request.prompt, list):
+            raise ValueError("the openai backend sends chat messages, not final text")
+        handle = f"openai-{next(self._ids)}"
+        future = asyncio.run_coroutine_threadsafe(self._serve(request), self._loop)
+        with self._lock:
+            self._futures[handle] = future
+        future.add_done_callback(lambda f: self._finished(handle, f, on_finish))
+        return handle
+
+    def _finished(self, handle: str, future: Future, on_finish: Callable[[], None]) -> None:
+        if future.cancelled():  # aborted: nobody collects it
+            return
+        try:
+            result = future.result()
+        except Exception as e:  # noqa: BLE001 - an answer we failed to read is the row's error
+            result = BackendResult(finish_reason="error", error=f"{type(e).__name__}: {e}")
+        with self._lock:
+            if handle not in self._futures:
+                return
+            self._results[handle] = result
+        on_finish()
+
+    def collect(self, handle: str) -> BackendResult:
+        with self._lock:
+            if handle not in self._results:
+                raise RuntimeError(f"request {handle} has not finished")
+            del self._futures[handle]
+            return self._results.pop(handle)
+
+    def generated_so_far(self, handle: str) -> int:
+        return 0  # answers arrive whole (no streaming)
+
+    # ---- for EXPLAIN LLM: estimates without a round trip per row ---------------------------
+
+    def describe(self) -> str:
+        return f"{self.served_model} at {', '.join(self.endpoints)} (OpenAI-compatible)"
+
+    def tokenize(self, request: ModelRequest) -> RequestTokens:
+        n = self._estimate(request.prompt, 0)
+        if isinstance(request, ScoreRequest):  # the continuation, then end of turn
+            return RequestTokens(None, n + self._estimate(request.continuation, 0) + 1, n - 1)
+        return RequestTokens(None, n, n - 1)
+
+    def cached_prefix(self, ids: Sequence[int]) -> int:
+        return 0  # a remote server's prefix cache is not visible from here
+
+    def simulation(self) -> None:
+        return None
+
+    def abort(self, handle: str) -> None:
+        """Cancel the request; its HTTP connection closes, which aborts it on the server."""
+        with self._lock:
+            future = self._futures.pop(handle, None)
+            self._results.pop(handle, None)
+        if future is not None:
+            future.cancel()
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._run(self.pool.aclose())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()
+
+    # ---- requests ------------------------------------------------------------------------
+
+    async def _serve(self, request: ModelRequest) -> BackendResult:
+        try:
+            if isinstance(request, GenerationRequest):
+                return await self._generate(request)
+            if isinstance(request, ChoiceRequest):
+                return await self._choose(request)
+            return await self._score(request)
+        except EndpointError as e:
+            return BackendResult(finish_reason="error", error=str(e))
+
+    def _estimate(self, prompt: Prompt, max_tokens: int) -> int:
+        return math.ceil(len(json.dumps(prompt)) / CHARS_PER_TOKEN) + max_tokens
+
+    async def _chat(self, prompt: Prompt, fields: dict[str, Any], max_tokens: int
+                    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        body = {"model": self.served_model, "messages": prompt, "max_tokens": max_tokens,
+                **fields}
+        data = await self.pool.post("/v1/chat/completions", body,
+                                    self._estimate(prompt, max_tokens))
+        try:
+            return data["choices"][0], data.get("usage") or {}
+        except (KeyError, IndexError, TypeError) as e:
+            raise EndpointError(f"a chat completion without choices from "
+                                f"{', '.join(self.endpoints)}: {str(data)[:200]}") from e
+
+    async def _generate(self, request: GenerationRequest) -> BackendResult:
+        p = request.params
+        fields: dict[str, Any] = {"temperature": p.temperature}
+        # Sent only when set: hosted APIs reject fields they do not know (top_k, ignore_eos
+        # and stop_token_ids are vLLM's and llmdb serve's).
+        optional = {"top_p": p.top_p != 1.0, "top_k": p.top_k > 0, "seed": p.seed is not None,
+                    "stop": bool(p.stop), "stop_token_ids": bool(p.stop_token_ids),
+                    "ignore_eos": p.ignore_eos}
+        fields.update({k: getattr(p, k) for k, on in optional.items() if on})
+        choice, usage = await self._chat(request.prompt, fields, p.max_tokens)
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        return BackendResult(
+            text=(choice.get("message") or {}).get("content") or "",
+            finish_reason=_FINISH.get(choice.get("finish_reason"), "stop"),
+            prompt_tokens=usage.get("prompt_tokens", 0),
+            generated_tokens=usage.get("completion_tokens", 0), cached_tokens=cached)
+
+    async def _choose(self, request: ChoiceRequest) -> BackendResult:
+        choice, usage = await self._chat(
+            request.prompt, {"temperature": 0, "logprobs": True, "top_logprobs": TOP_LOGPROBS},
+            max_tokens=1)
+        content = (choice.get("logprobs") or {}).get("content")
+        if not content or not content[0].get("top_logprobs"):
+            raise _needs_logprobs(", ".join(self.endpoints), "logprobs (top_logprobs)")
+        top = {t["token"]: math.exp(t["logprob"]) for t in content[0]["top_logprobs"]}
+        probs = []
+        for word in request.words:
+            forms = {p + f for f in (word, word.lower(), word.capitalize(), word.upper())
+                     for p in ("", " ")}
+            p = sum(top.get(f, 0.0) for f in forms)
+            if p == 0.0 and self._has_tokenize is not False:
+                p = await self._probability_of(request.prompt, sorted(forms))
+            probs.append(p)
+        return BackendResult(word_probs=tuple(probs),
+                             prompt_tokens=usage.get("prompt_tokens", 0))
+
+    async def _probability_of(self, prompt: Prompt, spellings: list[str]) -> float:
+        """The summed next-token probability of a word none of whose spellings is in the
+        top 20, each one-token spelling scored through prompt_logprobs (one request each);
+        0 where the endpoints have no /tokenize."""
+        try:
+            ids = [await self._tokenize({"prompt": s, "add_special_tokens": False})
+                   for s in spellings]
+            prompt_ids = await self._tokenize({"messages": prompt,
+                                               "add_generation_prompt": True})
+        except _NoTokenize:
+            self._has_tokenize = False
+            return 0.0
+        singles = sorted({i[0] for i in ids if len(i) == 1})
+        rows = await asyncio.gather(*(self._prompt_logprobs([*prompt_ids, t]) for t in singles))
+        return sum(math.exp(r[-1]) for r in rows)
+
+    async def _score(self, request: ScoreRequest) -> BackendResult:
+        prompt_ids = await self._tokenize({"messages": request.prompt,
+                                           "add_generation_prompt": True})
+        answer = await self._tokenize({"prompt": request.continuation,
+                                       "add_special_tokens": False})
+        ids = [*prompt_ids, *answer, await self._end_of_turn()]
+        logprobs = await self._prompt_logprobs(ids)
+        return BackendResult(logprob=sum(logprobs[len(prompt_ids):]), prompt_tokens=len(ids))
+
+    async def _prompt_logprobs(self, ids: list[int]) -> list[float]:
+        """Each token's log-probability after the ones before it (the first's is 0), from
+        /v1/completions' prompt_logprobs (vLLM's, and llmdb serve's)."""
+        body = {"model": self.served_model, "prompt": ids, "max_tokens": 1, "temperature": 0,
+                "prompt_logprobs": 0}
+        data = await self.pool.post("/v1/completions", body, len(ids) + 1)
+        try:
+            rows = data["choices"][0]["prompt_logprobs"]
+            return [0.0] + [rows[i][str(ids[i])]["logprob"] for i in range(1, len(ids))]
+        except (KeyError, IndexError, TypeError) as e:
+            raise _needs_logprobs(", ".join(self.endpoints), "prompt_logprobs") from e
+
+    async def _tokenize(self, body: dict[str, Any]) -> list[int]:
+        """Token ids from the endpoints' /tokenize (vLLM's shape), each body asked once."""
+        key = json.dumps(body, sort_keys=True)
+        if key not in self._tokenized:
+            if len(self._tokenized) >= TOKENIZED_KEPT:
+                self._tokenized.clear()
+            task = asyncio.ensure_future(self._post_tokenize(body))
+            # Its error reaches every waiter; marked read for when all of them were aborted.
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            self._tokenized[key] = task
+        task = self._tokenized[key]
+        try:
+            return list(await asyncio.shield(task))
+        except EndpointError:
+            self._tokenized.pop(key, None)  # not cached: a later call asks again
+            raise
+
+    async def _post_tokenize(self, body: dict[str, Any]) -> list[int]:
+        try:
+            data = await self.pool.post("/tokenize", {"model": self.served_model, **body})
+        except EndpointError as e:
+            if " answered 404" in str(e) or " answered 405" in str(e):
+                raise _NoTokenize(f"{e}; scoring needs vLLM's /tokenize, which "
+                                    f"{', '.join(self.endpoints)} does not offer") from e
+            raise
+        self._has_tokenize = True
+        tokens = data.get("tokens") if isinstance(data, dict) else None
+        if not isinstance(tokens, list):
+            raise EndpointError(f"/tokenize of {', '.join(self.endpoints)} answered without "
+                                f"tokens: {str(data)[:200]}")
+        return tokens
+
+    async def _end_of_turn(self) -> int:
+        """The token the chat template ends an answer with: the one that follows a short
+        answer's tokens in a rendered conversation."""
+        user = [{"role": "user", "content": "Hi"}]
+        prompt = await self._tokenize({"messages": user, "add_generation_prompt": True})
+        answer = await self._tokenize({"prompt": "A", "add_special_tokens": False})
+        full = await self._tokenize({"messages": [*user, {"role": "assistant", "content": "A"}],
+                                     "add_generation_prompt": False})
+        n = len(prompt) + len(answer)
+        if full[:n] != prompt + answer or len(full) <= n:
+            raise EndpointError(f"cannot tell the end-of-turn token of the model at "
+                                f"{', '.join(self.endpoints)} from its chat template")
+        return full[n]
+
+
+_backends: dict[str, OpenAIBackend] = {}
+_backends_lock = threading.Lock()
+
+
+def openai_backend(name: str, **config: Any) -> OpenAIBackend:
+    """This process's backend for `name` on these endpoints and options: connections share
+    it, and with it each replica's concurrency and the rate limits (a key's quota is the
+    key's, whichever connection spends it)."""
+    key = json.dumps([name, config], sort_keys=True, default=str)
+    with _backends_lock:
+        if key not in _backends:
+            _backends[key] = OpenAIBackend(name, **config)
+        return _backends[key]

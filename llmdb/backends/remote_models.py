@@ -1,0 +1,59 @@
+"""Model names served by OpenAI-compatible endpoints: `llmdb models add NAME --endpoint URL`.
+
+Kept beside the engine's registry of model files (remote_models.json in the same config
+directory) but apart from it: the engine knows files, not URLs. An entry holds the endpoint
+URLs, the served model name and the NAME of the environment variable that holds the API key,
+never the key itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from llmdb.engine.registry import DEFAULT_MODEL, config_file, registered_models
+
+from .endpoints import base_url
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def remote_models_file() -> Path:
+    return config_file().with_name("remote_models.json")
+
+
+def remote_models() -> dict[str, dict[str, Any]]:
+    f = remote_models_file()
+    if not f.exists():
+        return {}
+    try:
+        return json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"the remote model registry {f} is not valid JSON: {e}") from e
+
+
+def add_remote_model(name: str, endpoints: list[str], api_key_env: str | None = None,
+                     served_model: str | None = None) -> dict[str, Any]:
+    """Store NAME -> endpoints; a name registered as a model file cannot be reused."""
+    if name == DEFAULT_MODEL or name in registered_models():
+        raise ValueError(f"{name!r} is already registered as a model file")
+    if not endpoints:
+        raise ValueError("give at least one --endpoint URL")
+    for url in endpoints:
+        base_url(url)  # refuses what is not an http(s) URL, or holds credentials
+    if api_key_env is not None and not _ENV_NAME.match(api_key_env):
+        raise ValueError("--api-key-env takes the NAME of an environment variable (letters, "
+                         "digits, _), not the key itself")
+    entry = {"endpoints": list(endpoints), "api_key_env": api_key_env,
+             "served_model": served_model or name}
+    models = remote_models()
+    models[name] = entry
+    f = remote_models_file()
+    f.parent.mkdir(parents=True, exist_ok=True)
+    tmp = f.with_suffix(".tmp")
+    tmp.write_text(json.dumps(models, indent=2))
+    os.replace(tmp, f)
+    return entry

@@ -1,0 +1,223 @@
+"""OpenAI-compatible endpoints as replicas of one model: which replica takes a request, how
+many each takes at once, the rate limits, and what a failure means.
+
+Everything here runs on one asyncio loop (the openai backend's thread). A request waits for
+the rate limits, then for a free slot on a replica that is in rotation (the least busy one).
+A replica that cannot be reached (connection refused, reset, dropped mid-answer) leaves the
+rotation for a while and the request goes straight to another replica: a killed server loses
+no row, and since a request counts once it is answered, none is counted twice. 429, 408 and
+5xx answers are retried after the server's Retry-After, else after an exponential backoff
+with jitter; any other 4xx is the request's own error, never retried.
+
+httpx rather than the openai client: the openai client retries inside each call (on the same
+endpoint, with its own backoff), which would hide a dead replica from the failover above, and
+scoring needs endpoints outside the OpenAI API (vLLM's /tokenize, prompt_logprobs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import logging
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from aiolimiter import AsyncLimiter
+
+from .endpoints import base_url
+
+log = logging.getLogger(__name__)
+
+# A connection that fails like this means the replica is gone, not that the request is bad.
+_UNREACHABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
+                httpx.ReadError, httpx.WriteError)
+
+
+class EndpointError(Exception):
+    """A request that did not succeed: its row's error (the message names the endpoint)."""
+
+
+@dataclass
+class ReplicaLimits:
+    max_concurrency: int = 16  # requests in flight per replica
+    requests_per_minute: float | None = None  # for all replicas together (a key's quota)
+    tokens_per_minute: float | None = None  # estimated prompt + max_tokens, all replicas
+    timeout_s: float = 300.0  # per attempt: a long generation on a busy server is slow
+    max_retries: int = 6  # attempts after the first, for 429, 5xx, timeouts, all replicas down
+    backoff_s: float = 0.5  # first backoff; doubles each retry
+    max_backoff_s: float = 30.0
+    max_retry_after_s: float = 300.0  # a Retry-After beyond this is cut to it
+    down_s: float = 30.0  # how long an unreachable replica stays out of rotation
+
+    def __post_init__(self) -> None:
+        if self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        for name in ("requests_per_minute", "tokens_per_minute"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+
+
+class Replica:
+    def __init__(self, url: str, headers: dict[str, str], limits: ReplicaLimits):
+        self.url = base_url(url)
+        self.client = httpx.AsyncClient(
+            base_url=self.url, headers=headers,
+            timeout=httpx.Timeout(limits.timeout_s, connect=min(10.0, limits.timeout_s)),
+            limits=httpx.Limits(max_connections=limits.max_concurrency))
+        self.in_flight = 0
+        self.down_until = 0.0
+        self.answered: Counter[str] = Counter()  # path -> requests it answered with 200
+        self.dispatched = 0
+        self.unreachable = 0  # requests lost here with the connection (and sent elsewhere)
+
+    def up(self, now: float) -> bool:
+        return self.down_until <= now
+
+
+class _Limiter:
+    """Requests or tokens per minute as a leaky bucket holding one second's worth (or one
+    unit), so that a minute's budget is never spent in one burst."""
+
+    def __init__(self, per_minute: float):
+        window = max(1.0, 60.0 / per_minute)
+        self.bucket = AsyncLimiter(per_minute * window / 60.0, window)
+
+    async def take(self, amount: float) -> None:
+        while amount > 0:  # more than the bucket holds is taken in bucket-sized parts
+            part = min(amount, self.bucket.max_rate)
+            await self.bucket.acquire(part)
+            amount -= part
+
+
+def retry_after(response: httpx.Response) -> float | None:
+    """Seconds the server asked us to wait (Retry-After as seconds or a date, or OpenAI's
+    retry-after-ms), or None."""
+    ms = response.headers.get("retry-after-ms")
+    if ms is not None:
+        try:
+            return max(0.0, float(ms) / 1000)
+        except ValueError:
+            pass
+    value = response.headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):  # neither seconds nor a date: as if it were absent
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def _message(response: httpx.Response) -> str:
+    """The error text of an answer in OpenAI's shape, else the start of the body."""
+    try:
+        err = response.json().get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+    except (ValueError, AttributeError):
+        pass
+    return response.text[:200] or response.reason_phrase
+
+
+class ReplicaPool:
+    def __init__(self, urls: list[str], headers: dict[str, str], limits: ReplicaLimits):
+        if not urls:
+            raise ValueError("the openai backend needs at least one endpoint URL")
+        self.limits = limits
+        self.replicas = [Replica(u, headers, limits) for u in urls]
+        self._changed = asyncio.Condition()
+        self._rpm = _Limiter(limits.requests_per_minute) if limits.requests_per_minute else None
+        self._tpm = _Limiter(limits.tokens_per_minute) if limits.tokens_per_minute else None
+
+    async def post(self, path: str, body: dict[str, Any], tokens: int = 0) -> dict[str, Any]:
+        """The JSON answer of the first replica that gives one; EndpointError otherwise."""
+        retries = 0
+        last = "no attempt"
+        while True:
+            if self._rpm is not None:
+                await self._rpm.take(1)
+            if self._tpm is not None:
+                await self._tpm.take(tokens)
+            replica, alone = await self._acquire()
+            try:
+                response = await replica.client.post(path, json=body)
+            except _UNREACHABLE as e:
+                last = f"{replica.url} is unreachable ({type(e).__name__}: {e})"
+                replica.unreachable += 1
+                await self._take_out(replica, last)
+                if not alone:  # others are up: resubmit there at once, no retry spent
+                    continue
+                response = None
+            except httpx.TimeoutException as e:
+                last = f"{replica.url} did not answer in time ({type(e).__name__})"
+                response = None
+            finally:
+                await self._release(replica)
+            if response is not None:
+                if response.status_code == 200:
+                    replica.answered[path] += 1
+                    try:
+                        return response.json()
+                    except ValueError as e:
+                        raise EndpointError(f"{replica.url}{path} answered with invalid JSON: "
+                                            f"{response.text[:100]!r}") from e
+                last = f"{replica.url}{path} answered {response.status_code}: {_message(response)}"
+                if response.status_code not in (408, 429) and response.status_code < 500:
+                    raise EndpointError(last)
+            if retries >= self.limits.max_retries:
+                raise EndpointError(f"{last} (gave up after {retries + 1} attempts)")
+            wait = retry_after(response) if response is not None else None
+            if wait is None:
+                wait = min(self.limits.max_backoff_s, self.limits.backoff_s * 2 ** retries)
+                wait *= random.uniform(0.5, 1.0)  # spread out the retries of many rows
+            retries += 1
+            await asyncio.sleep(min(wait, self.limits.max_retry_after_s))
+
+    async def _acquire(self) -> tuple[Replica, bool]:
+        """The least busy replica in rotation with a free slot (waiting for one), and whether
+        it is the only one left. With none in rotation, all are tried again."""
+        async with self._changed:
+            while True:
+                now = time.monotonic()
+                up = [r for r in self.replicas if r.up(now)]
+                candidates = up or self.replicas
+                free = [r for r in candidates if r.in_flight < self.limits.max_concurrency]
+                if free:
+                    r = min(free, key=lambda r: (r.in_flight, r.dispatched))
+                    r.in_flight += 1
+                    r.dispatched += 1
+                    return r, len(up) <= 1
+                back = [r.down_until - now for r in self.replicas if not r.up(now)]
+                try:  # a replica coming back into rotation frees slots too
+                    await asyncio.wait_for(self._changed.wait(),
+                                           timeout=min(back) if back and up else None)
+                except TimeoutError:
+                    pass
+
+    async def _release(self, replica: Replica) -> None:
+        async with self._changed:
+            replica.in_flight -= 1
+            self._changed.notify_all()
+
+    async def _take_out(self, replica: Replica, why: str) -> None:
+        async with self._changed:
+            if replica.up(time.monotonic()):
+                log.warning("taking %s out of rotation for %.0f s: %s", replica.url,
+                            self.limits.down_s, why)
+            replica.down_until = time.monotonic() + self.limits.down_s
+            self._changed.notify_all()
+
+    async def aclose(self) -> None:
+        for r in self.replicas:
+            await r.client.aclose()

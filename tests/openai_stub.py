@@ -1,0 +1,91 @@
+"""A scripted OpenAI-compatible endpoint for the openai backend's tests: what a real server
+cannot be made to do on demand (answer 429 or 503, drop logprobs, stall) it does here.
+
+A test gives an async handler(path, body) -> (status, headers, json body); the stub serves it
+under uvicorn on a free loopback port and records every request it got.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+Handler = Callable[[str, dict], Awaitable[tuple[int, dict[str, str], Any]]]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def chat_answer(text: str, logprobs: list[dict] | None = None) -> dict:
+    """A /v1/chat/completions body; `logprobs`: the first token's top_logprobs."""
+    lp = None if logprobs is None else {"content": [
+        {"token": logprobs[0]["token"], "logprob": logprobs[0]["logprob"],
+         "top_logprobs": logprobs}]}
+    return {"id": "chatcmpl-stub", "object": "chat.completion", "created": 0, "model": "stub",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "finish_reason": "stop", "logprobs": lp}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}}
+
+
+@dataclass
+class Seen:
+    path: str
+    body: dict
+    at: float
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+class StubEndpoint:
+    def __init__(self, handler: Handler):
+        self.handler = handler
+        self.seen: list[Seen] = []
+        self.active = 0
+        self.most_active = 0  # the most requests it held at once
+
+        async def endpoint(request: Request) -> JSONResponse:
+            body = await request.json()
+            self.seen.append(Seen(request.url.path, body, time.monotonic(),
+                                  dict(request.headers)))
+            self.active += 1
+            self.most_active = max(self.most_active, self.active)
+            try:
+                status, headers, payload = await self.handler(request.url.path, body)
+            finally:
+                self.active -= 1
+            return JSONResponse(payload, status_code=status, headers=headers)
+
+        app = Starlette(routes=[Route(p, endpoint, methods=["POST"]) for p in (
+            "/v1/chat/completions", "/v1/completions")])
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the stub endpoint did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+    def __enter__(self) -> StubEndpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

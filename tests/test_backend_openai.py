@@ -1,0 +1,239 @@
+"""The openai backend against scripted endpoints (tests/openai_stub.py): retries of 429 and
+5xx honouring Retry-After, errors that are the row's own, failover from an unreachable
+replica, bounded concurrency, rate limits, timeouts, aborts, and a clear error where an
+endpoint has no logprobs. No model runs here; tests/test_backend_openai_serve.py runs the
+backend against real `llmdb serve` processes."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("uvicorn", reason="uvicorn is not installed")
+
+import llmdb  # noqa: E402
+from llmdb.backends import ChoiceRequest, GenerationRequest  # noqa: E402
+from llmdb.backends.openai import OpenAIBackend  # noqa: E402
+from llmdb.backends.replicas import retry_after  # noqa: E402
+from llmdb.engine.params import SamplingParams  # noqa: E402
+
+from .openai_stub import StubEndpoint, chat_answer, free_port  # noqa: E402
+
+FAST = {"backoff_s": 0.05, "max_backoff_s": 0.2}
+
+
+@pytest.fixture
+def backends():
+    made: list[OpenAIBackend] = []
+
+    def make(endpoints, **kw) -> OpenAIBackend:
+        b = OpenAIBackend("stub-model", endpoints, **{**FAST, **kw})
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        b.close()
+
+
+def _run(backend: OpenAIBackend, prompt: str = "hello", max_tokens: int = 4):
+    done = threading.Event()
+    req = GenerationRequest([{"role": "user", "content": prompt}],
+                            SamplingParams(max_tokens=max_tokens))
+    handle = backend.submit(req, done.set)
+    assert done.wait(30), "the request never finished"
+    return backend.collect(handle)
+
+
+def _script(*answers):
+    """A handler answering with `answers` in turn, then the last one forever."""
+    answers = list(answers)
+
+    async def handler(path, body):
+        return answers.pop(0) if len(answers) > 1 else answers[0]
+    return handler
+
+
+def test_429_with_retry_after_and_5xx_are_retried(backends):
+    ok = (200, {}, chat_answer("fine"))
+    with StubEndpoint(_script((429, {"Retry-After": "1"}, {"error": {"message": "slow down"}}),
+                              (503, {}, {"error": {"message": "overloaded"}}), ok)) as stub:
+        result = _run(backends([stub.url]))
+    assert result.error is None and result.text == "fine"
+    assert result.prompt_tokens == 5 and result.generated_tokens == 2
+    t = [s.at for s in stub.seen]
+    assert len(t) == 3
+    assert t[1] - t[0] >= 0.95, "Retry-After: 1 was not honoured"
+    assert t[2] - t[1] < 0.9, "a 503 without Retry-After waits the (short) backoff only"
+
+
+def test_retry_after_forms():
+    def resp(**headers):
+        return httpx.Response(429, headers=headers)
+    assert retry_after(resp(**{"retry-after": "2.5"})) == 2.5
+    assert retry_after(resp(**{"retry-after-ms": "1500"})) == 1.5
+    date = time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(time.time() + 30))
+    assert 25 <= retry_after(resp(**{"retry-after": date})) <= 31
+    assert retry_after(resp()) is None
+    assert retry_after(resp(**{"retry-after": "soon"})) is None
+
+
+def test_gives_up_after_max_retries_naming_the_endpoint(backends):
+    with StubEndpoint(_script((500, {}, {"error": {"message": "boom"}}))) as stub:
+        result = _run(backends([stub.url], max_retries=2))
+    assert len(stub.seen) == 3
+    assert result.finish_reason == "error"
+    assert f"127.0.0.1:{stub.port}/v1/chat/completions answered 500: boom" in result.error
+    assert "gave up after 3 attempts" in result.error
+
+
+def test_a_4xx_is_the_rows_error_and_follows_on_error(backends):
+    async def handler(path, body):
+        if "bad row" in body["messages"][-1]["content"]:
+            return 400, {}, {"error": {"message": "the prompt is too long", "type": "x"}}
+        return 200, {}, chat_answer("ok")
+
+    with StubEndpoint(handler) as stub:
+        backend = backends([stub.url])
+        con = llmdb.connect(backend=backend, cache=False, on_error="null")
+        con.execute("CREATE TABLE t AS SELECT * FROM (VALUES (1, 'good row'), (2, 'bad row')) "
+                    "v(id, x)")
+        rows = con.sql("SELECT id, llm_complete(x) FROM t ORDER BY id").fetchall()
+        assert rows == [(1, "ok"), (2, None)]
+        errors = con.sql("SELECT error FROM llm_errors()").fetchall()
+        assert len(errors) == 1 and "answered 400: the prompt is too long" in errors[0][0]
+        assert f"127.0.0.1:{stub.port}" in errors[0][0]
+        assert len(stub.seen) == 2, "a 4xx must not be retried"
+        strict = llmdb.connect(backend=backend, cache=False)
+        with pytest.raises(llmdb.LLMError, match="answered 400: the prompt is too long"):
+            strict.sql("SELECT llm_complete('bad row')").fetchall()
+
+
+def test_an_unreachable_replica_leaves_the_rotation(backends):
+    dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+    with StubEndpoint(_script((200, {}, chat_answer("from the live one")))) as stub:
+        backend = backends([dead, stub.url], max_retries=0)
+        results = [_run(backend, f"q{i}") for i in range(6)]
+        assert all(r.error is None and r.text == "from the live one" for r in results)
+        assert len(stub.seen) == 6
+        down, up = backend.pool.replicas
+        assert not down.answered and down.down_until > time.monotonic()
+        assert up.answered == {"/v1/chat/completions": 6}
+
+
+def test_all_replicas_unreachable_is_a_clear_row_error(backends):
+    dead = f"http://127.0.0.1:{free_port()}"
+    result = _run(backends([dead], max_retries=1))
+    assert result.finish_reason == "error"
+    assert f"{dead} is unreachable" in result.error and "gave up after 2 attempts" in result.error
+
+
+def test_concurrency_is_bounded_per_replica(backends):
+    async def slow(path, body):
+        await asyncio.sleep(0.2)
+        return 200, {}, chat_answer("done")
+
+    with StubEndpoint(slow) as a, StubEndpoint(slow) as b:
+        backend = backends([a.url, b.url], max_concurrency=2)
+        done = threading.Semaphore(0)
+        req = GenerationRequest([{"role": "user", "content": "x"}], SamplingParams(max_tokens=1))
+        handles = [backend.submit(req, done.release) for _ in range(12)]
+        for _ in handles:
+            assert done.acquire(timeout=30)
+        assert all(backend.collect(h).text == "done" for h in handles)
+        assert a.most_active == 2 and b.most_active == 2
+        assert len(a.seen) + len(b.seen) == 12
+
+
+def test_requests_per_minute(backends):
+    with StubEndpoint(_script((200, {}, chat_answer("ok")))) as stub:
+        backend = backends([stub.url], requests_per_minute=600)  # 10 a second, 10 at once
+        done = threading.Semaphore(0)
+        req = GenerationRequest([{"role": "user", "content": "x"}], SamplingParams(max_tokens=1))
+        t0 = time.monotonic()
+        handles = [backend.submit(req, done.release) for _ in range(25)]
+        for _ in handles:
+            assert done.acquire(timeout=30)
+        # 10 go at once, the other 15 at 10 a second: no sooner than 1.5 s.
+        assert time.monotonic() - t0 >= 1.4
+        assert len(stub.seen) == 25
+
+
+def test_tokens_per_minute(backends):
+    with StubEndpoint(_script((200, {}, chat_answer("ok")))) as stub:
+        # 6,000 tokens a minute = 100 a second; each request is estimated at >= 100 tokens.
+        backend = backends([stub.url], tokens_per_minute=6000)
+        t0 = time.monotonic()
+        for _ in range(3):
+            assert _run(backend, "x", max_tokens=100).error is None
+        assert time.monotonic() - t0 >= 1.9  # the first fills the bucket; two more wait 1 s
+
+
+def test_timeout_is_retried_then_the_rows_error(backends):
+    async def stall(path, body):
+        await asyncio.sleep(2)
+        return 200, {}, chat_answer("late")
+
+    with StubEndpoint(stall) as stub:
+        result = _run(backends([stub.url], timeout_s=0.3, max_retries=1))
+    assert result.finish_reason == "error" and "did not answer in time" in result.error
+    assert len(stub.seen) == 2
+
+
+def test_abort_closes_the_request(backends):
+    async def stall(path, body):
+        await asyncio.sleep(1)
+        return 200, {}, chat_answer("late")
+
+    with StubEndpoint(stall) as stub:
+        backend = backends([stub.url])
+        finished = threading.Event()
+        req = GenerationRequest([{"role": "user", "content": "x"}], SamplingParams(max_tokens=1))
+        handle = backend.submit(req, finished.set)
+        deadline = time.monotonic() + 10
+        while not stub.seen:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        backend.abort(handle)
+        assert not finished.wait(1.5), "an aborted request reported a result"
+        assert backend.pool.replicas[0].in_flight == 0
+        with pytest.raises(RuntimeError):
+            backend.collect(handle)
+
+
+def test_an_endpoint_without_logprobs_fails_llm_filter_naming_it(backends):
+    # A hosted chat API: answers, but without logprobs, and has no /tokenize.
+    with StubEndpoint(_script((200, {}, chat_answer("yes")))) as stub:
+        con = llmdb.connect(backend=backends([stub.url]), cache=False)
+        with pytest.raises(llmdb.LLMError) as e:
+            con.sql("SELECT llm_filter('Is water wet?')").fetchall()
+    assert f"the endpoint http://127.0.0.1:{stub.port} returned no logprobs" in str(e.value)
+    assert "llm_filter and llm_classify need" in str(e.value)
+
+
+def test_an_endpoint_without_tokenize_fails_llm_classify_naming_it(backends):
+    with StubEndpoint(_script((200, {}, chat_answer("yes")))) as stub:
+        con = llmdb.connect(backend=backends([stub.url]), cache=False)
+        with pytest.raises(llmdb.LLMError, match=f"127.0.0.1:{stub.port} does not offer"):
+            con.sql("SELECT llm_classify('great', ['positive', 'negative'])").fetchall()
+
+
+def test_top_logprobs_make_the_word_probabilities(backends):
+    top = [{"token": "Yes", "logprob": -0.5}, {"token": " yes", "logprob": -2.0},
+           {"token": "No", "logprob": -1.5}, {"token": "Maybe", "logprob": -3.0}]
+    with StubEndpoint(_script((200, {}, chat_answer("Yes", top)))) as stub:
+        backend = backends([stub.url])
+        done = threading.Event()
+        handle = backend.submit(ChoiceRequest([{"role": "user", "content": "q"}],
+                                              ("yes", "no")), done.set)
+        assert done.wait(30)
+        result = backend.collect(handle)
+    assert result.word_probs == pytest.approx((math.exp(-0.5) + math.exp(-2.0),
+                                               math.exp(-1.5)))
+    sent = stub.seen[0].body
+    assert sent["logprobs"] is True and sent["top_logprobs"] == 20 and sent["max_tokens"] == 1
