@@ -27,6 +27,15 @@ if TYPE_CHECKING:  # the simulator's types; loading them is the engine's busines
 Prompt = list[dict[str, str]] | str
 
 
+def chat_messages(user: str, system: str | None) -> list[dict[str, str]]:
+    """A row's prompt as chat messages (a system turn first when given): what a backend with
+    a chat template sends, so that the model's side encodes row text as text."""
+    messages = [{"role": "user", "content": user}]
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
+    return messages
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     prompt: Prompt

@@ -21,6 +21,7 @@ from .base import (
     RequestTokens,
     ScoreRequest,
     Simulation,
+    chat_messages,
 )
 
 
@@ -51,10 +52,7 @@ class LocalBackend:
 
     def render_chat(self, user: str, system: str | None) -> list[dict[str, str]]:
         """The chat messages; the engine encodes them with the template, row text as text."""
-        messages = [{"role": "user", "content": user}]
-        if system is not None:
-            messages.insert(0, {"role": "system", "content": system})
-        return messages
+        return chat_messages(user, system)
 
     def count_tokens(self, text: str) -> int:
         return len(self.engine.tokenizer.encode_plain(text))

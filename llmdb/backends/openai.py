@@ -39,6 +39,7 @@ from .base import (
     Prompt,
     RequestTokens,
     ScoreRequest,
+    chat_messages,
 )
 from .endpoints import base_url
 from .replicas import EndpointError, ReplicaLimits, ReplicaPool
@@ -100,10 +101,7 @@ class OpenAIBackend:
                 "endpoints": sorted(self.endpoints)}
 
     def render_chat(self, user: str, system: str | None) -> list[dict[str, str]]:
-        messages = [{"role": "user", "content": user}]
-        if system is not None:
-            messages.insert(0, {"role": "system", "content": system})
-        return messages
+        return chat_messages(user, system)
 
     def count_tokens(self, text: str) -> int:
         """Exact where the endpoints have /tokenize (vLLM, llmdb serve); else, or while they

@@ -33,6 +33,7 @@ from .base import (
     ModelRequest,
     RequestTokens,
     ScoreRequest,
+    chat_messages,
 )
 
 
@@ -83,10 +84,7 @@ class VLLMBackend:
         return dict(self._identity)
 
     def render_chat(self, user: str, system: str | None) -> list[dict[str, str]]:
-        messages = [{"role": "user", "content": user}]
-        if system is not None:
-            messages.insert(0, {"role": "system", "content": system})
-        return messages
+        return chat_messages(user, system)
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode_plain(text))
