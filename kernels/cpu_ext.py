@@ -23,6 +23,9 @@ from .host import cache_dir, cpu_info
 SOURCES = [Path(__file__).parent / "csrc" / n for n in ("row_attention.cpp", "elementwise.cpp")]
 
 
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17")
+
+
 @functools.cache
 def load_library() -> ctypes.CDLL | None:
     """The compiled kernels, or None where no C++ compiler is available."""
@@ -34,16 +37,23 @@ def load_library() -> ctypes.CDLL | None:
     source_bytes = b"".join(s.read_bytes() for s in SOURCES)
     cpu = cpu_info()  # -march=native: a build is this CPU's own
     cpu_key = " ".join([cpu.model, *sorted(cpu.flags)]).encode()
-    key = hashlib.sha256(source_bytes + cpu_key).hexdigest()[:16]
+    key = hashlib.sha256(source_bytes + cpu_key + " ".join(COMPILE_FLAGS).encode()
+                         ).hexdigest()[:16]
     lib_path = cache_dir() / "kernels" / f"llmdb_kernels_{key}.so"
     if not lib_path.exists():
         lib_path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
             out = Path(tmp) / lib_path.name
-            cmd = [compiler, "-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared",
-                   "-fPIC", "-std=c++17", *map(str, SOURCES), "-o", str(out)]
+            objects = [str(Path(tmp) / f"{s.stem}.o") for s in SOURCES]
+            # Compiled with -ffast-math, linked without it: at link time GCC adds
+            # crtfastmath.o, whose constructor turns on flush-to-zero in the thread that
+            # loads the library, the user's (their subnormal floats would become 0).
+            cmds = [[compiler, *COMPILE_FLAGS, "-c", str(s), "-o", o]
+                    for s, o in zip(SOURCES, objects, strict=True)]
+            cmds.append([compiler, "-shared", "-fopenmp", *objects, "-o", str(out)])
             try:
-                subprocess.run(cmd, check=True, capture_output=True, text=True)
+                for cmd in cmds:
+                    subprocess.run(cmd, check=True, capture_output=True, text=True)
             except subprocess.CalledProcessError as e:
                 raise RuntimeError(f"building the C++ kernels failed:\n{e.stderr}") from e
             os.replace(out, lib_path)  # atomic: concurrent builders never see half a file
