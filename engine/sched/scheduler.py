@@ -110,18 +110,14 @@ class Scheduler:
     def is_prefill(self, req: Request) -> bool:
         return not req.is_decode
 
-    def blocks_for(self, req: Request, tokens: int) -> int:
-        """Allocation units for `tokens` tokens: KV blocks, or halves for a hidden request
-        (each holds block_size tokens)."""
-        return self.pool.blocks_for(tokens)
-
     def memory_held(self, req: Request) -> float:
         """The request's memory in blocks (a hidden request's halves count half)."""
         held = len(req.block_ids)
         return held * self.hidden_ratio if req.cache_type == "hidden" else held
 
     def _num_free(self, req: Request) -> int:
-        """Free units of the request's cache type."""
+        """Free units of the request's cache type: KV blocks, or halves for a hidden request.
+        Either holds block_size tokens, so pool.blocks_for counts what a request needs."""
         return self.pool.num_free_halves if req.cache_type == "hidden" else self.pool.num_free
 
     def _allocate(self, req: Request, n: int) -> None:
@@ -136,7 +132,7 @@ class Scheduler:
         req.block_ids = []
 
     def _blocks_needed(self, req: Request, n: int) -> int:
-        return max(0, self.blocks_for(req, req.num_computed + n) - len(req.block_ids))
+        return max(0, self.pool.blocks_for(req.num_computed + n) - len(req.block_ids))
 
     def costs(self, scheduled: list[tuple[Request, int]]) -> list[Chunk]:
         """The cost model's view of a batch (before its tokens are computed)."""
@@ -147,7 +143,7 @@ class Scheduler:
     def reserved_blocks(self, req: Request) -> int:
         """Blocks set aside for a running request beyond those it holds (policy estimate)."""
         want = self.policy.reserve_tokens(self, req)
-        return max(0, self.blocks_for(req, want) - len(req.block_ids)) if want else 0
+        return max(0, self.pool.blocks_for(want) - len(req.block_ids)) if want else 0
 
     def blocks_to_run(self, req: Request, n: int) -> int:
         """Free blocks that computing n more tokens of `req` takes (and its reservation)."""
@@ -157,9 +153,9 @@ class Scheduler:
         cached = len(hits) * self.pool.block_size
         # Reviving an unreferenced cached block takes it off the free list too.
         revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)
-        need = self.blocks_for(req, cached + n) - len(hits)
+        need = self.pool.blocks_for(cached + n) - len(hits)
         if self.policy.reserves_memory:
-            need = max(need, self.blocks_for(req, self.policy.reserve_tokens(self, req))
+            need = max(need, self.pool.blocks_for(self.policy.reserve_tokens(self, req))
                        - len(hits))
         return need + revived
 

@@ -139,7 +139,8 @@ class QueryRun:
             if first:
                 seen.add(key)
                 c.distinct += 1
-            if not site.signature.null_row(dict(zip(site.signature.names, key, strict=True))):
+            if n > first and not site.signature.null_row(
+                    dict(zip(site.signature.names, key, strict=True))):
                 repeats += n - first
         if repeats and count_rows and not self.dry:
             self.session.record(Stats(rows=repeats, dedup_hits=repeats))

@@ -167,7 +167,7 @@ class FCFSHybridPolicy(FCFSPolicy):
             r.cache_type = "kv"
             if blocked:
                 continue
-            units = s.blocks_for(r, r.num_tokens)  # KV blocks or as many hidden halves
+            units = s.pool.blocks_for(r.num_tokens)  # KV blocks or as many hidden halves
             if free.take_blocks(units):
                 continue
             if free.take_halves(units):
