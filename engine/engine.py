@@ -15,6 +15,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,9 +32,9 @@ from .models.opt import OPTModel
 from .outputs import RequestResult, Usage
 from .params import SamplingParams
 from .registry import resolve_model
-from .runner import ModelRunner, StepOutput
+from .runner import LaunchedStep, ModelRunner, StepOutput
 from .sched.policies import Policy, make_policy
-from .sched.request import Request
+from .sched.request import PENDING_TOKEN, Request
 from .sched.scheduler import Scheduler
 from .stop_strings import StopStringWatch
 
@@ -62,7 +63,10 @@ class LLMEngine:
     hidden_cache lets the scheduler keep a request's hidden states instead of its K/V
     (Apt-Serve; only the apt policy chooses it): None turns it on where the model's hidden
     states are smaller than its K/V (MHA models such as OPT), True insists (an error where
-    they are not), False turns it off."""
+    they are not), False turns it off.
+    launch_ahead (None: on GPUs) schedules and launches each step before reading the one
+    before, so the host's work overlaps the device's; a request that stops then computes one
+    token more, discarded. On the CPU a step runs inline, so there is nothing to overlap."""
 
     def __init__(
         self,
@@ -83,6 +87,7 @@ class LLMEngine:
         rt_slo_tbt_s: float = 0.25,
         cuda_graphs: bool = True,
         hidden_cache: bool | None = None,
+        launch_ahead: bool | None = None,
     ):
         t0 = time.perf_counter()
         self.model_name = model
@@ -116,6 +121,8 @@ class LLMEngine:
             cuda_graphs=cuda_graphs and self.kernels == "triton",
         )
         run_on_compute_thread(self.runner.capture_graphs)
+        self.launch_ahead = self.device.type == "cuda" if launch_ahead is None else launch_ahead
+        self._in_flight: _InFlight | None = None
         self.version = __version__
         self.startup_s = time.perf_counter() - t0
         self._ids = itertools.count()
@@ -175,6 +182,7 @@ class LLMEngine:
                 "tokens_per_block": 2 * self.pool.block_size if self.hidden_cache else 0,
             },
             "policy": self.scheduler.policy.name,
+            "launch_ahead": self.launch_ahead,
             "max_num_seqs": self.scheduler.max_num_seqs,
             "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
             "startup_s": round(self.startup_s, 2),
@@ -182,8 +190,10 @@ class LLMEngine:
 
     def step_timing(self) -> dict[str, float]:
         """Steps run, and the host's time in them (scheduling, inputs, launches, outputs;
-        not the waits for the device) beside their wall time, since the engine started."""
-        return {"steps": self.runner.steps, "host_s": self._host_s, "wall_s": self._wall_s}
+        not the waits for the device) beside their wall time, since the engine started; on
+        a GPU also its idle time between steps (host work the launch ahead did not hide)."""
+        return {"steps": self.runner.steps, "host_s": self._host_s, "wall_s": self._wall_s,
+                "device_idle_s": self.runner.device_idle_s}
 
     # ---- submitting ----------------------------------------------------------------------
 
@@ -305,34 +315,81 @@ class LLMEngine:
             return run_on_compute_thread(self._step)
 
     def _step(self) -> list[str]:
+        """Schedule, launch, then read the step before: with launch-ahead on (GPUs) the
+        device runs this step while the host reads the last one and, in the next call,
+        schedules the one after, its pending tokens taken from this step's samples on the
+        device. Without it the step is read at once. A failed step fails its requests, not
+        the engine."""
         t0 = time.perf_counter()
         with self._cond:
             out = self.scheduler.schedule()
-        if not out.scheduled and not out.converted:
-            return []
-        try:
-            result = self.runner.execute(out.scheduled, out.converted)
-        except Exception as e:  # a failed step fails its requests, not the engine
+        finished: list[str] = []
+        launched = None
+        if out.scheduled or out.converted:
+            try:
+                launched = self.runner.launch(out.scheduled, out.converted)
+            except Exception as e:
+                finished += self._fail(out.scheduled, e)
+        wait, read = 0.0, self._in_flight
+        if read is not None:
+            finished += self._read(read)
+            wait, self._in_flight = self.runner.last_wait_s, None
+        if launched is not None:
             with self._cond:
-                for req, _ in out.scheduled:
-                    self._finish(req, "error", error=f"{type(e).__name__}: {e}")
-            return [req.request_id for req, _ in out.scheduled]
+                caught_up = self.scheduler.advance(out.scheduled)
+                for req in caught_up:
+                    if self._is_last(req):
+                        self.scheduler.hold(req)
+            self._in_flight = _InFlight(out.scheduled, caught_up, launched,
+                                        [r.num_preemptions for r, _ in out.scheduled])
+            if not self.launch_ahead:
+                finished += self._read(self._in_flight)
+                wait, self._in_flight = wait + self.runner.last_wait_s, None
+        if launched is None and read is None:
+            return finished
+        wall = time.perf_counter() - t0
+        self._wall_s += wall
+        self._host_s += wall - wait
+        return finished
+
+    def _is_last(self, req: Request) -> bool:
+        """Will the request compute nothing after its pending token (scoring requests: after
+        the step just launched)? Then it finishes when that step is read."""
+        return (not req.generate or len(req.output_ids) >= req.params.max_tokens
+                or req.num_tokens >= self.config.max_context)
+
+    def _read(self, step: _InFlight) -> list[str]:
+        """Wait for a launched step's results; its requests take their tokens and scores,
+        and those that stop are finished."""
+        try:
+            result = self.runner.collect(step.launched)
+        except Exception as e:
+            return self._fail(step.scheduled, e)
         finished = []
+        now = time.perf_counter()
         with self._cond:
-            self._collect_scores(out.scheduled, result)
-            for req in self.scheduler.update_from_output(out.scheduled, result.sampled,
-                                                         time.perf_counter()):
+            # Scores of a request preempted since the launch are computed again.
+            self._collect_scores([x for x, n in zip(step.scheduled, step.preemptions,
+                                                    strict=True) if x[0].num_preemptions == n],
+                                 result)
+            for req in step.caught_up:
+                if req.is_finished:  # aborted, or failed, while the step ran
+                    continue
                 if not req.generate:
                     self._finish(req, "stop")
                     finished.append(req.request_id)
-                else:
-                    self.tokens_generated += 1
-                    if self._after_token(req, result):
-                        finished.append(req.request_id)
-        wall = time.perf_counter() - t0
-        self._wall_s += wall
-        self._host_s += wall - self.runner.last_wait_s
+                    continue
+                self.scheduler.take_token(req, result.sampled[req.request_id], now)
+                self.tokens_generated += 1
+                if self._after_token(req, result):
+                    finished.append(req.request_id)
         return finished
+
+    def _fail(self, scheduled: list[tuple[Request, int]], e: Exception) -> list[str]:
+        with self._cond:
+            for req, _ in scheduled:
+                self._finish(req, "error", error=f"{type(e).__name__}: {e}")
+        return [req.request_id for req, _ in scheduled]
 
     @staticmethod
     def _collect_scores(scheduled: list[tuple[Request, int]], result: StepOutput) -> None:
@@ -376,6 +433,8 @@ class LLMEngine:
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         if req.is_finished:
             return
+        if req.output_ids[-1:] == [PENDING_TOKEN]:  # aborted or failed with a step in flight
+            req.output_ids.pop()
         self._stop_watches.pop(req.request_id, None)
         self.scheduler.finish(req)
         req.finish_reason, req.error = reason, error
@@ -436,7 +495,7 @@ class LLMEngine:
         """Tokens a request has generated so far (0 once collected): progress for callers."""
         req = self._requests.get(request_id)
         if req is not None:
-            return len(req.output_ids)
+            return len(req.output_ids) - (req.output_ids[-1:] == [PENDING_TOKEN])
         done = self._results.get(request_id)  # finished, not yet collected
         return len(done.token_ids) if done is not None else 0
 
@@ -537,6 +596,17 @@ class LLMEngine:
                 if self._stopping:
                     return
             self.step()
+
+
+@dataclass
+class _InFlight:
+    """A launched step not read yet: what it ran, who caught up, and each request's count of
+    preemptions at launch."""
+
+    scheduled: list[tuple[Request, int]]
+    caught_up: list[Request]
+    launched: LaunchedStep
+    preemptions: list[int]
 
 
 def without_partial_char(text: str) -> str:

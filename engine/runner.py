@@ -17,12 +17,13 @@ import torch
 
 from llmdb.kernels.attention import write_kv
 from llmdb.kernels.hidden_cache import HiddenBatch, hidden_rows
+from llmdb.kernels.transfer import to_device
 
 from .cache.kv_cache import KVCache
 from .cuda_graphs import DecodeGraphs, attention_splits
 from .models.hidden_attention import hidden_io
 from .sampling import row_key, sample, top_logprobs
-from .sched.request import Request
+from .sched.request import PENDING_TOKEN, Request
 from .step_inputs import StepBuffers, StepInputs
 
 
@@ -52,6 +53,19 @@ class _Plan:
     keep: list[tuple[Request, int, int]] = field(default_factory=list)  # first row, count
 
 
+@dataclass
+class LaunchedStep:
+    """A step launched on the device whose results have not been read yet."""
+
+    plan: _Plan
+    values: torch.Tensor | None = None  # fp64 results on the host (arriving, on a GPU)
+    keep: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # keep_logits rows
+    tokens: torch.Tensor | None = None  # the sampled ids, on the device
+    sample_index: dict[str, int] = field(default_factory=dict)  # request id -> row of tokens
+    done: torch.cuda.Event | None = None  # recorded after the copy to the host (GPU only)
+    started: torch.cuda.Event | None = None
+
+
 class ModelRunner:
     def __init__(self, model, kv_cache: KVCache, block_size: int, device: torch.device,
                  max_num_batched_tokens: int, max_num_seqs: int, max_context: int,
@@ -67,7 +81,11 @@ class ModelRunner:
         self.graphs = (DecodeGraphs(self, max_num_seqs)
                        if cuda_graphs and device.type == "cuda" else None)
         self.steps = 0
-        self.last_wait_s = 0.0  # the last step's wait for the device (its one sync)
+        self.last_wait_s = 0.0  # the last collect's wait for the device (its one sync)
+        # The GPU's idle time between steps: the host work no launch ahead covered.
+        self.device_idle_s = 0.0
+        self._last_done: torch.cuda.Event | None = None
+        self._last = LaunchedStep(_Plan())  # the last launch: pending tokens come from it
 
     def capture_graphs(self) -> None:
         if self.graphs is not None:
@@ -95,7 +113,7 @@ class ModelRunner:
             table = np.asarray(req.block_ids, dtype=np.int64)
             slots.append(table[pos // bs] * bs + pos % bs)
             positions.append(pos)
-        rows_t, slots_t, pos_t = (torch.from_numpy(np.concatenate(x)).to(self.device)
+        rows_t, slots_t, pos_t = (to_device(np.concatenate(x), self.device)
                                   for x in (rows, slots, positions))
         gather_hidden = hidden_io(self.model.kernels == "triton")[1]
         for layer, (store, (k_cache, v_cache)) in enumerate(
@@ -103,14 +121,22 @@ class ModelRunner:
             k, v = self.model.reproject_kv(layer, gather_hidden(store, rows_t), pos_t)
             write_kv(k_cache, v_cache, k, v, slots_t)
 
-    @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]],
                 converted: list[tuple[Request, list[int]]] = ()) -> StepOutput:
-        """Run one step (after the KV conversions the scheduler decided, if any)."""
+        """Run one step and read its results (launch, then collect)."""
+        return self.collect(self.launch(scheduled, converted))
+
+    @torch.inference_mode()
+    def launch(self, scheduled: list[tuple[Request, int]],
+               converted: list[tuple[Request, list[int]]] = ()) -> LaunchedStep:
+        """Start one step (after the KV conversions the scheduler decided, if any): on a GPU
+        everything is queued and this returns at once. A token still pending on the host
+        (PENDING_TOKEN) is the previous launch's sample, taken on the device."""
+        started = self._event()
         if converted:
             self.convert_to_kv(converted)
         if not scheduled:
-            return StepOutput()
+            return LaunchedStep(_Plan(), started=started)
         hidden = [x for x in scheduled if x[0].cache_type == "hidden"]
         if hidden:
             if not self.kv_cache.hidden:
@@ -119,23 +145,28 @@ class ModelRunner:
             scheduled = [x for x in scheduled if x[0].cache_type != "hidden"] + hidden
         num_kv = len(scheduled) - len(hidden)
         tokens, starts, plan = [], [], _Plan()
+        pending_rows, pending_from = [], []
         base = 0
         for req, n in scheduled:
             start = req.num_computed
             tokens.append(req.token_slice(start, n))
             starts.append(start)
+            if start + n == req.num_tokens and req.output_ids[-1:] == [PENDING_TOKEN]:
+                pending_rows.append(base + n - 1)
+                pending_from.append(self._last.sample_index[req.request_id])
             self._plan_rows(plan, req, start, n, base)
             base += n
         tables = [req.block_ids for req, _ in scheduled]
+        pending = (self._last.tokens, pending_rows, pending_from) if pending_rows else None
         graph = (self.graphs.pick(scheduled, plan)
                  if self.graphs is not None and num_kv == len(scheduled) else None)
         if graph is not None:
             inputs = self.buffers.fill(tokens, starts, tables, [], self.block_size,
-                                       pad_to=graph.batch_size)
+                                       pad_to=graph.batch_size, pending=pending)
             logits = graph.replay()[: len(scheduled)]
         else:
             inputs = self.buffers.fill(tokens, starts, tables, plan.rows, self.block_size,
-                                       num_kv_seqs=num_kv)
+                                       num_kv_seqs=num_kv, pending=pending)
             if num_kv < len(scheduled):
                 qlens = [n for _, n in scheduled[num_kv:]]
                 inputs.hidden = HiddenBatch.build(
@@ -149,9 +180,11 @@ class ModelRunner:
             hidden = self.forward(inputs)
             logits = (self.model.logits(hidden.index_select(0, inputs.logit_rows))
                       if plan.rows else None)
-        out = self._outputs(logits, plan)
+        step = self._results_to_host(logits, plan)
+        step.started = started
+        self._last = step
         self.steps += 1
-        return out
+        return step
 
     @staticmethod
     def _plan_rows(plan: _Plan, req: Request, start: int, n: int, base: int) -> None:
@@ -173,32 +206,60 @@ class ModelRunner:
             plan.sample.append((req, len(plan.rows)))
             plan.rows.append(base + n - 1)
 
-    def _outputs(self, logits: torch.Tensor | None, plan: _Plan) -> StepOutput:
-        """Samples and scores on the device, then one copy of all results to the host."""
-        self.last_wait_s = 0.0
+    def _results_to_host(self, logits: torch.Tensor | None, plan: _Plan) -> LaunchedStep:
+        """Samples and scores on the device, and one copy of all of them to the host, started
+        (on a GPU into pinned memory, not waited for)."""
         if logits is None:
-            return StepOutput()
-        parts = self._device_results(logits, plan)
+            return LaunchedStep(plan)
+        parts, tokens = self._device_results(logits, plan)
+        values = torch.cat(parts) if parts else None
+        if values is not None and values.device.type != "cpu":
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            values = host.copy_(values, non_blocking=True)
+        keep = [(req.request_id, logits[row0 : row0 + count].float())
+                for req, row0, count in plan.keep]
+        return LaunchedStep(plan, values, keep, tokens,
+                            {r.request_id: i for i, (r, _) in enumerate(plan.sample)},
+                            done=self._event())
+
+    def collect(self, step: LaunchedStep) -> StepOutput:
+        """Wait for a launched step and read its results: the step's one device sync."""
         t_wait = time.perf_counter()
-        values = torch.cat(parts).tolist() if parts else []  # the step's one device sync
-        keep = {req.request_id: logits[row0 : row0 + count].float().cpu()
-                for req, row0, count in plan.keep}
+        if step.done is not None:
+            step.done.synchronize()
+            if step.started is not None and self._last_done is not None:
+                self.device_idle_s += self._last_done.elapsed_time(step.started) / 1e3
+            self._last_done = step.done
+        values = step.values.tolist() if step.values is not None else []
+        keep = {rid: rows.cpu() for rid, rows in step.keep}
+        step.keep = []  # (the next launch still reads this step's sampled ids)
         self.last_wait_s = time.perf_counter() - t_wait
-        out = _unpack(values, plan)
+        out = _unpack(values, step.plan)
         out.logit_rows = keep
         return out
 
+    def _event(self) -> torch.cuda.Event | None:
+        """A timed event on the device's stream (None on the CPU, where steps run inline)."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
     @staticmethod
-    def _device_results(logits: torch.Tensor, plan: _Plan) -> list[torch.Tensor]:
+    def _device_results(logits: torch.Tensor, plan: _Plan
+                        ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """fp64 vectors in _unpack's order: sampled ids; with logprobs the chosen ones' and
-        the top k's values and ids; scoring targets' log-probs; candidates' log-probs."""
+        the top k's values and ids; scoring targets' log-probs; candidates' log-probs. And
+        the sampled ids as they are (in plan.sample order), or None."""
         dev = logits.device
         parts: list[torch.Tensor] = []
+        tokens = None
         if plan.sample:
             reqs = [r for r, _ in plan.sample]
             rows = [i for _, i in plan.sample]
             picked = (logits if rows == list(range(logits.shape[0]))
-                      else logits[torch.tensor(rows, device=dev)])
+                      else logits[to_device(rows, dev)])
             keys = [0 if r.params.greedy else row_key(r.seed, len(r.output_ids)) for r in reqs]
             tokens = sample(picked, [r.params for r in reqs], keys)
             parts.append(tokens.double())
@@ -208,16 +269,16 @@ class ModelRunner:
                 parts += [chosen.double(), top_v.double().flatten(), top_i.double().flatten()]
         rows = [row0 + j for _, row0, tg in plan.score for j in range(len(tg))]
         if rows:
-            lp = logits[torch.tensor(rows, device=dev)].float().log_softmax(-1)
-            targets = torch.tensor([t for _, _, tg in plan.score for t in tg], device=dev)
+            lp = logits[to_device(rows, dev)].float().log_softmax(-1)
+            targets = to_device([t for _, _, tg in plan.score for t in tg], dev)
             parts.append(lp.gather(1, targets[:, None])[:, 0].double())
         if plan.choice:
-            lp = logits[torch.tensor([i for _, i in plan.choice], device=dev)].float()
+            lp = logits[to_device([i for _, i in plan.choice], dev)].float()
             cands = [r.candidate_ids for r, _ in plan.choice]
             width = max(map(len, cands))
-            idx = torch.tensor([c + [0] * (width - len(c)) for c in cands], device=dev)
+            idx = to_device([c + [0] * (width - len(c)) for c in cands], dev)
             parts.append(lp.log_softmax(-1).gather(1, idx).double().flatten())
-        return parts
+        return parts, tokens
 
 
 def _unpack(values: list[float], plan: _Plan) -> StepOutput:

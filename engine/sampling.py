@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from llmdb.kernels.transfer import to_device
+
 if TYPE_CHECKING:
     from .params import SamplingParams
 
@@ -80,13 +82,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], keys: list[int]) 
     if not rows:
         return tokens
     dev = logits.device
-    idx = torch.tensor(rows, device=dev)
+    idx = to_device(rows, dev)
     drawn = _sample_rows(
         logits.index_select(0, idx).float(),
-        torch.tensor([params[i].temperature for i in rows], device=dev),
-        torch.tensor([params[i].top_p for i in rows], device=dev),
-        torch.tensor([params[i].top_k for i in rows], device=dev),
-        torch.tensor([keys[i] for i in rows], device=dev, dtype=torch.int64),
+        to_device([params[i].temperature for i in rows], dev),
+        to_device([params[i].top_p for i in rows], dev),
+        to_device([params[i].top_k for i in rows], dev),
+        to_device([keys[i] for i in rows], dev, torch.int64),
     )
     return tokens.index_copy(0, idx, drawn)
 

@@ -44,12 +44,11 @@ class StepBuffers:
         self.device = device
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
         pin = device.type == "cuda"
-        self.host64 = torch.zeros(4 * max_tokens, dtype=torch.int64, pin_memory=pin)
-        self.host32 = torch.zeros(2 * max_seqs + 1, dtype=torch.int32, pin_memory=pin)
-        self.host_tables = torch.zeros(max_seqs * max_blocks, dtype=torch.int32,
-                                       pin_memory=pin)
-        self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
-        self.np_tables = self.host_tables.numpy()
+        # On a GPU two sets of host buffers take turns: the engine fills the next step's
+        # while the copies of the one before it may not have run yet.
+        self._host_sets = [self._host_set(pin) for _ in range(2 if pin else 1)]
+        self._turn = 0
+        self._use_host_set(0)
         if pin:
             self.dev64 = torch.zeros_like(self.host64, device=device)
             self.dev32 = torch.zeros_like(self.host32, device=device)
@@ -58,6 +57,20 @@ class StepBuffers:
         else:
             self.dev64, self.dev32 = self.host64, self.host32
             self.dev_tables = None
+
+    def _host_set(self, pin: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # int64 holds ids, positions, slots, logit rows and the pending tokens' rows and
+        # sources (at most one each a sequence): 4 x tokens + 2 x sequences.
+        return (torch.zeros(4 * self.max_tokens + 2 * self.max_seqs, dtype=torch.int64,
+                            pin_memory=pin),
+                torch.zeros(2 * self.max_seqs + 1, dtype=torch.int32, pin_memory=pin),
+                torch.zeros(self.max_seqs * self.max_blocks, dtype=torch.int32,
+                            pin_memory=pin))
+
+    def _use_host_set(self, k: int) -> None:
+        self.host64, self.host32, self.host_tables = self._host_sets[k]
+        self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
+        self.np_tables = self.host_tables.numpy()
 
     def views(self, num_tokens: int, num_seqs: int, num_rows: int, width: int,
               block_size: int, max_query_len: int, max_seq_len: int,
@@ -80,12 +93,18 @@ class StepBuffers:
 
     def fill(self, tokens: list[list[int]], starts: list[int], block_tables: list[list[int]],
              rows: list[int], block_size: int, pad_to: int | None = None,
-             num_kv_seqs: int | None = None) -> StepInputs:
+             num_kv_seqs: int | None = None,
+             pending: tuple[torch.Tensor, list[int], list[int]] | None = None) -> StepInputs:
         """tokens[i]: the ids sequence i computes this step, from position starts[i]; rows:
         packed rows whose logits are wanted. pad_to (decode graphs) adds sequences of one
         padding token each, with no context, up to that many. Sequences from num_kv_seqs on
         keep hidden states, not K/V: their tokens get slot PAD_SLOT and the attention batch
-        leaves them out (the runner adds their HiddenBatch)."""
+        leaves them out (the runner adds their HiddenBatch). pending = (sampled, packed rows,
+        indices): the ids at those rows are sampled[indices], tokens the host has not read
+        yet, copied on the device."""
+        if len(self._host_sets) > 1:
+            self._turn ^= 1
+            self._use_host_set(self._turn)
         s = len(tokens)
         sk = s if num_kv_seqs is None else num_kv_seqs
         qlens = [len(t) for t in tokens]
@@ -126,15 +145,25 @@ class StepBuffers:
         if total_t > t:  # padding sequences: token 0 at position 0, nowhere in the cache
             ids[t:], pos[t:], slots[t:] = 0, 0, PAD_SLOT
             tables[s:] = 0
-        a64[3 * total_t : 3 * total_t + len(rows)] = rows
+        n64 = 3 * total_t + len(rows)
+        a64[3 * total_t : n64] = rows
+        if pending is not None:
+            sampled, pending_rows, indices = pending
+            p0, n64 = n64, n64 + 2 * len(pending_rows)
+            a64[p0:n64] = [*pending_rows, *indices]
         a32[: total_s + 1] = loc
         a32[total_s + 1 : 2 * total_s + 1] = [*ctx, *([0] * (total_s - s))]
         if self.dev_tables is not None:
-            n64, n32 = 3 * total_t + len(rows), 2 * total_s + 1
+            n32 = 2 * total_s + 1
             self.dev64[:n64].copy_(self.host64[:n64], non_blocking=True)
             self.dev32[:n32].copy_(self.host32[:n32], non_blocking=True)
             host_view = self.host_tables[: total_s * width].view(total_s, width)
             self.dev_tables[:total_s, :width].copy_(host_view, non_blocking=True)
-        return self.views(total_t, total_s, len(rows), width, block_size,
-                          max(qlens[:sk], default=0), max(ctx[:sk], default=0),
-                          None if pad_to else sk)
+        inputs = self.views(total_t, total_s, len(rows), width, block_size,
+                            max(qlens[:sk], default=0), max(ctx[:sk], default=0),
+                            None if pad_to else sk)
+        if pending is not None:
+            k = len(pending_rows)
+            where, source = self.dev64[p0 : p0 + k], self.dev64[p0 + k : p0 + 2 * k]
+            inputs.input_ids.index_copy_(0, where, sampled.index_select(0, source))
+        return inputs

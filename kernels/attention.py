@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .cpu_ext import row_attention, supports_shape
+from .transfer import to_device
 
 
 @dataclass
@@ -67,10 +68,10 @@ class AttentionBatch:
         tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables],
                               dtype=torch.int32).view(len(block_tables), width)
         return cls(
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-            block_tables=tables.to(device),
-            slot_mapping=torch.tensor(new_slots, dtype=torch.long, device=device),
+            query_start_loc=to_device(starts, device, torch.int32),
+            seq_lens=to_device(context_lens, device, torch.int32),
+            block_tables=to_device(tables, device),
+            slot_mapping=to_device(new_slots, device, torch.long),
             block_size=block_size,
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(context_lens, default=0),

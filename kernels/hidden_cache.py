@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from .attention import AttentionBatch
+from .transfer import to_device
 
 
 def hidden_rows(units: list[int], positions: np.ndarray, block_size: int) -> np.ndarray:
@@ -66,7 +67,7 @@ class HiddenBatch:
 
         def tensor(parts: list[np.ndarray]) -> torch.Tensor:
             flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-            return torch.from_numpy(flat).to(device)
+            return to_device(flat, device)
 
         return cls(first_row, tensor(new), tensor(ctx_rows), tensor(ctx_pos),
                    AttentionBatch.build(query_lens, context_lens, scratch_tables, block_size,

@@ -40,3 +40,4 @@ def cpu_info() -> CPUInfo:
         pass
     return CPUInfo(fields.get("model name") or platform.processor() or platform.machine(),
                    frozenset(fields.get("flags", "").split()))
+

@@ -14,6 +14,11 @@ if TYPE_CHECKING:  # only the engine puts tensors here; the simulator never load
     import torch
 
 
+# A generated token whose value is still on the device: the engine schedules the next step
+# before it reads the last one's samples (Scheduler.advance, then take_token).
+PENDING_TOKEN = -1
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -18,7 +18,7 @@ from typing import Protocol
 from ..cache.block_pool import HIDDEN_RATIO, BlockPool, block_hash
 from ..costmodel import Chunk, CostModel
 from ..params import SamplingParams
-from .request import Request, Status
+from .request import PENDING_TOKEN, Request, Status
 
 
 @dataclass
@@ -72,6 +72,9 @@ class Scheduler:
         self.policy = policy
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Running requests with nothing left to compute whose last step's results are not
+        # read yet (hold()): they keep their blocks but no policy sees them.
+        self.held: dict[str, Request] = {}
         self._hits: dict[str, list[int]] = {}  # this step's prefix hits of waiting requests
         # Full prompt blocks being computed right now: block hash -> the request computing
         # it. A waiting request whose next block is one of them waits for it to be
@@ -89,7 +92,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.held)
 
     def schedule(self, now: float | None = None) -> SchedulerOutput:
         self._hits.clear()
@@ -289,12 +292,23 @@ class Scheduler:
 
     def update_from_output(self, scheduled: list[tuple[Request, int]],
                            sampled: Mapping[str, int] | None, now: float) -> list[Request]:
-        """After a step: computed tokens catch up, full blocks are published, and each
-        generating request whose tokens are all computed takes its sampled token (token 0
-        when `sampled` is None: the simulator, whose outputs have no values). Returns the
-        requests whose tokens are now all computed (scoring ones included), in batch order;
-        requests finished while the step ran are skipped. The engine, the simulator and the
-        tests all advance requests through here."""
+        """After a step: advance(), then each generating request that caught up takes its
+        sampled token (token 0 when `sampled` is None: the simulator, whose outputs have no
+        values). Returns the requests that caught up, scoring ones included, in batch order.
+        The simulator, the bound's replay and the tests advance requests through here; the
+        engine calls the two halves itself, with a step in between when it runs ahead."""
+        caught_up = self.advance(scheduled)
+        for req in caught_up:
+            if req.generate:
+                self.take_token(req, 0 if sampled is None else sampled[req.request_id], now)
+        return caught_up
+
+    def advance(self, scheduled: list[tuple[Request, int]]) -> list[Request]:
+        """Computed tokens catch up with a step that has run (or been launched), full blocks
+        are published, and each generating request whose tokens are now all computed gets a
+        PENDING_TOKEN: its next token, to be given a value by take_token() once the step's
+        results are read. Requests finished meanwhile are skipped. Returns the requests whose
+        tokens are all computed, in batch order."""
         caught_up = []
         bs = self.pool.block_size
         for req, n in scheduled:
@@ -306,11 +320,22 @@ class Scheduler:
             if req.num_computed < len(req.prompt_ids) + len(req.output_ids):
                 continue
             if req.generate:
-                req.output_ids.append(0 if sampled is None else sampled[req.request_id])
-                req.first_token_time = req.first_token_time or now
-                req.last_token_time = now
+                req.output_ids.append(PENDING_TOKEN)
             caught_up.append(req)
         return caught_up
+
+    @staticmethod
+    def take_token(req: Request, token: int, now: float) -> None:
+        """The value of the request's pending token (its last), sampled by the step."""
+        req.output_ids[-1] = token
+        req.first_token_time = req.first_token_time or now
+        req.last_token_time = now
+
+    def hold(self, req: Request) -> None:
+        """Take a running request that will compute nothing more (its pending token is its
+        last) out of the policies' sight until it is finished; it keeps its blocks."""
+        self.running.remove(req)
+        self.held[req.request_id] = req
 
     def run_decode_if_fits(self, out: SchedulerOutput, req: Request) -> bool:
         """`run(out, req, 1)` for a running KV-cache decode when its block fits the free
@@ -372,7 +397,8 @@ class Scheduler:
     def finish(self, req: Request) -> None:
         """Remove a request wherever it is and free its blocks."""
         if req.status is Status.RUNNING:
-            self.running.remove(req)
+            if self.held.pop(req.request_id, None) is None:
+                self.running.remove(req)
         elif req.status is Status.WAITING and req in self.waiting:
             self.waiting.remove(req)
         self._forget_computing(req)

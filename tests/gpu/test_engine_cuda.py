@@ -75,7 +75,7 @@ def test_describe_names_the_gpu(pair):
     _, gpu = pair
     d = gpu.describe()
     assert d["device"].startswith("cuda:") and torch.cuda.get_device_name() in d["device"]
-    assert d["kernels"] == "triton" and d["cuda_graphs"], d
+    assert d["kernels"] == "triton" and d["cuda_graphs"] and d["launch_ahead"], d
 
 
 def test_logits_match_cpu(pair):
@@ -167,6 +167,50 @@ def test_cuda_graphs_equal_eager(pair, model_dirs):
                        strict=True):
         assert_same_tokens(cpu, p, b.token_ids, a.token_ids)
     _all_free(graphs, eager)
+
+
+def test_launch_ahead_equals_step_by_step(pair):
+    """The default (launching step N+1 before reading step N, pending tokens taken on the
+    device) against reading each step before the next, with stops, sampling and logprobs."""
+    cpu, gpu = pair
+    prompts = _prompts(24, seed=9, vocab=cpu.config.vocab_size)
+    params = [SamplingParams(max_tokens=1 + i % 9, ignore_eos=True,
+                             stop_token_ids=[7, 8, 9] if i % 3 == 0 else [],
+                             logprobs=2 if i % 4 == 0 else None,
+                             temperature=0.8 if i % 5 == 0 else 0.0, seed=i)
+              for i in range(24)]
+    ahead = gpu.generate(prompts, params)
+    gpu.launch_ahead = False
+    try:
+        step_by_step = gpu.generate(prompts, params)
+    finally:
+        gpu.launch_ahead = True
+    for p, a, b in zip(prompts, step_by_step, ahead, strict=True):
+        assert_same_tokens(cpu, p, a.token_ids, b.token_ids)
+        assert a.finish_reason == b.finish_reason
+    _all_free(gpu)
+
+
+def test_a_decode_step_waits_for_the_device_once(pair):
+    """No hidden synchronization: a pageable host-to-device copy, .item() or .tolist() would
+    stall the host behind the step it just launched. Only the read of the sampled ids
+    (an event wait, which the sync debug mode does not count) waits."""
+    cpu, gpu = pair
+    prompts = _prompts(16, seed=10, vocab=cpu.config.vocab_size)
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, seed=i,
+                             temperature=0.7 if i % 2 else 0.0) for i in range(16)]
+    ids = [gpu.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    for _ in range(3):  # prefills, and every graph and kernel warmed
+        gpu.step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):
+            gpu.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for i in ids:
+        assert gpu.wait(i).finish_reason == "length"
+    _all_free(gpu)
 
 
 def test_seeded_sampling_is_reproducible(pair):
