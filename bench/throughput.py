@@ -312,6 +312,8 @@ def run_llmdb_dir(args: argparse.Namespace) -> dict:
             kwargs[key] = value
     if args.kv_cache_gib:
         kwargs["kv_cache_bytes"] = int(args.kv_cache_gib * 2**30)
+    if args.launch_ahead != "auto":
+        kwargs["launch_ahead"] = args.launch_ahead == "on"
     engine = LLMEngine(str(args.model_dir), **kwargs)
     startup = time.perf_counter() - t_start
     prompts, wants = _read_rows(args.prompts)
@@ -340,6 +342,10 @@ def run_llmdb_dir(args: argparse.Namespace) -> dict:
         out |= {"host_ms_per_step": round(1000 * (after["host_s"] - before["host_s"]) / steps, 3),
                 "wall_ms_per_step": round(1000 * (after["wall_s"] - before["wall_s"]) / steps, 3),
                 "steps": steps}
+        if "device_idle_s" in after:  # the GPU waiting for the host between steps
+            idle = after["device_idle_s"] - before["device_idle_s"]
+            out |= {"device_idle_ms_per_step": round(1000 * idle / steps, 3),
+                    "launch_ahead": engine.launch_ahead}
     if args.device == "cpu":
         out["threads"] = torch.get_num_threads()
     return out
@@ -422,7 +428,8 @@ def _worker_cmd(worker: str, args: argparse.Namespace, prompts_file: Path, model
                         ("--rows-at-once", args.rows_at_once),
                         ("--max-num-seqs", args.max_num_seqs),
                         ("--max-num-batched-tokens", args.max_num_batched_tokens),
-                        ("--kv-cache-gib", args.kv_cache_gib)):
+                        ("--kv-cache-gib", args.kv_cache_gib),
+                        ("--launch-ahead", args.launch_ahead)):
         if value:
             cmd += [flag, str(value)]
     return cmd
@@ -479,6 +486,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="llmdb's token budget per step (default: 16384 on cuda)")
     ap.add_argument("--kv-cache-gib", type=float, default=None, help="llmdb's KV pool size")
+    ap.add_argument("--launch-ahead", choices=["auto", "on", "off"], default="auto",
+                    help="llmdb launches step N+1 before reading step N (auto: on GPUs)")
     ap.add_argument("--write-standard-prompts", action="store_true",
                     help=f"regenerate {STANDARD_PROMPTS.relative_to(ROOT)} and exit")
     ap.add_argument("--worker", help=argparse.SUPPRESS)

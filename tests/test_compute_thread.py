@@ -4,7 +4,7 @@ Proved: `run_on_compute_thread` runs fn on one and the same OS thread whichever 
 it (the main thread or several others at once), and that thread is none of the callers;
 a call made from inside fn runs inline on that thread (no deadlock); fn's return value comes
 back and its exception reaches the caller with type and message. On the real engine, the
-model work of `step()` (runner.execute) runs on that thread whether `generate` is called from
+model work of `step()` (runner.launch) runs on that thread whether `generate` is called from
 the main thread or from another one, and both give the same greedy tokens.
 """
 
@@ -84,13 +84,13 @@ def test_exception_propagates_with_type_and_message():
 def test_engine_steps_run_on_the_compute_thread(engine, monkeypatch):
     compute = _compute_ident()
     seen: list[int] = []
-    execute = engine.runner.execute
+    launch = engine.runner.launch
 
     def spy(*args, **kwargs):
         seen.append(threading.get_ident())
-        return execute(*args, **kwargs)
+        return launch(*args, **kwargs)
 
-    monkeypatch.setattr(engine.runner, "execute", spy)
+    monkeypatch.setattr(engine.runner, "launch", spy)
     prompt = engine.encode_prompt("The capital of France is")
     params = SamplingParams(max_tokens=6, ignore_eos=True)
 

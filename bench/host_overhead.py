@@ -1,0 +1,91 @@
+"""The host's work in a decode step outside the model: scheduling, input building, sampling
+bookkeeping and output handling, at N running requests.
+
+On a GPU the model runs asynchronously and this work is what the host must finish within a
+step's device time (with launch-ahead it overlaps the device; without, the device waits for
+it). Here it is measured on any machine: a tiny random Llama (bench/random_model.py) runs
+every step for real, on the CPU, and the time spent inside the model's forward and
+vocabulary projection is subtracted from each step's wall time. One JSON line per N.
+
+    python bench/host_overhead.py --running 64 256 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from random_model import write_random_model  # noqa: E402
+from throughput import commit  # noqa: E402
+
+
+def measure(model_dir: Path, running: int, steps: int, policy: str) -> dict:
+    import torch
+
+    from llmdb.engine.compute import run_on_compute_thread
+    from llmdb.engine.engine import LLMEngine
+    from llmdb.engine.params import SamplingParams
+
+    engine = LLMEngine(str(model_dir), device="cpu", dtype="fp32", kv_cache_bytes=512 << 20,
+                       max_num_seqs=max(running, 1), policy=policy)
+    rng = random.Random(0)
+    vocab = engine.config.vocab_size
+    params = SamplingParams(max_tokens=steps + 10, ignore_eos=True)
+    for _ in range(running):
+        engine.add_request([rng.randrange(3, vocab) for _ in range(rng.randrange(20, 60))],
+                           params)
+    while any(not r.is_decode for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()  # prefills done: every step from here is `running` decodes
+    model, runner = engine.model, engine.runner
+    inside = [0.0]
+
+    def timed(fn):
+        def run(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                inside[0] += time.perf_counter() - t
+        return run
+
+    runner.forward, model.logits = timed(runner.forward), timed(model.logits)
+
+    def loop() -> float:  # on the compute thread, as engine.step() runs it
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine._step()
+        return time.perf_counter() - t
+
+    wall = run_on_compute_thread(loop)
+    return {"name": "host_overhead", "running": running, "steps": steps, "policy": policy,
+            "host_ms_per_step": round(1000 * (wall - inside[0]) / steps, 3),
+            "model_ms_per_step": round(1000 * inside[0] / steps, 3),
+            "threads": torch.get_num_threads(), "commit": commit()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--running", type=int, nargs="+", default=[64, 256, 512])
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--policy", default="sarathi")
+    args = ap.parse_args(argv)
+    import torch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_random_model("tiny-llama", Path(tmp) / "m", dtype=torch.float32,
+                                       device="cpu")
+        for n in args.running:
+            print(json.dumps(measure(model_dir, n, args.steps, args.policy)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
