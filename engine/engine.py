@@ -367,11 +367,13 @@ class LLMEngine:
             return self._fail(step.scheduled, e)
         finished = []
         now = time.perf_counter()
+        plan = step.launched.plan
         with self._cond:
-            # Scores of a request preempted since the launch are computed again.
-            self._collect_scores([x for x, n in zip(step.scheduled, step.preemptions,
-                                                    strict=True) if x[0].num_preemptions == n],
-                                 result)
+            if plan.score or plan.choice or plan.keep:
+                # Scores of a request preempted since the launch are computed again.
+                self._collect_scores([x for x, n in zip(step.scheduled, step.preemptions,
+                                                        strict=True)
+                                      if x[0].num_preemptions == n], result)
             for req in step.caught_up:
                 if req.is_finished:  # aborted, or failed, while the step ran
                     continue

@@ -9,6 +9,7 @@ Decode-only steps on CUDA replay a captured graph (cuda_graphs.py).
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -61,9 +62,13 @@ class LaunchedStep:
     values: torch.Tensor | None = None  # fp64 results on the host (arriving, on a GPU)
     keep: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # keep_logits rows
     tokens: torch.Tensor | None = None  # the sampled ids, on the device
-    sample_index: dict[str, int] = field(default_factory=dict)  # request id -> row of tokens
     done: torch.cuda.Event | None = None  # recorded after the copy to the host (GPU only)
     started: torch.cuda.Event | None = None
+
+    @functools.cached_property
+    def sample_index(self) -> dict[str, int]:
+        """Request id -> its row of tokens (built when the next launch has pending tokens)."""
+        return {r.request_id: i for i, (r, _) in enumerate(self.plan.sample)}
 
 
 class ModelRunner:
@@ -147,17 +152,29 @@ class ModelRunner:
         tokens, starts, plan = [], [], _Plan()
         pending_rows, pending_from = [], []
         base = 0
+        prev = self._last
         for req, n in scheduled:
             start = req.num_computed
-            tokens.append(req.token_slice(start, n))
+            out = req.output_ids
+            if n == 1 and out and start == len(req.prompt_ids) + len(out) - 1:
+                # A decode (its last token; every step's common case, kept short)
+                last = out[-1]
+                tokens.append([last])
+                if last == PENDING_TOKEN:
+                    pending_rows.append(base)
+                    pending_from.append(prev.sample_index[req.request_id])
+                plan.sample.append((req, len(plan.rows)))
+                plan.rows.append(base)
+            else:
+                tokens.append(req.token_slice(start, n))
+                if start + n == req.num_tokens and out and out[-1] == PENDING_TOKEN:
+                    pending_rows.append(base + n - 1)
+                    pending_from.append(prev.sample_index[req.request_id])
+                self._plan_rows(plan, req, start, n, base)
             starts.append(start)
-            if start + n == req.num_tokens and req.output_ids[-1:] == [PENDING_TOKEN]:
-                pending_rows.append(base + n - 1)
-                pending_from.append(self._last.sample_index[req.request_id])
-            self._plan_rows(plan, req, start, n, base)
             base += n
         tables = [req.block_ids for req, _ in scheduled]
-        pending = (self._last.tokens, pending_rows, pending_from) if pending_rows else None
+        pending = (prev.tokens, pending_rows, pending_from) if pending_rows else None
         graph = (self.graphs.pick(scheduled, plan)
                  if self.graphs is not None and num_kv == len(scheduled) else None)
         if graph is not None:
@@ -212,15 +229,13 @@ class ModelRunner:
         if logits is None:
             return LaunchedStep(plan)
         parts, tokens = self._device_results(logits, plan)
-        values = torch.cat(parts) if parts else None
+        values = None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
         if values is not None and values.device.type != "cpu":
             host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
             values = host.copy_(values, non_blocking=True)
         keep = [(req.request_id, logits[row0 : row0 + count].float())
                 for req, row0, count in plan.keep]
-        return LaunchedStep(plan, values, keep, tokens,
-                            {r.request_id: i for i, (r, _) in enumerate(plan.sample)},
-                            done=self._event())
+        return LaunchedStep(plan, values, keep, tokens, done=self._event())
 
     def collect(self, step: LaunchedStep) -> StepOutput:
         """Wait for a launched step and read its results: the step's one device sync."""
@@ -257,9 +272,10 @@ class ModelRunner:
         tokens = None
         if plan.sample:
             reqs = [r for r, _ in plan.sample]
-            rows = [i for _, i in plan.sample]
-            picked = (logits if rows == list(range(logits.shape[0]))
-                      else logits[to_device(rows, dev)])
+            if len(plan.sample) == len(plan.rows) == logits.shape[0]:
+                picked = logits  # every logit row is sampled, in order
+            else:
+                picked = logits[to_device([i for _, i in plan.sample], dev)]
             keys = [0 if r.params.greedy else row_key(r.seed, len(r.output_ids)) for r in reqs]
             tokens = sample(picked, [r.params for r in reqs], keys)
             parts.append(tokens.double())

@@ -91,6 +91,13 @@ class StepBuffers:
         )
         return StepInputs(d64[:t], d64[t : 2 * t], batch, d64[3 * t : 3 * t + num_rows])
 
+    def _width(self, ctx: np.ndarray, block_size: int) -> int:
+        """Block-table columns the step needs (at least one)."""
+        width = max(1, -(-int(ctx.max(initial=0)) // block_size))
+        if width > self.max_blocks:
+            raise ValueError(f"a sequence of {int(ctx.max())} tokens exceeds the block tables")
+        return width
+
     def fill(self, tokens: list[list[int]], starts: list[int], block_tables: list[list[int]],
              rows: list[int], block_size: int, pad_to: int | None = None,
              num_kv_seqs: int | None = None,
@@ -107,30 +114,36 @@ class StepBuffers:
             self._use_host_set(self._turn)
         s = len(tokens)
         sk = s if num_kv_seqs is None else num_kv_seqs
-        qlens = [len(t) for t in tokens]
-        t = sum(qlens)
+        t = sum(map(len, tokens))
         total_s, total_t = (pad_to, t + pad_to - s) if pad_to else (s, t)
         if total_t > self.max_tokens or total_s > self.max_seqs:
             raise ValueError(f"a step of {total_t} tokens over {total_s} sequences exceeds the "
                              f"buffers ({self.max_tokens} tokens, {self.max_seqs} sequences)")
-        ctx = [a + q for a, q in zip(starts, qlens, strict=True)]
-        width = max((-(-c // block_size) for c in ctx[:sk]), default=1)
-        if width > self.max_blocks:
-            raise ValueError(f"a sequence of {max(ctx)} tokens exceeds the block tables")
         a64, a32 = self.np64, self.np32
         ids, pos, slots = (a64[k * total_t : (k + 1) * total_t] for k in range(3))
-        loc = np.zeros(total_s + 1, dtype=np.int64)
-        np.cumsum([*qlens, *([1] * (total_s - s))], out=loc[1:])
-        tables = self.np_tables[: total_s * width].reshape(total_s, width)
-        if s and max(qlens) == 1:  # decodes: one token each, vectorized
+        loc = a32[: total_s + 1]
+        ctx = a32[total_s + 1 : 2 * total_s + 1]
+        ctx[s:] = 0
+        if t == s:  # decodes, one token each (every step's common case): vectorized
+            loc[:] = np.arange(total_s + 1)
+            p = np.asarray(starts, dtype=np.int64)
+            ctx[:s] = p + 1
+            width = self._width(ctx[:sk], block_size)
+            tables = self.np_tables[: total_s * width].reshape(total_s, width)
             ids[:s] = [tk[0] for tk in tokens]
-            pos[:s] = starts
+            pos[:s] = p
             for i, table in enumerate(block_tables[:sk]):
                 tables[i, : len(table)] = table
-            p = np.asarray(starts[:sk], dtype=np.int64)
+            p = p[:sk]
             slots[:sk] = tables[np.arange(sk), p // block_size] * block_size + p % block_size
             slots[sk:s] = PAD_SLOT
         else:
+            qlens = [len(tk) for tk in tokens]
+            loc[0] = 0
+            np.cumsum([*qlens, *([1] * (total_s - s))], out=loc[1:])
+            ctx[:s] = [a + q for a, q in zip(starts, qlens, strict=True)]
+            width = self._width(ctx[:sk], block_size)
+            tables = self.np_tables[: total_s * width].reshape(total_s, width)
             for i, (tk, a, table) in enumerate(zip(tokens, starts, block_tables, strict=True)):
                 lo, hi = loc[i], loc[i + 1]
                 ids[lo:hi] = tk
@@ -151,17 +164,15 @@ class StepBuffers:
             sampled, pending_rows, indices = pending
             p0, n64 = n64, n64 + 2 * len(pending_rows)
             a64[p0:n64] = [*pending_rows, *indices]
-        a32[: total_s + 1] = loc
-        a32[total_s + 1 : 2 * total_s + 1] = [*ctx, *([0] * (total_s - s))]
         if self.dev_tables is not None:
             n32 = 2 * total_s + 1
             self.dev64[:n64].copy_(self.host64[:n64], non_blocking=True)
             self.dev32[:n32].copy_(self.host32[:n32], non_blocking=True)
             host_view = self.host_tables[: total_s * width].view(total_s, width)
             self.dev_tables[:total_s, :width].copy_(host_view, non_blocking=True)
-        inputs = self.views(total_t, total_s, len(rows), width, block_size,
-                            max(qlens[:sk], default=0), max(ctx[:sk], default=0),
-                            None if pad_to else sk)
+        max_q = 0 if not sk else 1 if t == s else int((loc[1 : sk + 1] - loc[:sk]).max())
+        inputs = self.views(total_t, total_s, len(rows), width, block_size, max_q,
+                            int(ctx[:sk].max(initial=0)), None if pad_to else sk)
         if pending is not None:
             k = len(pending_rows)
             where, source = self.dev64[p0 : p0 + k], self.dev64[p0 + k : p0 + 2 * k]
