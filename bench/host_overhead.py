@@ -27,7 +27,8 @@ from random_model import write_random_model  # noqa: E402
 from throughput import commit  # noqa: E402
 
 
-def measure(model_dir: Path, running: int, steps: int, policy: str) -> dict:
+def measure(model_dir: Path, running: int, steps: int, policy: str, launch_ahead: bool
+            ) -> dict:
     import torch
 
     from llmdb.engine.compute import run_on_compute_thread
@@ -35,7 +36,8 @@ def measure(model_dir: Path, running: int, steps: int, policy: str) -> dict:
     from llmdb.engine.params import SamplingParams
 
     engine = LLMEngine(str(model_dir), device="cpu", dtype="fp32", kv_cache_bytes=512 << 20,
-                       max_num_seqs=max(running, 1), policy=policy)
+                       max_num_seqs=max(running, 1), policy=policy,
+                       launch_ahead=launch_ahead)
     rng = random.Random(0)
     vocab = engine.config.vocab_size
     params = SamplingParams(max_tokens=steps + 10, ignore_eos=True)
@@ -66,6 +68,7 @@ def measure(model_dir: Path, running: int, steps: int, policy: str) -> dict:
 
     wall = run_on_compute_thread(loop)
     return {"name": "host_overhead", "running": running, "steps": steps, "policy": policy,
+            "launch_ahead": launch_ahead,
             "host_ms_per_step": round(1000 * (wall - inside[0]) / steps, 3),
             "model_ms_per_step": round(1000 * inside[0] / steps, 3),
             "threads": torch.get_num_threads(), "commit": commit()}
@@ -76,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--running", type=int, nargs="+", default=[64, 256, 512])
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--policy", default="sarathi")
+    ap.add_argument("--launch-ahead", action="store_true",
+                    help="the GPU's way: read each step after launching the next")
     args = ap.parse_args(argv)
     import torch
 
@@ -83,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = write_random_model("tiny-llama", Path(tmp) / "m", dtype=torch.float32,
                                        device="cpu")
         for n in args.running:
-            print(json.dumps(measure(model_dir, n, args.steps, args.policy)), flush=True)
+            print(json.dumps(measure(model_dir, n, args.steps, args.policy,
+                                     args.launch_ahead)), flush=True)
     return 0
 
 

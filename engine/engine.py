@@ -337,11 +337,14 @@ class LLMEngine:
         if launched is not None:
             with self._cond:
                 caught_up = self.scheduler.advance(out.scheduled)
-                for req in caught_up:
-                    if self._is_last(req):
-                        self.scheduler.hold(req)
+                if self.launch_ahead:  # (step by step, they finish before the next schedule)
+                    for req in caught_up:
+                        if self._is_last(req):
+                            self.scheduler.hold(req)
+            plan = launched.plan
             self._in_flight = _InFlight(out.scheduled, caught_up, launched,
-                                        [r.num_preemptions for r, _ in out.scheduled])
+                                        [r.num_preemptions for r, _ in out.scheduled]
+                                        if plan.score or plan.choice or plan.keep else [])
             if not self.launch_ahead:
                 finished += self._read(self._in_flight)
                 wait, self._in_flight = wait + self.runner.last_wait_s, None
@@ -374,6 +377,7 @@ class LLMEngine:
                 self._collect_scores([x for x, n in zip(step.scheduled, step.preemptions,
                                                         strict=True)
                                       if x[0].num_preemptions == n], result)
+            sampled, take_token = result.sampled, self.scheduler.take_token
             for req in step.caught_up:
                 if req.is_finished:  # aborted, or failed, while the step ran
                     continue
@@ -381,10 +385,10 @@ class LLMEngine:
                     self._finish(req, "stop")
                     finished.append(req.request_id)
                     continue
-                self.scheduler.take_token(req, result.sampled[req.request_id], now)
-                self.tokens_generated += 1
+                take_token(req, sampled[req.request_id], now)
                 if self._after_token(req, result):
                     finished.append(req.request_id)
+            self.tokens_generated += len(sampled)
         return finished
 
     def _fail(self, scheduled: list[tuple[Request, int]], e: Exception) -> list[str]:
@@ -602,8 +606,8 @@ class LLMEngine:
 
 @dataclass
 class _InFlight:
-    """A launched step not read yet: what it ran, who caught up, and each request's count of
-    preemptions at launch."""
+    """A launched step not read yet: what it ran, who caught up, and (when it computes
+    scores) each request's count of preemptions at launch."""
 
     scheduled: list[tuple[Request, int]]
     caught_up: list[Request]
