@@ -55,4 +55,3 @@ def device_name(device: torch.device) -> str:
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-

@@ -40,4 +40,3 @@ def cpu_info() -> CPUInfo:
         pass
     return CPUInfo(fields.get("model name") or platform.processor() or platform.machine(),
                    frozenset(fields.get("flags", "").split()))
-
