@@ -35,9 +35,9 @@ def measure(model_dir: Path, running: int, steps: int, policy: str, launch_ahead
     from llmdb.engine.engine import LLMEngine
     from llmdb.engine.params import SamplingParams
 
+    kwargs = {"launch_ahead": launch_ahead} if launch_ahead else {}  # (older engines lack it)
     engine = LLMEngine(str(model_dir), device="cpu", dtype="fp32", kv_cache_bytes=512 << 20,
-                       max_num_seqs=max(running, 1), policy=policy,
-                       launch_ahead=launch_ahead)
+                       max_num_seqs=max(running, 1), policy=policy, **kwargs)
     rng = random.Random(0)
     vocab = engine.config.vocab_size
     params = SamplingParams(max_tokens=steps + 10, ignore_eos=True)
