@@ -358,7 +358,11 @@ class LLMEngine:
     def _is_last(self, req: Request) -> bool:
         """Will the request compute nothing after its pending token (scoring requests: after
         the step just launched)? Then it finishes when that step is read."""
-        return (not req.generate or len(req.output_ids) >= req.params.max_tokens
+        return not req.generate or self._at_length(req)
+
+    def _at_length(self, req: Request) -> bool:
+        """Its last token is its max_tokens-th, or fills the model's context."""
+        return (len(req.output_ids) >= req.params.max_tokens
                 or req.num_tokens >= self.config.max_context)
 
     def _read(self, step: _InFlight) -> list[str]:
@@ -422,7 +426,7 @@ class LLMEngine:
             reason = "stop"
         elif p.stop and self._stop_watch(req).add(token):
             reason = "stop"
-        elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.config.max_context:
+        elif self._at_length(req):
             reason = "length"
         else:
             return False
