@@ -390,9 +390,9 @@ class LLMEngine:
                     finished.append(req.request_id)
                     continue
                 take_token(req, sampled[req.request_id], now)
+                self.tokens_generated += 1
                 if self._after_token(req, result):
                     finished.append(req.request_id)
-            self.tokens_generated += len(sampled)
         return finished
 
     def _fail(self, scheduled: list[tuple[Request, int]], e: Exception) -> list[str]:
