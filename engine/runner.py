@@ -174,15 +174,16 @@ class ModelRunner:
             starts.append(start)
             base += n
         tables = [req.block_ids for req, _ in scheduled]
+        owners = [req.request_id for req, _ in scheduled]
         pending = (prev.tokens, pending_rows, pending_from) if pending_rows else None
         graph = (self.graphs.pick(scheduled, plan)
                  if self.graphs is not None and num_kv == len(scheduled) else None)
         if graph is not None:
-            inputs = self.buffers.fill(tokens, starts, tables, [], self.block_size,
+            inputs = self.buffers.fill(tokens, starts, owners, tables, [], self.block_size,
                                        pad_to=graph.batch_size, pending=pending)
             logits = graph.replay()[: len(scheduled)]
         else:
-            inputs = self.buffers.fill(tokens, starts, tables, plan.rows, self.block_size,
+            inputs = self.buffers.fill(tokens, starts, owners, tables, plan.rows, self.block_size,
                                        num_kv_seqs=num_kv, pending=pending)
             if num_kv < len(scheduled):
                 qlens = [n for _, n in scheduled[num_kv:]]

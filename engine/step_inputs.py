@@ -38,6 +38,49 @@ class StepInputs:
     hidden: HiddenBatch | None = None
 
 
+class BlockTableRows:
+    """Each sequence's block table kept in a row of one host table across steps.
+
+    Rewriting every sequence's table every step cost the host about a microsecond per
+    sequence, more with long contexts; a decode adds one block every block_size steps. So a
+    row stays with its owner, only blocks added since the last step are written, and a step
+    gathers its rows in one take (vLLM keeps a persistent batch for the same reason). A row
+    follows its owner's block list object: a new list (blocks freed, preempted, converted,
+    taken from the prefix cache) is written whole, the same list grown has its tail written.
+    The scheduler only ever replaces or extends a request's block list (Request.block_ids).
+    """
+
+    def __init__(self, max_seqs: int, max_blocks: int):
+        self.table = np.zeros((max_seqs, max_blocks), dtype=np.int32)
+        self._entries: dict[str, list] = {}  # owner -> [row, its block list, blocks written]
+        self._free = list(range(max_seqs))
+
+    def rows(self, owners: list[str], block_tables: list[list[int]]) -> list[int]:
+        """The table rows holding these owners' block lists, brought up to date."""
+        out = []
+        entries, table = self._entries, self.table
+        for owner, blocks in zip(owners, block_tables, strict=True):
+            entry = entries.get(owner)
+            n = len(blocks)
+            if entry is None:
+                entry = entries[owner] = [self._free_row(owners), blocks, 0]
+            elif entry[1] is not blocks:
+                entry[1], entry[2] = blocks, 0
+            done = entry[2]
+            if n > done:
+                table[entry[0], done:n] = blocks[done:] if done else blocks
+            entry[2] = n
+            out.append(entry[0])
+        return out
+
+    def _free_row(self, owners: list[str]) -> int:
+        if not self._free:  # rows of sequences that are not in this step go back
+            keep = set(owners)
+            for owner in [o for o in self._entries if o not in keep]:
+                self._free.append(self._entries.pop(owner)[0])
+        return self._free.pop()
+
+
 class StepBuffers:
     def __init__(self, device: torch.device, max_tokens: int, max_seqs: int,
                  max_blocks: int):
@@ -49,6 +92,7 @@ class StepBuffers:
         self._host_sets = [self._host_set(pin) for _ in range(2 if pin else 1)]
         self._turn = 0
         self._use_host_set(0)
+        self.block_tables = BlockTableRows(max_seqs, max_blocks)
         if pin:
             self.dev64 = torch.zeros_like(self.host64, device=device)
             self.dev32 = torch.zeros_like(self.host32, device=device)
@@ -98,11 +142,23 @@ class StepBuffers:
             raise ValueError(f"a sequence of {int(ctx.max())} tokens exceeds the block tables")
         return width
 
-    def fill(self, tokens: list[list[int]], starts: list[int], block_tables: list[list[int]],
-             rows: list[int], block_size: int, pad_to: int | None = None,
-             num_kv_seqs: int | None = None,
+    def _tables(self, owners: list[str], block_tables: list[list[int]], sk: int,
+                total_s: int, ctx: np.ndarray, block_size: int) -> np.ndarray:
+        """The step's [total_s, width] host block tables, the first sk rows those of the
+        KV-cache sequences (the rest are not read)."""
+        width = self._width(ctx[:sk], block_size)
+        tables = self.np_tables[: total_s * width].reshape(total_s, width)
+        if sk:
+            rows = self.block_tables.rows(owners[:sk], block_tables[:sk])
+            np.take(self.block_tables.table[:, :width], rows, axis=0, out=tables[:sk])
+        return tables
+
+    def fill(self, tokens: list[list[int]], starts: list[int], owners: list[str],
+             block_tables: list[list[int]], rows: list[int], block_size: int,
+             pad_to: int | None = None, num_kv_seqs: int | None = None,
              pending: tuple[torch.Tensor, list[int], list[int]] | None = None) -> StepInputs:
-        """tokens[i]: the ids sequence i computes this step, from position starts[i]; rows:
+        """tokens[i]: the ids sequence i computes this step, from position starts[i], over
+        the blocks block_tables[i] of owners[i] (a request id: see BlockTableRows); rows:
         packed rows whose logits are wanted. pad_to (decode graphs) adds sequences of one
         padding token each, with no context, up to that many. Sequences from num_kv_seqs on
         keep hidden states, not K/V: their tokens get slot PAD_SLOT and the attention batch
@@ -128,12 +184,9 @@ class StepBuffers:
             loc[:] = np.arange(total_s + 1)
             p = np.asarray(starts, dtype=np.int64)
             ctx[:s] = p + 1
-            width = self._width(ctx[:sk], block_size)
-            tables = self.np_tables[: total_s * width].reshape(total_s, width)
+            tables = self._tables(owners, block_tables, sk, total_s, ctx, block_size)
             ids[:s] = [tk[0] for tk in tokens]
             pos[:s] = p
-            for i, table in enumerate(block_tables[:sk]):
-                tables[i, : len(table)] = table
             p = p[:sk]
             slots[:sk] = tables[np.arange(sk), p // block_size] * block_size + p % block_size
             slots[sk:s] = PAD_SLOT
@@ -142,9 +195,8 @@ class StepBuffers:
             loc[0] = 0
             np.cumsum([*qlens, *([1] * (total_s - s))], out=loc[1:])
             ctx[:s] = [a + q for a, q in zip(starts, qlens, strict=True)]
-            width = self._width(ctx[:sk], block_size)
-            tables = self.np_tables[: total_s * width].reshape(total_s, width)
-            for i, (tk, a, table) in enumerate(zip(tokens, starts, block_tables, strict=True)):
+            tables = self._tables(owners, block_tables, sk, total_s, ctx, block_size)
+            for i, (tk, a) in enumerate(zip(tokens, starts, strict=True)):
                 lo, hi = loc[i], loc[i + 1]
                 ids[lo:hi] = tk
                 p = np.arange(a, a + len(tk))
@@ -152,9 +204,7 @@ class StepBuffers:
                 if i >= sk:
                     slots[lo:hi] = PAD_SLOT
                     continue
-                row = np.asarray(table, dtype=np.int64)
-                slots[lo:hi] = row[p // block_size] * block_size + p % block_size
-                tables[i, : len(table)] = table
+                slots[lo:hi] = tables[i, p // block_size] * block_size + p % block_size
         if total_t > t:  # padding sequences: token 0 at position 0, nowhere in the cache
             ids[t:], pos[t:], slots[t:] = 0, 0, PAD_SLOT
             tables[s:] = 0
@@ -164,6 +214,7 @@ class StepBuffers:
             sampled, pending_rows, indices = pending
             p0, n64 = n64, n64 + 2 * len(pending_rows)
             a64[p0:n64] = [*pending_rows, *indices]
+        width = tables.shape[1]
         if self.dev_tables is not None:
             n32 = 2 * total_s + 1
             self.dev64[:n64].copy_(self.host64[:n64], non_blocking=True)

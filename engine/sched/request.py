@@ -41,6 +41,7 @@ class Request:
     slo_tbt_s: float | None = None
     status: Status = Status.WAITING
     num_computed: int = 0
+    # Replaced or extended, never changed in place: the runner mirrors it (BlockTableRows).
     block_ids: list[int] = field(default_factory=list)
     # Generation stops after max_tokens; scoring requests generate nothing (generate=False).
     generate: bool = True
