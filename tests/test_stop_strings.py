@@ -80,3 +80,32 @@ def test_matches_the_full_decode_with_a_sentencepiece_decoder():
         stops = [text[start : start + rng.randint(1, 5)]]
         want = first_stop_by_full_decode(tok.decode, ids, stops)
         assert first_stop_by_watch(tok.decode, ids, stops) == want, (ids, stops)
+
+
+def test_streamed_text_is_a_prefix_of_the_answer_and_adds_up_to_it(tokenizer):
+    """llmdb serve's stream (server/text.py), decoding each token once: what it has sent is
+    always a prefix of the final answer (the whole output's decode, cut at the first stop
+    string), and the end's flush adds the rest."""
+    from types import SimpleNamespace
+
+    from llmdb.server.text import IncrementalText
+
+    rng = random.Random(2)
+    text_ids = tokenizer.encode(TEXT)
+    for trial in range(60):
+        ids = (text_ids if trial % 2 else
+               [rng.randrange(tokenizer.vocab_size) for _ in range(40)])
+        full = tokenizer.decode(ids)
+        start = rng.randrange(max(1, len(full) - 3))
+        stops = [] if trial % 3 == 0 else [full[start : start + rng.randint(1, 6)] or "x"]
+        k = first_stop_by_full_decode(tokenizer.decode, ids, stops)
+        answer = tokenizer.decode(ids if k is None else ids[: k + 1])
+        answer = answer[: min((answer.find(s) for s in stops if s in answer),
+                              default=len(answer))]
+        stream = IncrementalText(tokenizer, stops)
+        sent = ""
+        for n in range(1, len(ids) + 1 if k is None else k + 2):
+            sent += stream.push(ids[:n])
+            assert answer.startswith(sent), (ids, stops)
+        sent += stream.flush(SimpleNamespace(text=answer))
+        assert sent == answer

@@ -1,34 +1,46 @@
 """Streamed text that is always a prefix of the final answer.
 
-Decoding a growing list of ids can end in half a multi-byte character (U+FFFD) and can end in
-the first characters of a stop string that the final answer will not contain; both are held
-back until the next token or the end settles them.
+Text is sent as tokens complete whole characters (a multi-byte character split across
+tokens waits for its last byte), less the last len(longest stop string) - 1 characters,
+which may be the start of a stop string the final answer will not contain; the end settles
+them. Each token is decoded once (engine/detokenize.py), not the whole output every token.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from llmdb.engine.detokenize import TextStream
 from llmdb.engine.outputs import RequestResult
 
 
 class IncrementalText:
     def __init__(self, tokenizer, stops: Sequence[str]):
-        self.tokenizer = tokenizer
+        self.stream = TextStream(tokenizer.decode)
         self.stops = list(stops)
         self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.sent = 0
+        self.seen = 0  # ids decoded
+        self.unsent = ""  # whole text not sent yet
+        self.sent = 0  # characters sent
+        self.stopped = False
 
     def push(self, ids: list[int]) -> str:
         """The new text that is safe to send after `ids` (all generated ids so far)."""
-        text = self.tokenizer.decode(ids)
-        cut = min((text.find(s) for s in self.stops if s in text), default=len(text))
-        safe = min(cut, len(text) - self.hold)
-        while safe > self.sent and text[safe - 1] == "\ufffd":
-            safe -= 1
-        if safe <= self.sent:
+        for token in ids[self.seen:]:
+            new, whole = self.stream.add(token)
+            if whole:
+                self.unsent += new
+        self.seen = len(ids)
+        if self.stopped:
             return ""
-        piece, self.sent = text[self.sent : safe], safe
+        # A stop string starting in the text already sent would have ended within the
+        # held-back characters, and been found then: only the unsent text is searched.
+        text = self.unsent
+        cut = min((text.find(s) for s in self.stops if s in text), default=None)
+        self.stopped = cut is not None
+        safe = cut if self.stopped else max(0, len(text) - self.hold)
+        piece, self.unsent = text[:safe], text[safe:]
+        self.sent += len(piece)
         return piece
 
     def flush(self, result: RequestResult) -> str:
