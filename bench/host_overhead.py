@@ -8,6 +8,7 @@ every step for real, on the CPU, and the time spent inside the model's forward a
 vocabulary projection is subtracted from each step's wall time. One JSON line per N.
 
     python bench/host_overhead.py --running 64 256 512
+    python bench/host_overhead.py --fill-blocks 4 32 64   # StepBuffers.fill alone
 """
 
 from __future__ import annotations
@@ -74,6 +75,29 @@ def measure(model_dir: Path, running: int, steps: int, policy: str, launch_ahead
             "threads": torch.get_num_threads(), "commit": commit()}
 
 
+def measure_fill(running: int, blocks: int, repeats: int = 500) -> dict:
+    """StepBuffers.fill alone for `running` decodes over about `blocks` blocks each."""
+    import torch
+
+    from llmdb.engine.step_inputs import StepBuffers
+
+    bs = 16
+    buffers = StepBuffers(torch.device("cpu"), 4096, running, 4 * blocks)
+    rng = random.Random(0)
+    starts = [rng.randrange(blocks * bs // 2, blocks * bs * 3 // 2) for _ in range(running)]
+    tables = [list(range(i * 4 * blocks, i * 4 * blocks + s // bs + 1))
+              for i, s in enumerate(starts)]
+    args = ([[5]] * running, starts, [f"r{i}" for i in range(running)], tables, [], bs)
+    for _ in range(10):
+        buffers.fill(*args)
+    t = time.perf_counter()
+    for _ in range(repeats):
+        buffers.fill(*args)
+    return {"name": "host_overhead_fill", "running": running, "blocks_per_seq": blocks,
+            "fill_us": round(1e6 * (time.perf_counter() - t) / repeats, 1),
+            "commit": commit()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--running", type=int, nargs="+", default=[64, 256, 512])
@@ -81,8 +105,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default="sarathi")
     ap.add_argument("--launch-ahead", action="store_true",
                     help="the GPU's way: read each step after launching the next")
+    ap.add_argument("--fill-blocks", type=int, nargs="+",
+                    help="time StepBuffers.fill alone at these blocks per sequence instead")
     args = ap.parse_args(argv)
     import torch
+
+    if args.fill_blocks:
+        for blocks in args.fill_blocks:
+            for n in args.running:
+                print(json.dumps(measure_fill(n, blocks)), flush=True)
+        return 0
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_random_model("tiny-llama", Path(tmp) / "m", dtype=torch.float32,

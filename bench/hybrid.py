@@ -167,13 +167,18 @@ def attainment(eng: LLMEngine, specs, args, seed: int) -> dict:
     for rid in ids:
         eng.wait(rid)
     eng.stop_background_loop()
-    ok = []
+    ok, late, slow, max_gap = [], 0, 0, 0.0
     for k, t0 in enumerate(arrived):
         ts = times[k]
         gaps = np.diff(ts)
         p99 = float(np.percentile(gaps, 99)) if len(gaps) else 0.0
+        max_gap = max(max_gap, float(gaps.max(initial=0.0)))
+        late += not ts or ts[0] - t0 > args.ttft
+        slow += p99 > args.tbt
         ok.append(bool(ts) and ts[0] - t0 <= args.ttft and p99 <= args.tbt)
-    return {"attainment": round(sum(ok) / len(ok), 3),
+    # Which SLO the misses broke, and the longest stall between two tokens of a request.
+    return {"attainment": round(sum(ok) / len(ok), 3), "missed_ttft": late,
+            "missed_tbt": slow, "max_gap_s": round(max_gap, 3),
             "mean_ttft_s": round(statistics.mean(times[k][0] - a for k, a in enumerate(arrived)
                                                  if times[k]), 3)}
 
