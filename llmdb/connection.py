@@ -209,7 +209,9 @@ def connect(database: str = ":memory:", model: str = "smollm2-135m", **options: 
     backend='openai' with endpoints=[URL, ...] (OpenAI-compatible servers: llmdb serve, vLLM,
     hosted APIs, as replicas) and api_key_env='VAR' (the variable holding the key) runs the
     calls there instead; its options: served_model, max_concurrency (per endpoint),
-    requests_per_minute, tokens_per_minute, timeout_s, max_retries. backend may also be a
+    requests_per_minute, tokens_per_minute, timeout_s, max_retries, send_priority (vLLM's
+    priority field on bulk rows; interactive rows take free slots first either way).
+    backend may also be a
     Backend object (for `model`). Connections of a process with the same endpoints share
     their HTTP clients, concurrency and rate limits. Without backend=, a model registered with
     `llmdb models add NAME --endpoint URL` runs on its endpoints.

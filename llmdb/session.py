@@ -24,10 +24,10 @@ from .backends import Backend
 from .backends.standin import STANDIN_MODEL, standin_backend
 from .result_cache import DEFAULT_MAX_BYTES, ResultCache, open_cache
 
-# Options of the openai backend (llmdb/backends/replicas.py: ReplicaLimits), besides
+# Options of the openai backend (OpenAIBackend's, and ReplicaLimits' in replicas.py), besides
 # endpoints and api_key_env.
 REMOTE_OPTIONS = ("served_model", "max_concurrency", "requests_per_minute", "tokens_per_minute",
-                  "timeout_s", "max_retries")
+                  "timeout_s", "max_retries", "send_priority")
 ON_ERROR = ("raise", "null")
 PROGRESS_MIN_ROWS = 32  # smaller jobs finish before a bar would be worth reading
 MAX_KEPT_ERRORS = 10_000

@@ -150,6 +150,45 @@ def test_concurrency_is_bounded_per_replica(backends):
         assert len(a.seen) + len(b.seen) == 12
 
 
+def test_interactive_rows_take_free_slots_before_bulk_ones(backends):
+    """A query beside a bulk job does not queue behind its rows: with one slot busy and bulk
+    rows waiting for it, an interactive row submitted after them is sent next."""
+    async def slow(path, body):
+        await asyncio.sleep(0.5)
+        return 200, {}, chat_answer("done")
+
+    with StubEndpoint(slow) as a:
+        backend = backends([a.url], max_concurrency=1)
+        done = threading.Semaphore(0)
+
+        def submit(text: str, priority: str) -> str:
+            req = GenerationRequest([{"role": "user", "content": text}],
+                                    SamplingParams(max_tokens=1), priority=priority)
+            return backend.submit(req, done.release)
+
+        handles = [submit(f"bulk {i}", "BE") for i in range(4)]
+        time.sleep(0.1)  # the first bulk row holds the slot, three wait
+        handles.append(submit("query", "RT"))
+        for _ in handles:
+            assert done.acquire(timeout=30)
+        order = [s.body["messages"][-1]["content"] for s in a.seen]
+        assert order == ["bulk 0", "query", "bulk 1", "bulk 2", "bulk 3"]
+        assert all("priority" not in s.body for s in a.seen)  # not sent unless asked
+
+
+def test_send_priority_marks_bulk_rows_for_the_server(backends):
+    with StubEndpoint(_script((200, {}, chat_answer("ok")))) as a:
+        backend = backends([a.url], send_priority=True)
+        for priority in ("BE", "RT"):
+            done = threading.Event()
+            req = GenerationRequest([{"role": "user", "content": priority}],
+                                    SamplingParams(max_tokens=1), priority=priority)
+            handle = backend.submit(req, done.set)
+            assert done.wait(30) and backend.collect(handle).text == "ok"
+        bodies = {s.body["messages"][-1]["content"]: s.body for s in a.seen}
+        assert bodies["BE"]["priority"] == 1 and "priority" not in bodies["RT"]
+
+
 def test_requests_per_minute(backends):
     with StubEndpoint(_script((200, {}, chat_answer("ok")))) as stub:
         backend = backends([stub.url], requests_per_minute=600)  # 10 a second, 10 at once

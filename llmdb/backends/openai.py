@@ -62,13 +62,18 @@ def _needs_logprobs(url: str, what: str) -> EndpointError:
 
 class OpenAIBackend:
     def __init__(self, name: str, endpoints: Sequence[str], *, api_key_env: str | None = None,
-                 served_model: str | None = None, **limits: Any):
+                 served_model: str | None = None, send_priority: bool = False, **limits: Any):
         """`name` is the model's name in SQL; `served_model` the one sent to the endpoints
-        (default: the same). Limits: ReplicaLimits' fields."""
+        (default: the same). Interactive (RT) rows take free replica slots before bulk (BE)
+        ones here; send_priority also tells the servers, as vLLM's `priority` field (bulk
+        rows 1, interactive 0: lower runs first; llmdb serve reads priority > 0 as bulk).
+        Off by default: hosted APIs reject the field, and vLLM refuses a non-zero priority
+        unless it runs with --scheduling-policy priority. Limits: ReplicaLimits' fields."""
         if isinstance(endpoints, str):
             endpoints = [endpoints]
         self.name = name
         self.served_model = served_model or name
+        self.send_priority = send_priority
         self.endpoints = [base_url(u) for u in endpoints]
         headers = {}
         if api_key_env:
@@ -199,12 +204,18 @@ class OpenAIBackend:
     def _estimate(self, prompt: Prompt, max_tokens: int) -> int:
         return math.ceil(len(json.dumps(prompt)) / CHARS_PER_TOKEN) + max_tokens
 
-    async def _chat(self, prompt: Prompt, fields: dict[str, Any], max_tokens: int
-                    ) -> tuple[dict[str, Any], dict[str, Any]]:
+    async def _post(self, path: str, body: dict[str, Any], tokens: int, priority: str
+                    ) -> dict[str, Any]:
+        if self.send_priority and priority == "BE":
+            body = {**body, "priority": 1}
+        return await self.pool.post(path, body, tokens, priority)
+
+    async def _chat(self, prompt: Prompt, fields: dict[str, Any], max_tokens: int,
+                    priority: str) -> tuple[dict[str, Any], dict[str, Any]]:
         body = {"model": self.served_model, "messages": prompt, "max_tokens": max_tokens,
                 **fields}
-        data = await self.pool.post("/v1/chat/completions", body,
-                                    self._estimate(prompt, max_tokens))
+        data = await self._post("/v1/chat/completions", body,
+                                self._estimate(prompt, max_tokens), priority)
         try:
             return data["choices"][0], data.get("usage") or {}
         except (KeyError, IndexError, TypeError) as e:
@@ -220,7 +231,8 @@ class OpenAIBackend:
                     "stop": bool(p.stop), "stop_token_ids": bool(p.stop_token_ids),
                     "ignore_eos": p.ignore_eos}
         fields.update({k: getattr(p, k) for k, on in optional.items() if on})
-        choice, usage = await self._chat(request.prompt, fields, p.max_tokens)
+        choice, usage = await self._chat(request.prompt, fields, p.max_tokens,
+                                         request.priority)
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         return BackendResult(
             text=(choice.get("message") or {}).get("content") or "",
@@ -231,7 +243,7 @@ class OpenAIBackend:
     async def _choose(self, request: ChoiceRequest) -> BackendResult:
         choice, usage = await self._chat(
             request.prompt, {"temperature": 0, "logprobs": True, "top_logprobs": TOP_LOGPROBS},
-            max_tokens=1)
+            max_tokens=1, priority=request.priority)
         content = (choice.get("logprobs") or {}).get("content")
         if not content or not content[0].get("top_logprobs"):
             raise _needs_logprobs(", ".join(self.endpoints), "logprobs (top_logprobs)")
@@ -242,12 +254,14 @@ class OpenAIBackend:
                      for p in ("", " ")}
             p = sum(top.get(f, 0.0) for f in forms)
             if p == 0.0 and self._has_tokenize is not False:
-                p = await self._probability_of(request.prompt, sorted(forms))
+                p = await self._probability_of(request.prompt, sorted(forms),
+                                               request.priority)
             probs.append(p)
         return BackendResult(word_probs=tuple(probs),
                              prompt_tokens=usage.get("prompt_tokens", 0))
 
-    async def _probability_of(self, prompt: Prompt, spellings: list[str]) -> float:
+    async def _probability_of(self, prompt: Prompt, spellings: list[str], priority: str
+                              ) -> float:
         """The summed next-token probability of a word none of whose spellings is in the
         top 20, each one-token spelling scored through prompt_logprobs (one request each);
         0 where the endpoints have no /tokenize."""
@@ -260,7 +274,8 @@ class OpenAIBackend:
             self._has_tokenize = False
             return 0.0
         singles = sorted({i[0] for i in ids if len(i) == 1})
-        rows = await asyncio.gather(*(self._prompt_logprobs([*prompt_ids, t]) for t in singles))
+        rows = await asyncio.gather(*(self._prompt_logprobs([*prompt_ids, t], priority)
+                                      for t in singles))
         return sum(math.exp(r[-1]) for r in rows)
 
     async def _score(self, request: ScoreRequest) -> BackendResult:
@@ -269,15 +284,15 @@ class OpenAIBackend:
         answer = await self._tokenize({"prompt": request.continuation,
                                        "add_special_tokens": False})
         ids = [*prompt_ids, *answer, await self._end_of_turn()]
-        logprobs = await self._prompt_logprobs(ids)
+        logprobs = await self._prompt_logprobs(ids, request.priority)
         return BackendResult(logprob=sum(logprobs[len(prompt_ids):]), prompt_tokens=len(ids))
 
-    async def _prompt_logprobs(self, ids: list[int]) -> list[float]:
+    async def _prompt_logprobs(self, ids: list[int], priority: str) -> list[float]:
         """Each token's log-probability after the ones before it (the first's is 0), from
         /v1/completions' prompt_logprobs (vLLM's, and llmdb serve's)."""
         body = {"model": self.served_model, "prompt": ids, "max_tokens": 1, "temperature": 0,
                 "prompt_logprobs": 0}
-        data = await self.pool.post("/v1/completions", body, len(ids) + 1)
+        data = await self._post("/v1/completions", body, len(ids) + 1, priority)
         try:
             rows = data["choices"][0]["prompt_logprobs"]
             return [0.0] + [rows[i][str(ids[i])]["logprob"] for i in range(1, len(ids))]
@@ -303,7 +318,10 @@ class OpenAIBackend:
 
     async def _post_tokenize(self, body: dict[str, Any]) -> list[int]:
         try:
-            data = await self.pool.post("/tokenize", {"model": self.served_model, **body})
+            # No model runs for it, and its answer is shared: it never queues behind
+            # bulk generations (and carries no priority field, which /tokenize lacks).
+            data = await self.pool.post("/tokenize", {"model": self.served_model, **body},
+                                        priority="RT")
         except EndpointError as e:
             if " answered 404" in str(e) or " answered 405" in str(e):
                 raise _NoTokenize(f"{e}; scoring needs vLLM's /tokenize, which "

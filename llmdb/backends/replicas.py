@@ -139,9 +139,13 @@ class ReplicaPool:
         self._changed = asyncio.Condition()
         self._rpm = _Limiter(limits.requests_per_minute) if limits.requests_per_minute else None
         self._tpm = _Limiter(limits.tokens_per_minute) if limits.tokens_per_minute else None
+        self._rt_waiting = 0  # interactive requests waiting for a slot: bulk ones let them by
 
-    async def post(self, path: str, body: dict[str, Any], tokens: int = 0) -> dict[str, Any]:
-        """The JSON answer of the first replica that gives one; EndpointError otherwise."""
+    async def post(self, path: str, body: dict[str, Any], tokens: int = 0,
+                   priority: str = "BE") -> dict[str, Any]:
+        """The JSON answer of the first replica that gives one; EndpointError otherwise.
+        An RT (interactive) request takes the next free slot before any waiting BE (bulk)
+        one, so a query beside a bulk job does not queue behind its rows."""
         retries = 0
         last = "no attempt"
         while True:
@@ -149,7 +153,7 @@ class ReplicaPool:
                 await self._rpm.take(1)
             if self._tpm is not None:
                 await self._tpm.take(tokens)
-            replica, alone = await self._acquire()
+            replica, alone = await self._acquire(priority == "RT")
             try:
                 response = await replica.client.post(path, json=body)
             except _UNREACHABLE as e:
@@ -184,26 +188,33 @@ class ReplicaPool:
             retries += 1
             await asyncio.sleep(min(wait, self.limits.max_retry_after_s))
 
-    async def _acquire(self) -> tuple[Replica, bool]:
-        """The least busy replica in rotation with a free slot (waiting for one), and whether
-        it is the only one left. With none in rotation, all are tried again."""
+    async def _acquire(self, interactive: bool) -> tuple[Replica, bool]:
+        """The least busy replica in rotation with a free slot (waiting for one; a bulk
+        request also while an interactive one waits), and whether it is the only one left.
+        With none in rotation, all are tried again."""
         async with self._changed:
-            while True:
-                now = time.monotonic()
-                up = [r for r in self.replicas if r.up(now)]
-                candidates = up or self.replicas
-                free = [r for r in candidates if r.in_flight < self.limits.max_concurrency]
-                if free:
-                    r = min(free, key=lambda r: (r.in_flight, r.dispatched))
-                    r.in_flight += 1
-                    r.dispatched += 1
-                    return r, len(up) <= 1
-                back = [r.down_until - now for r in self.replicas if not r.up(now)]
-                try:  # a replica coming back into rotation frees slots too
-                    await asyncio.wait_for(self._changed.wait(),
-                                           timeout=min(back) if back and up else None)
-                except TimeoutError:
-                    pass
+            self._rt_waiting += interactive
+            try:
+                while True:
+                    now = time.monotonic()
+                    up = [r for r in self.replicas if r.up(now)]
+                    candidates = up or self.replicas
+                    free = [r for r in candidates if r.in_flight < self.limits.max_concurrency]
+                    if free and (interactive or not self._rt_waiting):
+                        r = min(free, key=lambda r: (r.in_flight, r.dispatched))
+                        r.in_flight += 1
+                        r.dispatched += 1
+                        return r, len(up) <= 1
+                    back = [r.down_until - now for r in self.replicas if not r.up(now)]
+                    try:  # a replica coming back into rotation frees slots too
+                        await asyncio.wait_for(self._changed.wait(),
+                                               timeout=min(back) if back and up else None)
+                    except TimeoutError:
+                        pass
+            finally:
+                self._rt_waiting -= interactive
+                if interactive:
+                    self._changed.notify_all()  # bulk requests may go again
 
     async def _release(self, replica: Replica) -> None:
         async with self._changed:
