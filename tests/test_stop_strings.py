@@ -104,8 +104,8 @@ def test_streamed_text_is_a_prefix_of_the_answer_and_adds_up_to_it(tokenizer):
                               default=len(answer))]
         stream = IncrementalText(tokenizer, stops)
         sent = ""
-        for n in range(1, len(ids) + 1 if k is None else k + 2):
-            sent += stream.push(ids[:n])
+        for token in ids if k is None else ids[: k + 1]:
+            sent += stream.push(token)
             assert answer.startswith(sent), (ids, stops)
         sent += stream.flush(SimpleNamespace(text=answer))
         assert sent == answer

@@ -198,10 +198,8 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
         text = IncrementalText(engine.tokenizer, params.stop)
         try:
             yield _sse(render.first_chunk())
-            ids: list[int] = []
             while (tok := await call.tokens.get()) is not None:
-                ids.append(tok)
-                piece = text.push(ids)
+                piece = text.push(tok)
                 if piece:
                     yield _sse(render.chunk(piece))
             result = await asyncio.to_thread(engine.wait, call.request_id)

@@ -19,20 +19,17 @@ class IncrementalText:
         self.stream = TextStream(tokenizer.decode)
         self.stops = list(stops)
         self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.seen = 0  # ids decoded
         self.unsent = ""  # whole text not sent yet
         self.sent = 0  # characters sent
         self.stopped = False
 
-    def push(self, ids: list[int]) -> str:
-        """The new text that is safe to send after `ids` (all generated ids so far)."""
-        for token in ids[self.seen:]:
-            new, whole = self.stream.add(token)
-            if whole:
-                self.unsent += new
-        self.seen = len(ids)
+    def push(self, token: int) -> str:
+        """The new text that is safe to send after the next generated token."""
         if self.stopped:
             return ""
+        new, whole = self.stream.add(token)
+        if whole:
+            self.unsent += new
         # A stop string starting in the text already sent would have ended within the
         # held-back characters, and been found then: only the unsent text is searched.
         text = self.unsent
