@@ -337,21 +337,34 @@ class Scheduler:
         self.running.remove(req)
         self.held[req.request_id] = req
 
-    def run_decode_if_fits(self, out: SchedulerOutput, req: Request) -> bool:
-        """`run(out, req, 1)` for a running KV-cache decode when its block fits the free
-        pool outright (no reservations to honour); False, doing nothing, otherwise. The
-        common case of every step, taken without the general path's calls."""
-        if self.policy.reserves_memory or req.cache_type != "kv":
-            return False
-        bs = self.pool.block_size
-        need = (req.num_computed + bs) // bs - len(req.block_ids)  # blocks for one more token
-        if need > 0:
-            if need > self.pool.num_free:
-                return False
-            req.block_ids.extend(self.pool.allocate(need))
-            self._hits.clear()
-        out.scheduled.append((req, 1))
-        return True
+    def run_decodes(self, out: SchedulerOutput, batch: dict[Request, int],
+                    cands: Sequence[Request], first: int, limit: int) -> int:
+        """`run(out, req, 1)` for cands[first:], at most `limit` of them, while each is a
+        running KV-cache decode outside `batch` whose block fits the free pool outright (no
+        reservations to honour); each taken goes into `batch`. Returns how many were taken:
+        the candidate after them (if any) is the policy's to judge. Every step's common
+        case, taken in one loop without the general path's calls."""
+        if self.policy.reserves_memory:
+            return 0
+        pool, scheduled, running = self.pool, out.scheduled, Status.RUNNING
+        bs = pool.block_size
+        taken = 0
+        for i in range(first, min(first + limit, len(cands))):
+            req = cands[i]
+            out_ids, done = req.output_ids, req.num_computed
+            if (req.status is not running or req.cache_type != "kv" or req in batch
+                    or not out_ids or len(req.prompt_ids) + len(out_ids) - done != 1):
+                break
+            need = (done + bs) // bs - len(req.block_ids)  # blocks for one more token
+            if need > 0:
+                if need > pool.num_free:
+                    break
+                req.block_ids.extend(pool.allocate(need))
+                self._hits.clear()
+            scheduled.append((req, 1))
+            batch[req] = 1
+            taken += 1
+        return taken
 
     def convert_to_kv(self, out: SchedulerOutput, req: Request) -> bool:
         """Switch a running hidden-cache request to the KV cache by projecting its cached

@@ -51,18 +51,24 @@ class Policy:
         c_left, p_left = s.max_num_batched_tokens, s.max_prefill_tokens
         phase: bool | None = None  # True: the batch holds prefills (hybrid off)
         for group in self.groups(s, now):
-            for cand in list(group.requests):
+            cands = list(group.requests)
+            i = 0
+            while i < len(cands):
                 if len(batch) >= s.max_num_seqs or c_left <= 0:
                     return out
+                if self.hybrid or phase is not True:  # running decodes that fit, many at once
+                    taken = s.run_decodes(out, batch, cands, i,
+                                          min(s.max_num_seqs - len(batch), c_left))
+                    if taken:
+                        i += taken
+                        c_left -= taken
+                        phase = False if phase is None else phase
+                        continue
+                cand = cands[i]
+                i += 1
                 if cand in batch or cand.status is Status.FINISHED or cand in out.preempted:
                     continue
                 waiting = cand.status is Status.WAITING
-                if (not waiting and cand.is_decode and (self.hybrid or phase is not True)
-                        and s.run_decode_if_fits(out, cand)):
-                    batch[cand] = 1
-                    c_left -= 1
-                    phase = False if phase is None else phase
-                    continue
                 if waiting and (len(s.running) >= s.max_num_seqs or out.preempted):
                     continue  # full, or memory is short this step: admit nobody new
                 if waiting and s.waits_for_prefix(cand):
