@@ -5,9 +5,12 @@ On a GPU the model runs asynchronously and this work is what the host must finis
 step's device time (with launch-ahead it overlaps the device; without, the device waits for
 it). Here it is measured on any machine: a tiny random Llama (bench/random_model.py) runs
 every step for real, on the CPU, and the time spent inside the model's forward and
-vocabulary projection is subtracted from each step's wall time. One JSON line per N.
+vocabulary projection, and in the sampler's tensor math (device work on a GPU), is subtracted
+from each step's wall time. With --stub-model the model returns fixed tensors instead, as
+a GPU host sees it (the CPU model's cache traffic and threads slow the host's own work down
+by a third here). One JSON line per N.
 
-    python bench/host_overhead.py --running 64 256 512
+    python bench/host_overhead.py --running 64 256 512 [--stub-model] [--launch-ahead]
     python bench/host_overhead.py --fill-blocks 4 32 64   # StepBuffers.fill alone
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -28,8 +32,8 @@ from random_model import write_random_model  # noqa: E402
 from throughput import commit  # noqa: E402
 
 
-def measure(model_dir: Path, running: int, steps: int, policy: str, launch_ahead: bool
-            ) -> dict:
+def measure(model_dir: Path, running: int, steps: int, policy: str, launch_ahead: bool,
+            stub_model: bool = False) -> dict:
     import torch
 
     from llmdb.engine.compute import run_on_compute_thread
@@ -48,30 +52,50 @@ def measure(model_dir: Path, running: int, steps: int, policy: str, launch_ahead
     while any(not r.is_decode for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # prefills done: every step from here is `running` decodes
     model, runner = engine.model, engine.runner
-    inside = [0.0]
+    inside = {"model": 0.0, "sampling": 0.0}
 
-    def timed(fn):
+    def timed(fn, what):
         def run(*a, **k):
             t = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
-                inside[0] += time.perf_counter() - t
+                inside[what] += time.perf_counter() - t
         return run
 
-    runner.forward, model.logits = timed(runner.forward), timed(model.logits)
+    forward, logits = runner.forward, model.logits
+    if stub_model:  # what a GPU host sees: the model costs the host (almost) nothing
+        hidden = torch.zeros(running, engine.config.hidden_size)
+        scores = torch.randn(running, vocab, generator=torch.Generator().manual_seed(0))
 
-    def loop() -> float:  # on the compute thread, as engine.step() runs it
-        t = time.perf_counter()
+        def forward(inputs):
+            return hidden[: inputs.input_ids.shape[0]]
+
+        def logits(h):
+            return scores[: h.shape[0]]
+
+    runner.forward, model.logits = timed(forward, "model"), timed(logits, "model")
+    # The sampler's tensor math (an argmax over the vocabulary per row) is device work on a
+    # GPU but runs inline here: timed apart, so what is left is the host's own work.
+    runner_module = sys.modules[type(runner).__module__]
+    runner_module.sample = timed(runner_module.sample, "sampling")
+
+    def loop() -> list[float]:  # on the compute thread, as engine.step() runs it
+        host = []
         for _ in range(steps):
+            t, before = time.perf_counter(), sum(inside.values())
             engine._step()
-        return time.perf_counter() - t
+            host.append(time.perf_counter() - t - (sum(inside.values()) - before))
+        return host
 
-    wall = run_on_compute_thread(loop)
+    host = run_on_compute_thread(loop)
     return {"name": "host_overhead", "running": running, "steps": steps, "policy": policy,
-            "launch_ahead": launch_ahead,
-            "host_ms_per_step": round(1000 * (wall - inside[0]) / steps, 3),
-            "model_ms_per_step": round(1000 * inside[0] / steps, 3),
+            "launch_ahead": launch_ahead, "model": "stub" if stub_model else "tiny-llama",
+            "host_ms_per_step": round(1000 * statistics.mean(host), 3),
+            # The median shrugs off the VM's hiccups (a step of 5x the others now and then).
+            "host_ms_per_step_median": round(1000 * statistics.median(host), 3),
+            "sampling_ms_per_step": round(1000 * inside["sampling"] / steps, 3),
+            "model_ms_per_step": round(1000 * inside["model"] / steps, 3),
             "threads": torch.get_num_threads(), "commit": commit()}
 
 
@@ -87,7 +111,7 @@ def measure_fill(running: int, blocks: int, repeats: int = 500) -> dict:
     starts = [rng.randrange(blocks * bs // 2, blocks * bs * 3 // 2) for _ in range(running)]
     tables = [list(range(i * 4 * blocks, i * 4 * blocks + s // bs + 1))
               for i, s in enumerate(starts)]
-    args = ([[5]] * running, starts, [f"r{i}" for i in range(running)], tables, [], bs)
+    args = ([5] * running, [1] * running, starts, [f"r{i}" for i in range(running)], tables, [], bs)
     for _ in range(10):
         buffers.fill(*args)
     t = time.perf_counter()
@@ -105,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default="sarathi")
     ap.add_argument("--launch-ahead", action="store_true",
                     help="the GPU's way: read each step after launching the next")
+    ap.add_argument("--stub-model", action="store_true",
+                    help="replace the model's forward and logits by fixed tensors: the host's "
+                         "work without the CPU model's caches and threads in its way")
     ap.add_argument("--fill-blocks", type=int, nargs="+",
                     help="time StepBuffers.fill alone at these blocks per sequence instead")
     args = ap.parse_args(argv)
@@ -121,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                                        device="cpu")
         for n in args.running:
             print(json.dumps(measure(model_dir, n, args.steps, args.policy,
-                                     args.launch_ahead)), flush=True)
+                                     args.launch_ahead, args.stub_model)), flush=True)
     return 0
 
 

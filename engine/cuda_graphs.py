@@ -71,7 +71,7 @@ class DecodeGraphs:
     def _capture(self, bs: int) -> DecodeGraph:
         r = self.runner
         model = r.model
-        inputs = r.buffers.fill([], [], [], [], [], r.block_size, pad_to=bs)
+        inputs = r.buffers.fill([], [], [], [], [], [], r.block_size, pad_to=bs)
         inputs.batch.max_query_len, inputs.batch.max_seq_len = 1, model.config.max_context
         inputs.batch.num_splits = attention_splits(bs, model.config.num_kv_heads, r.device,
                                                    model.config.max_context)

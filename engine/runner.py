@@ -52,6 +52,7 @@ class _Plan:
     score: list[tuple[Request, int, list[int]]] = field(default_factory=list)  # rows, targets
     choice: list[tuple[Request, int]] = field(default_factory=list)
     keep: list[tuple[Request, int, int]] = field(default_factory=list)  # first row, count
+    top_k: int | None = None  # the most top log-probabilities a sampled request asked for
 
 
 @dataclass
@@ -149,7 +150,7 @@ class ModelRunner:
             # KV-cache sequences first: the attention batch is a prefix of the step.
             scheduled = [x for x in scheduled if x[0].cache_type != "hidden"] + hidden
         num_kv = len(scheduled) - len(hidden)
-        tokens, starts, plan = [], [], _Plan()
+        ids, starts, plan = [], [], _Plan()
         pending_rows, pending_from = [], []
         base = 0
         prev = self._last
@@ -159,37 +160,38 @@ class ModelRunner:
             if n == 1 and out and start == len(req.prompt_ids) + len(out) - 1:
                 # A decode (its last token; every step's common case, kept short)
                 last = out[-1]
-                tokens.append([last])
+                ids.append(last)
                 if last == PENDING_TOKEN:
                     pending_rows.append(base)
                     pending_from.append(prev.sample_index[req.request_id])
                 plan.sample.append((req, len(plan.rows)))
                 plan.rows.append(base)
             else:
-                tokens.append(req.token_slice(start, n))
+                ids += req.token_slice(start, n)
                 if start + n == req.num_tokens and out and out[-1] == PENDING_TOKEN:
                     pending_rows.append(base + n - 1)
                     pending_from.append(prev.sample_index[req.request_id])
                 self._plan_rows(plan, req, start, n, base)
             starts.append(start)
             base += n
+        qlens = [n for _, n in scheduled]
         tables = [req.block_ids for req, _ in scheduled]
         owners = [req.request_id for req, _ in scheduled]
         pending = (prev.tokens, pending_rows, pending_from) if pending_rows else None
         graph = (self.graphs.pick(scheduled, plan)
                  if self.graphs is not None and num_kv == len(scheduled) else None)
         if graph is not None:
-            inputs = self.buffers.fill(tokens, starts, owners, tables, [], self.block_size,
+            inputs = self.buffers.fill(ids, qlens, starts, owners, tables, [], self.block_size,
                                        pad_to=graph.batch_size, pending=pending)
             logits = graph.replay()[: len(scheduled)]
         else:
-            inputs = self.buffers.fill(tokens, starts, owners, tables, plan.rows, self.block_size,
-                                       num_kv_seqs=num_kv, pending=pending)
+            inputs = self.buffers.fill(ids, qlens, starts, owners, tables, plan.rows,
+                                       self.block_size, num_kv_seqs=num_kv, pending=pending)
             if num_kv < len(scheduled):
-                qlens = [n for _, n in scheduled[num_kv:]]
+                hidden_qlens = qlens[num_kv:]
                 inputs.hidden = HiddenBatch.build(
-                    sum(n for _, n in scheduled[:num_kv]), qlens,
-                    [a + q for a, q in zip(starts[num_kv:], qlens, strict=True)],
+                    sum(qlens[:num_kv]), hidden_qlens,
+                    [a + q for a, q in zip(starts[num_kv:], hidden_qlens, strict=True)],
                     tables[num_kv:], self.block_size, self.device)
             if self.graphs is not None and inputs.batch.max_query_len == 1:
                 inputs.batch.num_splits = attention_splits(
@@ -277,11 +279,14 @@ class ModelRunner:
                 picked = logits  # every logit row is sampled, in order
             else:
                 picked = logits[to_device([i for _, i in plan.sample], dev)]
-            keys = [0 if r.params.greedy else row_key(r.seed, len(r.output_ids)) for r in reqs]
-            tokens = sample(picked, [r.params for r in reqs], keys)
+            drawn = [i for i, r in enumerate(reqs) if r.params.temperature]  # not greedy
+            drawn_reqs = [reqs[i] for i in drawn]
+            tokens = sample(picked, drawn, [r.params for r in drawn_reqs],
+                            [row_key(r.seed, len(r.output_ids)) for r in drawn_reqs])
             parts.append(tokens.double())
-            if any(r.params.logprobs is not None for r in reqs):
-                k = max(r.params.logprobs or 0 for r in reqs)
+            wanted = [r.params.logprobs for r in reqs]
+            if wanted.count(None) < len(wanted):
+                plan.top_k = k = max(x for x in wanted if x is not None)
                 chosen, top_v, top_i = top_logprobs(picked, tokens, k)
                 parts += [chosen.double(), top_v.double().flatten(), top_i.double().flatten()]
         rows = [row0 + j for _, row0, tg in plan.score for j in range(len(tg))]
@@ -300,12 +305,11 @@ class ModelRunner:
 
 def _unpack(values: list[float], plan: _Plan) -> StepOutput:
     """The host side of ModelRunner._device_results: the same order, read back."""
-    out = StepOutput()
-    n, pos = len(plan.sample), len(plan.sample)
-    for (req, _), tok in zip(plan.sample, values[:n], strict=True):
-        out.sampled[req.request_id] = int(tok)
-    if any(r.params.logprobs is not None for r, _ in plan.sample):
-        k = max(r.params.logprobs or 0 for r, _ in plan.sample)
+    n = pos = len(plan.sample)
+    out = StepOutput(dict(zip([r.request_id for r, _ in plan.sample], map(int, values[:n]),
+                              strict=True)))
+    if plan.top_k is not None:
+        k = plan.top_k
         chosen = values[pos : pos + n]
         top_v = values[pos + n : pos + n + n * k]
         top_i = values[pos + n + n * k : pos + n + 2 * n * k]

@@ -74,23 +74,24 @@ def _sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.T
     return order.gather(1, pick[:, None])[:, 0]
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], keys: list[int]) -> torch.Tensor:
-    """Tokens [N] (on logits' device) for rows of logits [N, vocab]: greedy rows by argmax
-    (exact in any dtype), the others drawn with their parameters and noise keys (row_key)."""
+def sample(logits: torch.Tensor, drawn: list[int], params: list[SamplingParams],
+           keys: list[int]) -> torch.Tensor:
+    """Tokens [N] (on logits' device) for rows of logits [N, vocab]: the argmax (greedy,
+    exact in any dtype) except rows drawn[j], drawn with params[j] and noise key keys[j]
+    (row_key)."""
     tokens = logits.max(-1).indices  # on the CPU 3x faster than argmax on bf16, same ids
-    rows = [i for i, p in enumerate(params) if not p.greedy]
-    if not rows:
+    if not drawn:
         return tokens
     dev = logits.device
-    idx = to_device(rows, dev)
-    drawn = _sample_rows(
+    idx = to_device(drawn, dev)
+    picked = _sample_rows(
         logits.index_select(0, idx).float(),
-        to_device([params[i].temperature for i in rows], dev),
-        to_device([params[i].top_p for i in rows], dev),
-        to_device([params[i].top_k for i in rows], dev),
-        to_device([keys[i] for i in rows], dev, torch.int64),
+        to_device([p.temperature for p in params], dev),
+        to_device([p.top_p for p in params], dev),
+        to_device([p.top_k for p in params], dev),
+        to_device(keys, dev, torch.int64),
     )
-    return tokens.index_copy(0, idx, drawn)
+    return tokens.index_copy(0, idx, picked)
 
 
 def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int

@@ -153,60 +153,57 @@ class StepBuffers:
             np.take(self.block_tables.table[:, :width], rows, axis=0, out=tables[:sk])
         return tables
 
-    def fill(self, tokens: list[list[int]], starts: list[int], owners: list[str],
+    def fill(self, ids: list[int], qlens: list[int], starts: list[int], owners: list[str],
              block_tables: list[list[int]], rows: list[int], block_size: int,
              pad_to: int | None = None, num_kv_seqs: int | None = None,
              pending: tuple[torch.Tensor, list[int], list[int]] | None = None) -> StepInputs:
-        """tokens[i]: the ids sequence i computes this step, from position starts[i], over
-        the blocks block_tables[i] of owners[i] (a request id: see BlockTableRows); rows:
-        packed rows whose logits are wanted. pad_to (decode graphs) adds sequences of one
-        padding token each, with no context, up to that many. Sequences from num_kv_seqs on
-        keep hidden states, not K/V: their tokens get slot PAD_SLOT and the attention batch
-        leaves them out (the runner adds their HiddenBatch). pending = (sampled, packed rows,
-        indices): the ids at those rows are sampled[indices], tokens the host has not read
-        yet, copied on the device."""
+        """Sequence i computes qlens[i] tokens from position starts[i], over the blocks
+        block_tables[i] of owners[i] (a request id: see BlockTableRows); ids are all the
+        step's token ids, packed; rows: packed rows whose logits are wanted. pad_to (decode
+        graphs) adds sequences of one padding token each, with no context, up to that many.
+        Sequences from num_kv_seqs on keep hidden states, not K/V: their tokens get slot
+        PAD_SLOT and the attention batch leaves them out (the runner adds their
+        HiddenBatch). pending = (sampled, packed rows, indices): the ids at those rows are
+        sampled[indices], tokens the host has not read yet, copied on the device."""
         if len(self._host_sets) > 1:
             self._turn ^= 1
             self._use_host_set(self._turn)
-        s = len(tokens)
+        s, t = len(qlens), len(ids)
         sk = s if num_kv_seqs is None else num_kv_seqs
-        t = sum(map(len, tokens))
         total_s, total_t = (pad_to, t + pad_to - s) if pad_to else (s, t)
         if total_t > self.max_tokens or total_s > self.max_seqs:
             raise ValueError(f"a step of {total_t} tokens over {total_s} sequences exceeds the "
                              f"buffers ({self.max_tokens} tokens, {self.max_seqs} sequences)")
         a64, a32 = self.np64, self.np32
-        ids, pos, slots = (a64[k * total_t : (k + 1) * total_t] for k in range(3))
+        tok, pos, slots = (a64[k * total_t : (k + 1) * total_t] for k in range(3))
         loc = a32[: total_s + 1]
         ctx = a32[total_s + 1 : 2 * total_s + 1]
         ctx[s:] = 0
+        tok[:t] = ids
         if t == s:  # decodes, one token each (every step's common case): vectorized
             loc[:] = np.arange(total_s + 1)
             p = np.asarray(starts, dtype=np.int64)
             ctx[:s] = p + 1
             tables = self._tables(owners, block_tables, sk, total_s, ctx, block_size)
-            ids[:s] = [tk[0] for tk in tokens]
             pos[:s] = p
             p = p[:sk]
             slots[:sk] = tables[np.arange(sk), p // block_size] * block_size + p % block_size
             slots[sk:s] = PAD_SLOT
         else:
-            qlens = [len(tk) for tk in tokens]
             loc[0] = 0
             np.cumsum([*qlens, *([1] * (total_s - s))], out=loc[1:])
             ctx[:s] = [a + q for a, q in zip(starts, qlens, strict=True)]
             tables = self._tables(owners, block_tables, sk, total_s, ctx, block_size)
-            for i, (tk, a) in enumerate(zip(tokens, starts, strict=True)):
+            for i, (q, a) in enumerate(zip(qlens, starts, strict=True)):
                 lo, hi = loc[i], loc[i + 1]
-                ids[lo:hi] = tk
-                p = np.arange(a, a + len(tk))
+                p = np.arange(a, a + q)
                 pos[lo:hi] = p
                 if i >= sk:
                     slots[lo:hi] = PAD_SLOT
                     continue
                 slots[lo:hi] = tables[i, p // block_size] * block_size + p % block_size
         if total_t > t:  # padding sequences: token 0 at position 0, nowhere in the cache
-            ids[t:], pos[t:], slots[t:] = 0, 0, PAD_SLOT
+            tok[t:], pos[t:], slots[t:] = 0, 0, PAD_SLOT
             tables[s:] = 0
         n64 = 3 * total_t + len(rows)
         a64[3 * total_t : n64] = rows

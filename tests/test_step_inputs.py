@@ -59,8 +59,11 @@ def test_fill_over_many_steps_equals_fresh_tables():
             tables.append(blocks)
             starts.append(done)
             qlens.append(q)
-        tokens = [[7] * q for q in qlens]
-        inputs = buffers.fill(tokens, starts, owners, tables, [], BS)
+        ids = [rng.randrange(1000) for _ in range(sum(qlens))]
+        inputs = buffers.fill(ids, qlens, starts, owners, tables, [], BS)
+        assert inputs.input_ids.tolist() == ids
+        assert inputs.positions.tolist() == [p for a, q in zip(starts, qlens, strict=True)
+                                             for p in range(a, a + q)]
         got = inputs.batch.block_tables
         for i, blocks in enumerate(tables):
             assert got[i, : len(blocks)].tolist() == blocks
@@ -74,11 +77,11 @@ def test_fill_over_many_steps_equals_fresh_tables():
 
 def test_hidden_sequences_and_padding_get_no_slots():
     buffers = StepBuffers(torch.device("cpu"), max_tokens=64, max_seqs=8, max_blocks=4)
-    inputs = buffers.fill([[1], [2], [3]], [5, 2, 9], ["a", "b", "c"], [[3, 4], [8], [6, 1, 2]],
-                          [], BS, num_kv_seqs=2)
+    inputs = buffers.fill([1, 2, 3], [1, 1, 1], [5, 2, 9], ["a", "b", "c"],
+                          [[3, 4], [8], [6, 1, 2]], [], BS, num_kv_seqs=2)
     assert inputs.batch.slot_mapping.tolist() == [4 * BS + 1, 8 * BS + 2, PAD_SLOT]
     tables = inputs.batch.block_tables
     assert tables.shape[0] == 2 and tables[0, :2].tolist() == [3, 4] and tables[1, 0] == 8
-    padded = buffers.fill([[1]], [5], ["a"], [[3, 4]], [], BS, pad_to=4)
+    padded = buffers.fill([1], [1], [5], ["a"], [[3, 4]], [], BS, pad_to=4)
     assert padded.batch.slot_mapping.tolist() == [4 * BS + 1, PAD_SLOT, PAD_SLOT, PAD_SLOT]
     assert padded.batch.seq_lens.tolist() == [6, 0, 0, 0]
