@@ -34,7 +34,7 @@ from .params import SamplingParams
 from .registry import resolve_model
 from .runner import LaunchedStep, ModelRunner, StepOutput
 from .sched.policies import Policy, make_policy
-from .sched.request import PENDING_TOKEN, Request
+from .sched.request import PENDING_TOKEN, Request, Status
 from .sched.scheduler import Scheduler
 from .stop_strings import StopStringWatch
 
@@ -100,6 +100,7 @@ class LLMEngine:
         num_blocks = run_on_compute_thread(self._load, model, threads, kv_cache_bytes,
                                            block_size)
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+        self._context, self._eos = self.config.max_context, self.config.eos_token_ids
         supported, self.hidden_cache_reason = self.config.hidden_cache_support()
         if hidden_cache and not supported:
             raise ValueError(f"no hidden cache for {model}: {self.hidden_cache_reason}")
@@ -338,8 +339,11 @@ class LLMEngine:
             with self._cond:
                 caught_up = self.scheduler.advance(out.scheduled)
                 if self.launch_ahead:  # (step by step, they finish before the next schedule)
+                    # Those that compute nothing after their pending token (scoring requests:
+                    # after this step) finish when it is read.
+                    at_length = self._at_length
                     for req in caught_up:
-                        if self._is_last(req):
+                        if not req.generate or at_length(req):
                             self.scheduler.hold(req)
             plan = launched.plan
             self._in_flight = _InFlight(out.scheduled, caught_up, launched,
@@ -355,15 +359,10 @@ class LLMEngine:
         self._host_s += wall - wait
         return finished
 
-    def _is_last(self, req: Request) -> bool:
-        """Will the request compute nothing after its pending token (scoring requests: after
-        the step just launched)? Then it finishes when that step is read."""
-        return not req.generate or self._at_length(req)
-
     def _at_length(self, req: Request) -> bool:
         """Its last token is its max_tokens-th, or fills the model's context."""
-        return (len(req.output_ids) >= req.params.max_tokens
-                or req.num_tokens >= self.config.max_context)
+        out = req.output_ids
+        return len(out) >= req.params.max_tokens or len(req.prompt_ids) + len(out) >= self._context
 
     def _read(self, step: _InFlight) -> list[str]:
         """Wait for a launched step's results; its requests take their tokens and scores,
@@ -382,16 +381,18 @@ class LLMEngine:
                                                         strict=True)
                                       if x[0].num_preemptions == n], result)
             sampled, take_token = result.sampled, self.scheduler.take_token
+            after_token, done = self._after_token, Status.FINISHED
             for req in step.caught_up:
-                if req.is_finished:  # aborted, or failed, while the step ran
+                if req.status is done:  # aborted, or failed, while the step ran
                     continue
                 if not req.generate:
                     self._finish(req, "stop")
                     finished.append(req.request_id)
                     continue
-                take_token(req, sampled[req.request_id], now)
+                token = sampled[req.request_id]
+                take_token(req, token, now)
                 self.tokens_generated += 1
-                if self._after_token(req, result):
+                if after_token(req, token, result):
                     finished.append(req.request_id)
         return finished
 
@@ -414,15 +415,14 @@ class LLMEngine:
             elif rid in result.target_logprobs:
                 req.target_logprobs.extend(result.target_logprobs[rid])
 
-    def _after_token(self, req: Request, result: StepOutput) -> bool:
+    def _after_token(self, req: Request, token: int, result: StepOutput) -> bool:
         """Stream the new token and finish the request if it stops here."""
-        token = req.output_ids[-1]
         p = req.params
         if p.logprobs is not None:
             req.logprobs.append(result.logprobs[req.request_id])
         for cb in req.callbacks:
             cb(token)
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.config.eos_token_ids):
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self._eos):
             reason = "stop"
         elif p.stop and self._stop_watch(req).add(token):
             reason = "stop"

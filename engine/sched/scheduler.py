@@ -310,17 +310,18 @@ class Scheduler:
         results are read. Requests finished meanwhile are skipped. Returns the requests whose
         tokens are all computed, in batch order."""
         caught_up = []
-        bs = self.pool.block_size
+        bs, finished = self.pool.block_size, Status.FINISHED
         for req, n in scheduled:
-            if req.status is Status.FINISHED:  # aborted while the model ran
+            if req.status is finished:  # aborted while the model ran
                 continue
-            req.num_computed += n
-            if req.num_computed // bs > req.num_registered:  # a block was completed
+            req.num_computed = done = req.num_computed + n
+            if done // bs > req.num_registered:  # a block was completed
                 self.register_computed(req)
-            if req.num_computed < len(req.prompt_ids) + len(req.output_ids):
+            out = req.output_ids
+            if done < len(req.prompt_ids) + len(out):
                 continue
             if req.generate:
-                req.output_ids.append(PENDING_TOKEN)
+                out.append(PENDING_TOKEN)
             caught_up.append(req)
         return caught_up
 
