@@ -203,6 +203,55 @@ def test_requests_per_minute(backends):
         assert len(stub.seen) == 25
 
 
+def test_interactive_rows_go_first_through_the_rate_limit(backends):
+    """Bulk rows queued on a spent requests-per-minute budget do not hold a query back: it
+    is sent with the next unit of budget."""
+    with StubEndpoint(_script((200, {}, chat_answer("ok")))) as stub:
+        backend = backends([stub.url], requests_per_minute=600)  # 10 a second, 10 at once
+        done = threading.Semaphore(0)
+
+        def submit(text: str, priority: str) -> str:
+            req = GenerationRequest([{"role": "user", "content": text}],
+                                    SamplingParams(max_tokens=1), priority=priority)
+            return backend.submit(req, done.release)
+
+        handles = [submit(f"bulk {i}", "BE") for i in range(20)]
+        time.sleep(0.3)  # 10 sent, 10 wait for budget (one unit per 0.1 s)
+        handles.append(submit("query", "RT"))
+        for _ in handles:
+            assert done.acquire(timeout=30)
+        order = [s.body["messages"][-1]["content"] for s in stub.seen]
+        # At most the bulk row holding the turn when the query came, and the one after it
+        # if the query's wait raced a refill, go before it; before, it went 21st.
+        assert order.index("query") <= 14, order
+
+
+def test_priority_turn_order_and_cancellation():
+    from llmdb.backends.replicas import _PriorityTurn
+
+    async def main() -> list[str]:
+        turn, got = _PriorityTurn(), []
+
+        async def take(name: str, interactive: bool) -> None:
+            await turn.acquire(interactive)
+            got.append(name)
+            await asyncio.sleep(0)
+            turn.release()
+
+        await turn.acquire(False)  # held: everyone below queues
+        tasks = [asyncio.create_task(take(n, n.startswith("rt"))) for n in
+                 ("be1", "be2", "rt1", "gone", "be3", "rt2")]
+        await asyncio.sleep(0)
+        tasks[3].cancel()  # a bulk taker that gives up while queued
+        await asyncio.sleep(0)
+        turn.release()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await turn.acquire(True)  # free again: taken at once
+        return got
+
+    assert asyncio.run(main()) == ["rt1", "rt2", "be1", "be2", "be3"]
+
+
 def test_tokens_per_minute(backends):
     with StubEndpoint(_script((200, {}, chat_answer("ok")))) as stub:
         # 6,000 tokens a minute = 100 a second; each request is estimated at >= 100 tokens.

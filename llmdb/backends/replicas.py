@@ -21,7 +21,7 @@ import email.utils
 import logging
 import random
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,19 +79,60 @@ class Replica:
         return self.down_until <= now
 
 
+class _PriorityTurn:
+    """A turn that one holder has at a time, handed to the longest-waiting interactive
+    taker before any bulk one. asyncio's locks and aiolimiter's bucket wake waiters in
+    arrival order; this puts a query's request ahead of a bulk job's queued rows."""
+
+    def __init__(self) -> None:
+        self._held = False
+        self._waiting: dict[bool, deque[asyncio.Future]] = {True: deque(), False: deque()}
+
+    async def acquire(self, interactive: bool) -> None:
+        if not self._held:
+            self._held = True
+            return
+        turn = asyncio.get_running_loop().create_future()
+        queue = self._waiting[interactive]
+        queue.append(turn)
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():
+                self.release()  # handed over as the taker was cancelled: pass it on
+            elif turn in queue:
+                queue.remove(turn)
+            raise
+
+    def release(self) -> None:
+        for queue in (self._waiting[True], self._waiting[False]):
+            while queue:
+                turn = queue.popleft()
+                if not turn.done():  # (a cancelled taker's turn is done)
+                    turn.set_result(None)
+                    return
+        self._held = False
+
+
 class _Limiter:
     """Requests or tokens per minute as a leaky bucket holding one second's worth (or one
-    unit), so that a minute's budget is never spent in one burst."""
+    unit), so that a minute's budget is never spent in one burst. One taker at a time
+    waits on the bucket, interactive ones first."""
 
     def __init__(self, per_minute: float):
         window = max(1.0, 60.0 / per_minute)
         self.bucket = AsyncLimiter(per_minute * window / 60.0, window)
+        self._turn = _PriorityTurn()
 
-    async def take(self, amount: float) -> None:
-        while amount > 0:  # more than the bucket holds is taken in bucket-sized parts
-            part = min(amount, self.bucket.max_rate)
-            await self.bucket.acquire(part)
-            amount -= part
+    async def take(self, amount: float, interactive: bool = False) -> None:
+        await self._turn.acquire(interactive)
+        try:
+            while amount > 0:  # more than the bucket holds is taken in bucket-sized parts
+                part = min(amount, self.bucket.max_rate)
+                await self.bucket.acquire(part)
+                amount -= part
+        finally:
+            self._turn.release()
 
 
 def retry_after(response: httpx.Response) -> float | None:
@@ -144,16 +185,18 @@ class ReplicaPool:
     async def post(self, path: str, body: dict[str, Any], tokens: int = 0,
                    priority: str = "BE") -> dict[str, Any]:
         """The JSON answer of the first replica that gives one; EndpointError otherwise.
-        An RT (interactive) request takes the next free slot before any waiting BE (bulk)
-        one, so a query beside a bulk job does not queue behind its rows."""
+        An RT (interactive) request takes the rate limits' next turn and the next free slot
+        before any waiting BE (bulk) one, so a query beside a bulk job does not queue behind
+        its rows."""
         retries = 0
         last = "no attempt"
         while True:
+            interactive = priority == "RT"
             if self._rpm is not None:
-                await self._rpm.take(1)
+                await self._rpm.take(1, interactive)
             if self._tpm is not None:
-                await self._tpm.take(tokens)
-            replica, alone = await self._acquire(priority == "RT")
+                await self._tpm.take(tokens, interactive)
+            replica, alone = await self._acquire(interactive)
             try:
                 response = await replica.client.post(path, json=body)
             except _UNREACHABLE as e:
