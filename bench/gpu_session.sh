@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# What a session lent a GPU machine runs there, one step per device call (each call has at
+# most 10 minutes; a session has 30 minutes of device time in all, so the order is by value).
+# The recipe is ../shared/gpu/README.md's: wheels for what the device lacks in .whl/
+# (carried), random weights of real shapes built on the device. Results go to $OUT.
+#
+#   bash bench/gpu_session.sh tests     # tests/gpu and the Triton kernels, compiled
+#   bash bench/gpu_session.sh smollm2   # nano-vllm's workload, launch-ahead on and off
+#   bash bench/gpu_session.sh llama1b   # the 1B fixed row beside HF generate and the bare decoder
+#   bash bench/gpu_session.sh llama7b   # the 7B row (200 x 128 in / 128 out)
+#   bash bench/gpu_session.sh host      # the host's work per step on this machine's CPU
+set -euo pipefail
+step=${1:?"which step: tests, smollm2, llama1b, llama7b or host"}
+out=${OUT:-/tmp/llmdb-gpu-out}
+mkdir -p "$out"
+
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
+        .whl/*.whl >/dev/null
+    export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt" || true
+
+throughput() {  # one JSON line per engine, appended to $out/throughput.jsonl
+    python3 bench/throughput.py --device cuda "$@" | tee -a "$out/throughput.jsonl"
+}
+
+case $step in
+tests)
+    python3 -m pytest -q -rs tests/gpu tests/test_triton_kernels.py 2>&1 | tail -25 \
+        | tee "$out/tests.txt"
+    ;;
+smollm2)
+    for ahead in on off; do
+        throughput --shape smollm2-135m --workload nanovllm --launch-ahead "$ahead"
+    done
+    ;;
+llama1b)
+    fixed=(--shape llama3.2-1b --workload fixed --rows 400 --prompt-len 128 --max-tokens 128)
+    throughput "${fixed[@]}" --peer transformers --bare
+    throughput "${fixed[@]}" --launch-ahead off
+    ;;
+llama7b)
+    throughput --shape llama2-7b --workload fixed --rows 200 --prompt-len 128 --max-tokens 128 \
+        --bare
+    ;;
+host)
+    python3 bench/host_overhead.py --stub-model --running 64 256 512 | tee -a "$out/host.jsonl"
+    python3 bench/host_overhead.py --stub-model --launch-ahead --running 256 \
+        | tee -a "$out/host.jsonl"
+    ;;
+*)
+    echo "unknown step $step" >&2
+    exit 2
+    ;;
+esac
