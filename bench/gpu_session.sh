@@ -9,8 +9,11 @@
 #   bash bench/gpu_session.sh llama1b   # the 1B fixed row beside HF generate and the bare decoder
 #   bash bench/gpu_session.sh llama7b   # the 7B row (200 x 128 in / 128 out)
 #   bash bench/gpu_session.sh host      # the host's work per step on this machine's CPU
+#   bash bench/gpu_session.sh hybrid-capacity       # issue 12: OPT-13B, an A100-40GB's cache
+#   bash bench/gpu_session.sh hybrid-fcfs           # issue 12: SLO attainment vs rate, fcfs,
+#   bash bench/gpu_session.sh hybrid-apt            # then apt (one call each: ~5 min apiece)
 set -euo pipefail
-step=${1:?"which step: tests, smollm2, llama1b, llama7b or host"}
+step=${1:?"which step: tests, smollm2, llama1b, llama7b, host, hybrid-capacity, hybrid-fcfs or hybrid-apt"}
 out=${OUT:-/tmp/llmdb-gpu-out}
 mkdir -p "$out"
 
@@ -49,6 +52,15 @@ host)
     python3 bench/host_overhead.py --stub-model --running 64 256 512 | tee -a "$out/host.jsonl"
     python3 bench/host_overhead.py --stub-model --launch-ahead --running 256 \
         | tee -a "$out/host.jsonl"
+    ;;
+hybrid-capacity)
+    python3 bench/hybrid.py --device cuda --only capacity --shape opt-13b --cache-mb 12000 \
+        --capacity-requests 256 --prompt 96 --output 96 | tee -a "$out/hybrid.jsonl"
+    ;;
+hybrid-fcfs | hybrid-apt)
+    python3 bench/hybrid.py --device cuda --only slo --slo-shape opt-13b --slo-cache-mb 12000 \
+        --scale 1 --ttft 1 --tbt 1 --rates 1 2 3 4 6 --slo-requests 100 \
+        --policies "${step#hybrid-}" | tee -a "$out/hybrid.jsonl"
     ;;
 *)
     echo "unknown step $step" >&2

@@ -17,23 +17,29 @@ capacity: under one fixed cache budget, `--capacity-requests` requests of about 
   0.1 ms a token, against a ~40 ms decode step), so apt rightly keeps most requests in KV
   form there.
 
-slo: SLO attainment vs request rate on the OPT-125m shape: ShareGPT-like lengths (lognormal
+slo: SLO attainment vs request rate on --slo-shape (OPT-125m): ShareGPT-like lengths (lognormal
   with the published means and deviations, times --scale, so that a 2-core CPU serves them at
   a few requests a second), Poisson arrivals, every request RT with the stated SLOs (CPU
   scale: DESIGN.md's TTFT 1.0 s, P99 TBT 0.25 s), apt with the hybrid cache vs fcfs with KV
   only (vLLM's policy), under a cache budget that holds about --cache-requests average
-  requests in KV form. One line per (policy, rate), then each policy's effective throughput
-  (the highest rate with >= 90% attainment, interpolated between measured rates) and the
-  ratio.
+  requests in KV form (or --slo-cache-mb). One line per (policy, rate), then each policy's
+  effective throughput (the highest rate with >= 90% attainment, interpolated between
+  measured rates) and the ratio.
 
-On a GPU (--device cuda) use the OPT-13B shape and an A100-40GB's 12 GB of cache:
-  python bench/hybrid.py --device cuda --shape opt-13b --cache-mb 12000 ...
+On a GPU (--device cuda) use the OPT-13B shape, an A100-40GB's 12 GB of cache and, for the
+SLO sweep, ShareGPT's full lengths with Apt-Serve's SLOs for it (Table 3: TTFT 1 s, P99 TBT
+1 s), one policy a call where a call's time is limited:
+  python bench/hybrid.py --device cuda --only capacity --shape opt-13b --cache-mb 12000 \
+      --capacity-requests 256 --prompt 96 --output 96
+  python bench/hybrid.py --device cuda --only slo --slo-shape opt-13b --slo-cache-mb 12000 \
+      --scale 1 --ttft 1 --tbt 1 --rates 1 2 3 4 6 --slo-requests 100 --policies fcfs
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import statistics
 import threading
@@ -54,7 +60,24 @@ TARGET = 0.9
 def model_dir(shape: str, root: Path) -> Path:
     from random_model import write_random_model
 
-    return write_random_model(shape, root / shape, seed=0, dtype=torch.bfloat16, device="cpu")
+    # (drawn on the GPU where there is one: a 13B shape's weights in seconds, not minutes)
+    return write_random_model(shape, root / shape, seed=0, dtype=torch.bfloat16)
+
+
+def free_device_memory() -> None:
+    """An engine's weights and pool, gone before the next engine is made: two 13B engines do
+    not fit one GPU (the runner and its CUDA graphs hold each other, so gc must run)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def kv_bytes_per_token(shape: str) -> int:
+    """K and V of one token over all layers, bf16."""
+    from random_model import SHAPES
+
+    s = SHAPES[shape]
+    return 2 * s.layers * s.kv_heads * (s.hidden // s.heads) * 2
 
 
 def engine(path: Path, args, policy: str, hidden: bool, cache_bytes: int) -> LLMEngine:
@@ -197,11 +220,18 @@ def effective_throughput(points: list[tuple[float, float]]) -> float:
     return best
 
 
+SLO_POLICIES = {"fcfs": False, "apt": True}  # policy: the hidden cache on
+
+
 def slo_sweep(path: Path, args) -> None:
-    per_request_kv = 2 * 12 * 768 * 2 * (LENGTHS["sharegpt"][0] + LENGTHS["sharegpt"][2] / 2)
-    cache = int(args.cache_requests * per_request_kv * args.scale)
+    if args.slo_cache_mb is not None:
+        cache = args.slo_cache_mb << 20
+    else:  # about --cache-requests average requests (a whole prompt, half the output)
+        tokens = (LENGTHS["sharegpt"][0] + LENGTHS["sharegpt"][2] / 2) * args.scale
+        cache = int(args.cache_requests * tokens * kv_bytes_per_token(args.slo_shape))
     results = {}
-    for policy, hidden in (("fcfs", False), ("apt", True)):
+    for policy in args.policies:
+        hidden = SLO_POLICIES[policy]
         eng = engine(path, args, policy, hidden, cache)
         eng.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=2))  # warm up
         points = []
@@ -214,14 +244,16 @@ def slo_sweep(path: Path, args) -> None:
                               "rate": rate, **res, "requests": len(specs),
                               "scale": args.scale, "slo_ttft_s": args.ttft,
                               "slo_tbt_s": args.tbt, "cache_mb": round(cache / 2**20, 1),
-                              "shape": "opt-125m", "device": eng.describe()["device"]}),
+                              "shape": args.slo_shape, "device": eng.describe()["device"]}),
                   flush=True)
         results[policy] = effective_throughput(points)
-    print(json.dumps({"name": "hybrid_slo_effective_throughput",
-                      "fcfs_req_s": round(results["fcfs"], 3),
-                      "apt_req_s": round(results["apt"], 3),
-                      "ratio": round(results["apt"] / results["fcfs"], 2)
-                      if results["fcfs"] else None}))
+        del eng
+        free_device_memory()
+    line = {"name": "hybrid_slo_effective_throughput", "shape": args.slo_shape,
+            **{f"{p}_req_s": round(r, 3) for p, r in results.items()}}
+    if results.get("fcfs") and "apt" in results:
+        line["ratio"] = round(results["apt"] / results["fcfs"], 2)
+    print(json.dumps(line))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -245,12 +277,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rates", type=float, nargs="+", default=[4.0, 8.0, 12.0, 16.0, 24.0])
     ap.add_argument("--ttft", type=float, default=1.0)
     ap.add_argument("--tbt", type=float, default=0.25)
+    ap.add_argument("--slo-shape", default="opt-125m", help="slo: the model shape")
+    ap.add_argument("--slo-cache-mb", type=int, default=None,
+                    help="slo: the cache budget (default: from --cache-requests)")
+    ap.add_argument("--policies", nargs="+", choices=list(SLO_POLICIES),
+                    default=list(SLO_POLICIES), help="slo: the policies to sweep")
     args = ap.parse_args(argv)
     if args.only in (None, "capacity"):
         path = model_dir(args.shape, args.models)
         running = {}
         for mode in args.modes:
             line = capacity(path, args, mode)
+            free_device_memory()
             running[mode] = line["mean_running"]
             print(json.dumps(line), flush=True)
         ratios = {name: round(running[hybrid] / running[kv], 2)
@@ -258,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
                   if hybrid in running and kv in running}
         print(json.dumps({"name": "hybrid_capacity_ratio", "shape": args.shape, **ratios}))
     if args.only in (None, "slo"):
-        slo_sweep(model_dir("opt-125m", args.models), args)
+        slo_sweep(model_dir(args.slo_shape, args.models), args)
 
 
 if __name__ == "__main__":
