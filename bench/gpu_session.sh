@@ -45,8 +45,10 @@ llama1b)
     throughput "${fixed[@]}" --launch-ahead off
     ;;
 llama7b)
-    throughput --shape llama2-7b --workload fixed --rows 200 --prompt-len 128 --max-tokens 128 \
-        --bare
+    fixed=(--shape llama2-7b --workload fixed --rows 200 --prompt-len 128 --max-tokens 128)
+    throughput "${fixed[@]}" --bare
+    # HF generate in batches of 100, as the reference row ran it.
+    throughput "${fixed[@]}" --peer transformers --skip-llmdb --rows-at-once 100
     ;;
 host)
     python3 bench/host_overhead.py --stub-model --running 64 256 512 | tee -a "$out/host.jsonl"
