@@ -11,7 +11,7 @@ a GPU host sees it (the CPU model's cache traffic and threads slow the host's ow
 by a third here). One JSON line per N.
 
     python bench/host_overhead.py --running 64 256 512 [--stub-model] [--launch-ahead]
-    python bench/host_overhead.py --fill-blocks 4 32 64   # StepBuffers.fill alone
+    python bench/host_overhead.py --fill-blocks 4 32 64 [--fill-chunk 512]  # fill alone
 """
 
 from __future__ import annotations
@@ -99,26 +99,32 @@ def measure(model_dir: Path, running: int, steps: int, policy: str, launch_ahead
             "threads": torch.get_num_threads(), "commit": commit()}
 
 
-def measure_fill(running: int, blocks: int, repeats: int = 500) -> dict:
-    """StepBuffers.fill alone for `running` decodes over about `blocks` blocks each."""
+def measure_fill(running: int, blocks: int, chunk: int = 0, repeats: int = 500) -> dict:
+    """StepBuffers.fill alone for `running` decodes over about `blocks` blocks each, and a
+    prefill chunk of `chunk` tokens (a mixed step) if chunk > 0."""
     import torch
 
     from llmdb.engine.step_inputs import StepBuffers
 
     bs = 16
-    buffers = StepBuffers(torch.device("cpu"), 4096, running, 4 * blocks)
+    n = running + (chunk > 0)
+    buffers = StepBuffers(torch.device("cpu"), running + chunk, n, 4 * blocks + chunk // bs + 1)
     rng = random.Random(0)
     starts = [rng.randrange(blocks * bs // 2, blocks * bs * 3 // 2) for _ in range(running)]
-    tables = [list(range(i * 4 * blocks, i * 4 * blocks + s // bs + 1))
-              for i, s in enumerate(starts)]
-    args = ([5] * running, [1] * running, starts, [f"r{i}" for i in range(running)], tables, [], bs)
+    qlens = [1] * running
+    if chunk:
+        starts.append(0)
+        qlens.append(chunk)
+    tables = [list(range(i * 4 * blocks, i * 4 * blocks + (s + q) // bs + 1))
+              for i, (s, q) in enumerate(zip(starts, qlens, strict=True))]
+    args = ([5] * sum(qlens), qlens, starts, [f"r{i}" for i in range(n)], tables, [], bs)
     for _ in range(10):
         buffers.fill(*args)
     t = time.perf_counter()
     for _ in range(repeats):
         buffers.fill(*args)
     return {"name": "host_overhead_fill", "running": running, "blocks_per_seq": blocks,
-            "fill_us": round(1e6 * (time.perf_counter() - t) / repeats, 1),
+            "prefill_chunk": chunk, "fill_us": round(1e6 * (time.perf_counter() - t) / repeats, 1),
             "commit": commit()}
 
 
@@ -134,13 +140,16 @@ def main(argv: list[str] | None = None) -> int:
                          "work without the CPU model's caches and threads in its way")
     ap.add_argument("--fill-blocks", type=int, nargs="+",
                     help="time StepBuffers.fill alone at these blocks per sequence instead")
+    ap.add_argument("--fill-chunk", type=int, default=0,
+                    help="with --fill-blocks: a prefill chunk of this many tokens joins the "
+                         "decodes (a mixed step)")
     args = ap.parse_args(argv)
     import torch
 
     if args.fill_blocks:
         for blocks in args.fill_blocks:
             for n in args.running:
-                print(json.dumps(measure_fill(n, blocks)), flush=True)
+                print(json.dumps(measure_fill(n, blocks, args.fill_chunk)), flush=True)
         return 0
 
     with tempfile.TemporaryDirectory() as tmp:

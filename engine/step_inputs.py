@@ -189,19 +189,21 @@ class StepBuffers:
             p = p[:sk]
             slots[:sk] = tables[np.arange(sk), p // block_size] * block_size + p % block_size
             slots[sk:s] = PAD_SLOT
-        else:
+        else:  # prefill chunks among decodes: vectorized over the packed tokens too
+            q = np.asarray(qlens, dtype=np.int64)
             loc[0] = 0
             np.cumsum([*qlens, *([1] * (total_s - s))], out=loc[1:])
-            ctx[:s] = [a + q for a, q in zip(starts, qlens, strict=True)]
+            a = np.asarray(starts, dtype=np.int64)
+            ctx[:s] = a + q
             tables = self._tables(owners, block_tables, sk, total_s, ctx, block_size)
-            for i, (q, a) in enumerate(zip(qlens, starts, strict=True)):
-                lo, hi = loc[i], loc[i + 1]
-                p = np.arange(a, a + q)
-                pos[lo:hi] = p
-                if i >= sk:
-                    slots[lo:hi] = PAD_SLOT
-                    continue
-                slots[lo:hi] = tables[i, p // block_size] * block_size + p % block_size
+            # Token j of sequence i sits at packed row loc[i] + j and position a[i] + j.
+            p = np.arange(t) + np.repeat(a - loc[:s], q)
+            pos[:t] = p
+            nk = int(loc[sk])  # the tokens of KV-cache sequences come first
+            seq = np.repeat(np.arange(sk), q[:sk])
+            p = p[:nk]
+            slots[:nk] = tables[seq, p // block_size] * block_size + p % block_size
+            slots[nk:t] = PAD_SLOT
         if total_t > t:  # padding sequences: token 0 at position 0, nowhere in the cache
             tok[t:], pos[t:], slots[t:] = 0, 0, PAD_SLOT
             tables[s:] = 0

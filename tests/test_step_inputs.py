@@ -82,6 +82,12 @@ def test_hidden_sequences_and_padding_get_no_slots():
     assert inputs.batch.slot_mapping.tolist() == [4 * BS + 1, 8 * BS + 2, PAD_SLOT]
     tables = inputs.batch.block_tables
     assert tables.shape[0] == 2 and tables[0, :2].tolist() == [3, 4] and tables[1, 0] == 8
+    mixed = buffers.fill([1, 2, 3, 4, 5], [2, 1, 2], [5, 2, 0], ["a", "b", "c"],
+                         [[3, 4], [8], [6, 1, 2]], [], BS, num_kv_seqs=2)
+    assert mixed.positions.tolist() == [5, 6, 2, 0, 1]
+    assert mixed.batch.slot_mapping.tolist() == [3 * BS + 5, 3 * BS + 6, 8 * BS + 2,
+                                                 PAD_SLOT, PAD_SLOT]
+    assert mixed.batch.seq_lens.tolist() == [7, 3]
     padded = buffers.fill([1], [1], [5], ["a"], [[3, 4]], [], BS, pad_to=4)
     assert padded.batch.slot_mapping.tolist() == [4 * BS + 1, PAD_SLOT, PAD_SLOT, PAD_SLOT]
     assert padded.batch.seq_lens.tolist() == [6, 0, 0, 0]
