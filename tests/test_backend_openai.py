@@ -150,6 +150,25 @@ def test_concurrency_is_bounded_per_replica(backends):
         assert len(a.seen) + len(b.seen) == 12
 
 
+def _bulk_then_query(backend: OpenAIBackend, stub: StubEndpoint, bulk: int,
+                     pause_s: float) -> list[str]:
+    """`bulk` BE rows, then after pause_s one RT row ("query"): the order the stub got
+    them in, once all are answered."""
+    done = threading.Semaphore(0)
+
+    def submit(text: str, priority: str) -> str:
+        req = GenerationRequest([{"role": "user", "content": text}],
+                                SamplingParams(max_tokens=1), priority=priority)
+        return backend.submit(req, done.release)
+
+    handles = [submit(f"bulk {i}", "BE") for i in range(bulk)]
+    time.sleep(pause_s)
+    handles.append(submit("query", "RT"))
+    for _ in handles:
+        assert done.acquire(timeout=30)
+    return [s.body["messages"][-1]["content"] for s in stub.seen]
+
+
 def test_interactive_rows_take_free_slots_before_bulk_ones(backends):
     """A query beside a bulk job does not queue behind its rows: with one slot busy and bulk
     rows waiting for it, an interactive row submitted after them is sent next."""
@@ -159,19 +178,8 @@ def test_interactive_rows_take_free_slots_before_bulk_ones(backends):
 
     with StubEndpoint(slow) as a:
         backend = backends([a.url], max_concurrency=1)
-        done = threading.Semaphore(0)
-
-        def submit(text: str, priority: str) -> str:
-            req = GenerationRequest([{"role": "user", "content": text}],
-                                    SamplingParams(max_tokens=1), priority=priority)
-            return backend.submit(req, done.release)
-
-        handles = [submit(f"bulk {i}", "BE") for i in range(4)]
-        time.sleep(0.1)  # the first bulk row holds the slot, three wait
-        handles.append(submit("query", "RT"))
-        for _ in handles:
-            assert done.acquire(timeout=30)
-        order = [s.body["messages"][-1]["content"] for s in a.seen]
+        # After 0.1 s the first bulk row holds the slot and three wait.
+        order = _bulk_then_query(backend, a, bulk=4, pause_s=0.1)
         assert order == ["bulk 0", "query", "bulk 1", "bulk 2", "bulk 3"]
         assert all("priority" not in s.body for s in a.seen)  # not sent unless asked
 
@@ -208,19 +216,8 @@ def test_interactive_rows_go_first_through_the_rate_limit(backends):
     is sent with the next unit of budget."""
     with StubEndpoint(_script((200, {}, chat_answer("ok")))) as stub:
         backend = backends([stub.url], requests_per_minute=600)  # 10 a second, 10 at once
-        done = threading.Semaphore(0)
-
-        def submit(text: str, priority: str) -> str:
-            req = GenerationRequest([{"role": "user", "content": text}],
-                                    SamplingParams(max_tokens=1), priority=priority)
-            return backend.submit(req, done.release)
-
-        handles = [submit(f"bulk {i}", "BE") for i in range(20)]
-        time.sleep(0.3)  # 10 sent, 10 wait for budget (one unit per 0.1 s)
-        handles.append(submit("query", "RT"))
-        for _ in handles:
-            assert done.acquire(timeout=30)
-        order = [s.body["messages"][-1]["content"] for s in stub.seen]
+        # After 0.3 s about 13 are sent and the rest wait for budget (a unit per 0.1 s).
+        order = _bulk_then_query(backend, stub, bulk=20, pause_s=0.3)
         # At most the bulk row holding the turn when the query came, and the one after it
         # if the query's wait raced a refill, go before it; before, it went 21st.
         assert order.index("query") <= 14, order
