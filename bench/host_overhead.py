@@ -78,7 +78,8 @@ def measure(model_dir: Path, running: int, steps: int, policy: str, launch_ahead
     # The sampler's tensor math (an argmax over the vocabulary per row) is device work on a
     # GPU but runs inline here: timed apart, so what is left is the host's own work.
     runner_module = sys.modules[type(runner).__module__]
-    runner_module.sample = timed(runner_module.sample, "sampling")
+    sample = runner_module.sample
+    runner_module.sample = timed(sample, "sampling")
 
     def loop() -> list[float]:  # on the compute thread, as engine.step() runs it
         host = []
@@ -88,7 +89,10 @@ def measure(model_dir: Path, running: int, steps: int, policy: str, launch_ahead
             host.append(time.perf_counter() - t - (sum(inside.values()) - before))
         return host
 
-    host = run_on_compute_thread(loop)
+    try:
+        host = run_on_compute_thread(loop)
+    finally:
+        runner_module.sample = sample  # (the next N's engine wraps it afresh)
     return {"name": "host_overhead", "running": running, "steps": steps, "policy": policy,
             "launch_ahead": launch_ahead, "model": "stub" if stub_model else "tiny-llama",
             "host_ms_per_step": round(1000 * statistics.mean(host), 3),
