@@ -190,8 +190,8 @@ class ReplicaPool:
         its rows."""
         retries = 0
         last = "no attempt"
+        interactive = priority == "RT"
         while True:
-            interactive = priority == "RT"
             if self._rpm is not None:
                 await self._rpm.take(1, interactive)
             if self._tpm is not None:
