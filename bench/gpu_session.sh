@@ -2,7 +2,8 @@
 # What a session lent a GPU machine runs there, one step per device call (each call has at
 # most 10 minutes; a session has 30 minutes of device time in all, so the order is by value).
 # The recipe is ../shared/gpu/README.md's: wheels for what the device lacks in .whl/
-# (carried), random weights of real shapes built on the device. Results go to $OUT.
+# (carried), random weights of real shapes built on the device. Results go to $OUT. The copy
+# there has no .git: pass the commit, as in `LLMDB_COMMIT=<hash> bash bench/gpu_session.sh tests`.
 #
 #   bash bench/gpu_session.sh tests     # tests/gpu and the Triton kernels, compiled
 #   bash bench/gpu_session.sh smollm2   # nano-vllm's workload, launch-ahead on and off
