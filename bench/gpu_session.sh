@@ -11,10 +11,11 @@
 #   bash bench/gpu_session.sh llama7b   # the 7B row (200 x 128 in / 128 out)
 #   bash bench/gpu_session.sh host      # the host's work per step on this machine's CPU
 #   bash bench/gpu_session.sh hybrid-capacity       # issue 12: OPT-13B, an A100-40GB's cache
+#   bash bench/gpu_session.sh hybrid-capacity-apt   #   (apt's modes of the same)
 #   bash bench/gpu_session.sh hybrid-fcfs           # issue 12: SLO attainment vs rate, fcfs,
 #   bash bench/gpu_session.sh hybrid-apt            # then apt (one call each: ~5 min apiece)
 set -euo pipefail
-step=${1:?"which step: tests, smollm2, llama1b, llama7b, host, hybrid-capacity, hybrid-fcfs or hybrid-apt"}
+step=${1:?"which step: tests, smollm2, llama1b, llama7b, host, hybrid-capacity, hybrid-capacity-apt, hybrid-fcfs or hybrid-apt"}
 out=${OUT:-/tmp/llmdb-gpu-out}
 mkdir -p "$out"
 
@@ -56,9 +57,14 @@ host)
     python3 bench/host_overhead.py --stub-model --launch-ahead --running 256 \
         | tee -a "$out/host.jsonl"
     ;;
-hybrid-capacity)
+hybrid-capacity | hybrid-capacity-apt)
+    # Every mode loads the 13B engine again: the cache's own capacity (the issue's target)
+    # in one call, apt's modes in another.
+    modes=(fcfs_kv fcfs_all_hidden)
+    [ "$step" = hybrid-capacity-apt ] && modes=(apt_kv apt_hybrid apt_hybrid_memory_only)
     python3 bench/hybrid.py --device cuda --only capacity --shape opt-13b --cache-mb 12000 \
-        --capacity-requests 256 --prompt 96 --output 96 | tee -a "$out/hybrid.jsonl"
+        --capacity-requests 256 --prompt 96 --output 96 --modes "${modes[@]}" \
+        | tee -a "$out/hybrid.jsonl"
     ;;
 hybrid-fcfs | hybrid-apt)
     python3 bench/hybrid.py --device cuda --only slo --slo-shape opt-13b --slo-cache-mb 12000 \

@@ -73,11 +73,11 @@ def free_device_memory() -> None:
 
 
 def kv_bytes_per_token(shape: str) -> int:
-    """K and V of one token over all layers, bf16."""
+    """K and V of one token over all layers, bf16 (the engines' dtype on GPUs and bf16 CPUs)."""
     from random_model import SHAPES
 
     s = SHAPES[shape]
-    return 2 * s.layers * s.kv_heads * (s.hidden // s.heads) * 2
+    return 2 * s.layers * s.kv_heads * s.dim * 2
 
 
 def engine(path: Path, args, policy: str, hidden: bool, cache_bytes: int) -> LLMEngine:

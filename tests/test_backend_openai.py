@@ -151,9 +151,9 @@ def test_concurrency_is_bounded_per_replica(backends):
 
 
 def _bulk_then_query(backend: OpenAIBackend, stub: StubEndpoint, bulk: int,
-                     pause_s: float) -> list[str]:
+                     pause_s: float) -> tuple[list[str], int]:
     """`bulk` BE rows, then after pause_s one RT row ("query"): the order the stub got
-    them in, once all are answered."""
+    them in, once all are answered, and how many it had got when the query was sent."""
     done = threading.Semaphore(0)
 
     def submit(text: str, priority: str) -> str:
@@ -163,10 +163,11 @@ def _bulk_then_query(backend: OpenAIBackend, stub: StubEndpoint, bulk: int,
 
     handles = [submit(f"bulk {i}", "BE") for i in range(bulk)]
     time.sleep(pause_s)
+    before = len(stub.seen)
     handles.append(submit("query", "RT"))
     for _ in handles:
         assert done.acquire(timeout=30)
-    return [s.body["messages"][-1]["content"] for s in stub.seen]
+    return [s.body["messages"][-1]["content"] for s in stub.seen], before
 
 
 def test_interactive_rows_take_free_slots_before_bulk_ones(backends):
@@ -179,7 +180,7 @@ def test_interactive_rows_take_free_slots_before_bulk_ones(backends):
     with StubEndpoint(slow) as a:
         backend = backends([a.url], max_concurrency=1)
         # After 0.1 s the first bulk row holds the slot and three wait.
-        order = _bulk_then_query(backend, a, bulk=4, pause_s=0.1)
+        order, _ = _bulk_then_query(backend, a, bulk=4, pause_s=0.1)
         assert order == ["bulk 0", "query", "bulk 1", "bulk 2", "bulk 3"]
         assert all("priority" not in s.body for s in a.seen)  # not sent unless asked
 
@@ -217,10 +218,51 @@ def test_interactive_rows_go_first_through_the_rate_limit(backends):
     with StubEndpoint(_script((200, {}, chat_answer("ok")))) as stub:
         backend = backends([stub.url], requests_per_minute=600)  # 10 a second, 10 at once
         # After 0.3 s about 13 are sent and the rest wait for budget (a unit per 0.1 s).
-        order = _bulk_then_query(backend, stub, bulk=20, pause_s=0.3)
-        # At most the bulk row holding the turn when the query came, and the one after it
-        # if the query's wait raced a refill, go before it; before, it went 21st.
-        assert order.index("query") <= 14, order
+        order, before = _bulk_then_query(backend, stub, bulk=20, pause_s=0.3)
+        # Besides those sent already, at most the bulk row holding the turn when the query
+        # came, and one more if the query's arrival raced a refill, go before it; before,
+        # it went last.
+        assert before < 19 and order.index("query") <= before + 2, (before, order)
+
+
+def test_rate_limit_turns_are_taken_part_by_part():
+    """A bulk take larger than the bucket does not hold an interactive one back for all of
+    its parts, and a take of nothing (a /tokenize call) waits for nobody."""
+    from llmdb.backends.replicas import _Limiter
+
+    async def main() -> tuple[float, float]:
+        limiter = _Limiter(6000)  # 100 a second, 100 at once
+        bulk = asyncio.create_task(limiter.take(600))  # six seconds' worth
+        await asyncio.sleep(0.2)
+        t0 = time.monotonic()
+        await limiter.take(0, True)
+        nothing = time.monotonic() - t0
+        await limiter.take(50, True)
+        query = time.monotonic() - t0
+        bulk.cancel()
+        return nothing, query
+
+    nothing, query = asyncio.run(main())
+    assert nothing < 0.05
+    assert query < 2.0  # behind one part of the bulk take at most, not its five seconds
+
+
+def test_priority_turn_handed_to_a_cancelled_taker_passes_on():
+    from llmdb.backends.replicas import _PriorityTurn
+
+    async def main() -> bool:
+        turn = _PriorityTurn()
+        await turn.acquire(False)
+        first = asyncio.create_task(turn.acquire(True))
+        second = asyncio.create_task(turn.acquire(False))
+        await asyncio.sleep(0)
+        turn.release()  # handed to `first`, which is cancelled before it runs
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        await asyncio.wait_for(second, 1)  # the turn went on to the next taker
+        return first.cancelled()
+
+    assert asyncio.run(main())
 
 
 def test_priority_turn_order_and_cancellation():

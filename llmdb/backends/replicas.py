@@ -117,7 +117,8 @@ class _PriorityTurn:
 class _Limiter:
     """Requests or tokens per minute as a leaky bucket holding one second's worth (or one
     unit), so that a minute's budget is never spent in one burst. One taker at a time
-    waits on the bucket, interactive ones first."""
+    waits on the bucket, interactive ones first; a large take goes in bucket-sized parts,
+    each a turn of its own, so an interactive taker gets in between a bulk one's parts."""
 
     def __init__(self, per_minute: float):
         window = max(1.0, 60.0 / per_minute)
@@ -125,14 +126,14 @@ class _Limiter:
         self._turn = _PriorityTurn()
 
     async def take(self, amount: float, interactive: bool = False) -> None:
-        await self._turn.acquire(interactive)
-        try:
-            while amount > 0:  # more than the bucket holds is taken in bucket-sized parts
-                part = min(amount, self.bucket.max_rate)
+        while amount > 0:
+            part = min(amount, self.bucket.max_rate)
+            await self._turn.acquire(interactive)
+            try:
                 await self.bucket.acquire(part)
-                amount -= part
-        finally:
-            self._turn.release()
+            finally:
+                self._turn.release()
+            amount -= part
 
 
 def retry_after(response: httpx.Response) -> float | None:

@@ -56,7 +56,8 @@ class Policy:
             while i < len(cands):
                 if len(batch) >= s.max_num_seqs or c_left <= 0:
                     return out
-                if self.hybrid or phase is not True:  # running decodes that fit, many at once
+                if (self.hybrid or phase is not True) and cands[i].status is Status.RUNNING:
+                    # Running decodes that fit, many at once.
                     taken = s.run_decodes(out, batch, cands, i,
                                           min(s.max_num_seqs - len(batch), c_left))
                     if taken:
