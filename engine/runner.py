@@ -52,7 +52,7 @@ class _Plan:
     score: list[tuple[Request, int, list[int]]] = field(default_factory=list)  # rows, targets
     choice: list[tuple[Request, int]] = field(default_factory=list)
     keep: list[tuple[Request, int, int]] = field(default_factory=list)  # first row, count
-    top_k: int | None = None  # the most top log-probabilities a sampled request asked for
+    logprobs_k: int | None = None  # the most top log-probabilities a sampled request asked for
 
 
 @dataclass
@@ -286,7 +286,7 @@ class ModelRunner:
             parts.append(tokens.double())
             wanted = [r.params.logprobs for r in reqs]
             if wanted.count(None) < len(wanted):
-                plan.top_k = k = max(x for x in wanted if x is not None)
+                plan.logprobs_k = k = max(x for x in wanted if x is not None)
                 chosen, top_v, top_i = top_logprobs(picked, tokens, k)
                 parts += [chosen.double(), top_v.double().flatten(), top_i.double().flatten()]
         rows = [row0 + j for _, row0, tg in plan.score for j in range(len(tg))]
@@ -308,8 +308,8 @@ def _unpack(values: list[float], plan: _Plan) -> StepOutput:
     n = pos = len(plan.sample)
     out = StepOutput(dict(zip([r.request_id for r, _ in plan.sample], map(int, values[:n]),
                               strict=True)))
-    if plan.top_k is not None:
-        k = plan.top_k
+    if plan.logprobs_k is not None:
+        k = plan.logprobs_k
         chosen = values[pos : pos + n]
         top_v = values[pos + n : pos + n + n * k]
         top_i = values[pos + n + n * k : pos + n + 2 * n * k]
