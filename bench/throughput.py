@@ -21,6 +21,7 @@ import inspect
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -291,6 +292,21 @@ def _step_timing(engine) -> dict | None:
     return engine.step_timing() if hasattr(engine, "step_timing") else None
 
 
+def _step_kinds(log: list[tuple[str, float, float]]) -> dict:
+    """Medians of wall and host ms over the decode steps that replayed a CUDA graph, and
+    means over the eager ones (prefills, mixed steps): the per-step averages above mix the
+    two, and a few long prefills hide what a decode step costs."""
+    out: dict = {}
+    for kind, stat in (("graph", statistics.median), ("eager", statistics.fmean)):
+        steps = [(wall, host) for k, wall, host in log if k == kind]
+        if steps:
+            name = "median" if kind == "graph" else "mean"
+            out |= {f"{kind}_steps": len(steps),
+                    f"{kind}_wall_ms_{name}": round(1000 * stat(w for w, _ in steps), 3),
+                    f"{kind}_host_ms_{name}": round(1000 * stat(h for _, h in steps), 3)}
+    return out
+
+
 def run_llmdb_dir(args: argparse.Namespace) -> dict:
     """llmdb on a model directory; host_ms_per_step is the scheduler + runner host time
     of the timed run's steps (the engine's step_timing counters, differenced)."""
@@ -324,6 +340,8 @@ def run_llmdb_dir(args: argparse.Namespace) -> dict:
     engine.generate([[(t + 1) % vocab for t in p] for p in prompts[:8]],
                     SamplingParams(max_tokens=4, ignore_eos=True))
     before = _step_timing(engine)
+    if hasattr(engine, "step_log"):
+        engine.step_log = []
     t0 = time.perf_counter()
     results = engine.generate(prompts, params)
     elapsed = time.perf_counter() - t0
@@ -346,6 +364,7 @@ def run_llmdb_dir(args: argparse.Namespace) -> dict:
             idle = after["device_idle_s"] - before["device_idle_s"]
             out |= {"device_idle_ms_per_step": round(1000 * idle / steps, 3),
                     "launch_ahead": engine.launch_ahead}
+    out |= _step_kinds(getattr(engine, "step_log", None) or [])
     if args.device == "cpu":
         out["threads"] = torch.get_num_threads()
     return out

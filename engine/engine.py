@@ -139,6 +139,10 @@ class LLMEngine:
         self._host_s = 0.0
         self.tokens_generated = 0  # since start, for metrics
         self._wall_s = 0.0
+        # Set to a list to have each step call append (kind, wall_s, host_s), kind being what
+        # it launched: "graph" (a captured decode), "eager", or "none" (it only read the last
+        # step). Benchmarks use it to tell decode steps' host time from prefills'.
+        self.step_log: list[tuple[str, float, float]] | None = None
 
     def _load(self, model: str, threads: int | None, kv_cache_bytes: int | None,
               block_size: int) -> int:
@@ -357,6 +361,9 @@ class LLMEngine:
         wall = time.perf_counter() - t0
         self._wall_s += wall
         self._host_s += wall - wait
+        if self.step_log is not None:
+            kind = "none" if launched is None else "graph" if launched.graphed else "eager"
+            self.step_log.append((kind, wall, wall - wait))
         return finished
 
     def _at_length(self, req: Request) -> bool:

@@ -65,6 +65,7 @@ class LaunchedStep:
     tokens: torch.Tensor | None = None  # the sampled ids, on the device
     done: torch.cuda.Event | None = None  # recorded after the copy to the host (GPU only)
     started: torch.cuda.Event | None = None
+    graphed: bool = False  # replayed a captured decode graph (else eager, or nothing to run)
 
     @functools.cached_property
     def sample_index(self) -> dict[str, int]:
@@ -201,7 +202,7 @@ class ModelRunner:
             logits = (self.model.logits(hidden.index_select(0, inputs.logit_rows))
                       if plan.rows else None)
         step = self._results_to_host(logits, plan)
-        step.started = started
+        step.started, step.graphed = started, graph is not None
         self._last = step
         self.steps += 1
         return step

@@ -115,6 +115,20 @@ def test_results_arrive_one_step_late(ahead):
     assert len(ahead.wait(rid).token_ids) == 4
 
 
+def test_the_step_log_names_what_each_call_launched(ahead):
+    """One entry per step call; launching ahead, the last call only reads (on the CPU
+    nothing is a captured graph)."""
+    prompt = _prompt(ahead, 0)
+    try:
+        for launch_ahead, kinds in ((False, ["eager"] * 4), (True, ["eager"] * 4 + ["none"])):
+            ahead.launch_ahead, ahead.step_log = launch_ahead, []
+            ahead.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
+            assert [k for k, _, _ in ahead.step_log] == kinds
+            assert all(0 <= host <= wall for _, wall, host in ahead.step_log)
+    finally:
+        ahead.step_log = None
+
+
 def test_preemption_and_abort_while_a_step_is_in_flight(ahead):
     prompts = [_prompt(ahead, i) for i in range(5)]
     params = SamplingParams(max_tokens=14, ignore_eos=True)

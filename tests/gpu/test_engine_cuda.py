@@ -163,9 +163,14 @@ def test_cuda_graphs_equal_eager(pair, model_dirs):
     eager = _engine(path, "cuda", cuda_graphs=False)
     assert not eager.describe()["cuda_graphs"]
     prompts = _prompts(40, seed=5, vocab=cpu.config.vocab_size)
+    graphs.step_log, eager.step_log = [], []
     for a, b, p in zip(graphs.generate(prompts, GEN), eager.generate(prompts, GEN), prompts,
                        strict=True):
         assert_same_tokens(cpu, p, b.token_ids, a.token_ids)
+    # The decodes did replay graphs (the comparison would be empty otherwise).
+    assert "graph" in {k for k, _, _ in graphs.step_log}
+    assert "graph" not in {k for k, _, _ in eager.step_log}
+    graphs.step_log = None
     _all_free(graphs, eager)
 
 
