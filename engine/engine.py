@@ -433,7 +433,10 @@ class LLMEngine:
             reason = "stop"
         elif p.stop and self._stop_watch(req).add(token):
             reason = "stop"
-        elif self._at_length(req):
+        elif (req.request_id in self.scheduler.held) if self.launch_ahead else (
+                self._at_length(req)):
+            # Launching ahead, a request was held at launch exactly when its pending token
+            # (now this one) was its last: the length check is not made twice.
             reason = "length"
         else:
             return False
