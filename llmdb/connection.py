@@ -90,7 +90,8 @@ class Connection:
     def execute(self, query: str, parameters: Any = None) -> Connection:
         explained = _EXPLAIN_LLM.match(query)
         if explained:
-            self._show(self.explain_report(explained["query"]))
+            self._con.register(_EXPLAIN_VIEW, self.explain_report(explained["query"]).table())
+            self._con.execute(f"SELECT * FROM {_EXPLAIN_VIEW}")
             return self
         self._attach_samples(query)
         self.session.begin_query()
@@ -102,7 +103,9 @@ class Connection:
         The planner's preparatory queries run now."""
         explained = _EXPLAIN_LLM.match(query)
         if explained:
-            self._show(self.explain_report(explained["query"]))
+            # A relation, not an execute() result: DuckDB 2 refuses other work on a
+            # connection while an execute() result is unread.
+            self._con.register(_EXPLAIN_VIEW, self.explain_report(explained["query"]).table())
             return self._con.sql(f"SELECT * FROM {_EXPLAIN_VIEW}")
         self._attach_samples(query)
         self.session.begin_query()
@@ -123,10 +126,6 @@ class Connection:
     def explain(self, query: str) -> str:
         """explain_report as text (what `llmdb explain` prints)."""
         return self.explain_report(query).text()
-
-    def _show(self, report: Report) -> None:
-        self._con.register(_EXPLAIN_VIEW, report.table())
-        self._con.execute(f"SELECT * FROM {_EXPLAIN_VIEW}")
 
     def _run(self, work: Any) -> Any:
         result: list[Any] = []

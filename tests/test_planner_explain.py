@@ -71,6 +71,16 @@ def test_estimates_with_static_guards_are_exact_and_actuals_follow_a_run(con):
         assert site["prompt_tokens_est"] < site["prompt_tokens_actual"]
 
 
+def test_explain_through_sql_gives_the_same_report(con):
+    """con.sql("EXPLAIN LLM ...") is a relation of the report, and the connection goes on
+    working after it (DuckDB 2 refuses work while an execute() result is unread)."""
+    sql = "SELECT id FROM t WHERE id % 7 = 0 AND llm_filter(x)"
+    executed = _site_rows(con, sql)
+    rel = con.sql(f"EXPLAIN LLM {sql}")
+    assert [dict(zip(rel.columns, r, strict=True)) for r in rel.fetchall()] == executed
+    assert con.sql("SELECT count(*) FROM t").fetchall() == [(ROWS,)]
+
+
 def test_incremental_estimate_uses_learned_values(con):
     """ORDER BY ... LIMIT: after one run the pseudo answers are drawn from the real ones."""
     sql = "SELECT id FROM t WHERE llm_filter(x) ORDER BY id LIMIT 20"
