@@ -9,13 +9,15 @@
 #   bash bench/gpu_session.sh smollm2   # nano-vllm's workload, launch-ahead on and off
 #   bash bench/gpu_session.sh llama1b   # the 1B fixed row beside HF generate and the bare decoder
 #   bash bench/gpu_session.sh llama7b   # the 7B row (200 x 128 in / 128 out)
+#   bash bench/gpu_session.sh bulk      # a SQL-like job: 4,000 rows through 512 slots, so
+#                                       # most steps are mixed (eager): graph vs eager step cost
 #   bash bench/gpu_session.sh host      # the host's work per step on this machine's CPU
 #   bash bench/gpu_session.sh hybrid-capacity       # issue 12: OPT-13B, an A100-40GB's cache
 #   bash bench/gpu_session.sh hybrid-capacity-apt   #   (apt's modes of the same)
 #   bash bench/gpu_session.sh hybrid-fcfs           # issue 12: SLO attainment vs rate, fcfs,
 #   bash bench/gpu_session.sh hybrid-apt            # then apt (one call each: ~5 min apiece)
 set -euo pipefail
-step=${1:?"which step: tests, smollm2, llama1b, llama7b, host, hybrid-capacity, hybrid-capacity-apt, hybrid-fcfs or hybrid-apt"}
+step=${1:?"which step: tests, smollm2, llama1b, llama7b, bulk, host, hybrid-capacity, hybrid-capacity-apt, hybrid-fcfs or hybrid-apt"}
 out=${OUT:-/tmp/llmdb-gpu-out}
 mkdir -p "$out"
 
@@ -51,6 +53,12 @@ llama7b)
     throughput "${fixed[@]}" --bare
     # HF generate in batches of 100, as the issue's reference row ran it.
     throughput "${fixed[@]}" --peer transformers --skip-llmdb --rows-at-once 100
+    ;;
+bulk)
+    for ahead in on off; do
+        throughput --shape smollm2-135m --workload bulk --launch-ahead "$ahead"
+    done
+    throughput --shape llama3.2-1b --workload bulk
     ;;
 host)
     python3 bench/host_overhead.py --stub-model --running 64 256 512 | tee -a "$out/host.jsonl"

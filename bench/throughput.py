@@ -8,8 +8,10 @@ same weights: the GGUF dequantized by our loader and exported as a bf16 HF direc
 With --shape (needed for --device cuda) every engine instead runs a directory of random
 weights of that model's shape (bench/random_model.py; the GPU machine has neither the bundled
 GGUF nor the internet), on one of three workloads: standard (the same 400 prompts, as token
-ids stored in bench/data/), fixed (--rows x --prompt-len random ids, --max-tokens each) or
-nanovllm (nano-vllm's bench.py: 256 rows, prompt and output lengths uniform in [100, 1024]).
+ids stored in bench/data/), fixed (--rows x --prompt-len random ids, --max-tokens each),
+nanovllm (nano-vllm's bench.py: 256 rows, prompt and output lengths uniform in [100, 1024])
+or bulk (4,000 rows of the standard prompts, outputs of 16 to 112 tokens: a SQL job whose
+rows outnumber the running slots, so most steps mix prefills with decodes).
 Engines: llmdb, --peer transformers (batched `generate`, same python) and --bare (the bare
 decoder with one CUDA graph per step, bench/bare_decoder.py: the ceiling).
 """
@@ -224,9 +226,26 @@ def nanovllm_workload(rows: int = 256) -> list[dict]:
     return [{"token_ids": p, "max_tokens": rng.randint(100, 1024)} for p in prompts]
 
 
+def bulk_workload(rows: int, max_tokens: int, vocab: int, seed: int) -> list[dict]:
+    """A SQL job over more rows than run at once: the standard prompts over and over, each
+    pass with its ids shifted by one more (no prompt repeats; within a pass the rows share
+    the template's prefix, as a query's rows do), outputs uniform in [max_tokens / 4,
+    7 max_tokens / 4] (seeded). Rows end at different steps and new ones start in their
+    place, so most steps mix prefill chunks with decodes, where the other workloads are
+    decode steps after the first few (every row starts at once and runs to the end)."""
+    stored = json.loads(STANDARD_PROMPTS.read_text())["rows"]
+    rng = random.Random(seed)
+    n = len(stored)
+    return [{"token_ids": [(t + i // n) % vocab for t in stored[i % n]],
+             "max_tokens": rng.randint(max(1, max_tokens // 4), max_tokens * 7 // 4)}
+            for i in range(rows)]
+
+
 def build_workload(args: argparse.Namespace, vocab: int) -> list[dict]:
     if args.workload == "standard":
         return standard_workload(args.rows or 400, args.max_tokens or 64, vocab)
+    if args.workload == "bulk":
+        return bulk_workload(args.rows or 4000, args.max_tokens or 64, vocab, args.seed)
     if args.workload == "fixed":
         return fixed_workload(args.rows or 400, args.prompt_len, args.max_tokens or 128, vocab,
                               args.seed)
@@ -293,17 +312,19 @@ def _step_timing(engine) -> dict | None:
 
 
 def _step_kinds(log: list[tuple[str, float, float]]) -> dict:
-    """Medians of wall and host ms over the decode steps that replayed a CUDA graph, and
-    means over the eager ones (prefills, mixed steps): the per-step averages above mix the
-    two, and a few long prefills hide what a decode step costs."""
+    """Per kind of step (engine.step_log: "graph" for decode graphs, "mixed graph", "eager"),
+    how many, and the median wall and host ms: the per-step averages above mix them, and a
+    few long prefills hide what a decode step costs."""
     out: dict = {}
-    for kind, stat in (("graph", statistics.median), ("eager", statistics.fmean)):
+    for kind in ("graph", "mixed graph", "eager"):
         steps = [(wall, host) for k, wall, host in log if k == kind]
         if steps:
-            name = "median" if kind == "graph" else "mean"
-            out |= {f"{kind}_steps": len(steps),
-                    f"{kind}_wall_ms_{name}": round(1000 * stat(w for w, _ in steps), 3),
-                    f"{kind}_host_ms_{name}": round(1000 * stat(h for _, h in steps), 3)}
+            key = kind.replace(" ", "_")
+            out |= {f"{key}_steps": len(steps),
+                    f"{key}_wall_ms_median": round(1000 * statistics.median(
+                        w for w, _ in steps), 3),
+                    f"{key}_host_ms_median": round(1000 * statistics.median(
+                        h for _, h in steps), 3)}
     return out
 
 
@@ -481,7 +502,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=None,
-                    help="rows (default: 400; nanovllm: 256)")
+                    help="rows (default: 400; nanovllm: 256; bulk: 4000)")
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="tokens per row (default: 64; fixed: 128; nanovllm: its own)")
     ap.add_argument("--dtype", default=None)
@@ -494,7 +515,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model-dir", help="where the --shape directory is written and reused "
                     "(default: under the temp dir); without --shape, an HF directory to run")
     ap.add_argument("--seed", type=int, default=0, help="weights and fixed-workload seed")
-    ap.add_argument("--workload", default="standard", choices=["standard", "fixed", "nanovllm"])
+    ap.add_argument("--workload", default="standard",
+                    choices=["standard", "fixed", "nanovllm", "bulk"])
     ap.add_argument("--prompt-len", type=int, default=128, help="fixed workload prompt length")
     ap.add_argument("--bare", action="store_true", help="also run the bare decoder")
     ap.add_argument("--skip-llmdb", action="store_true", help="run only the peers / --bare")

@@ -58,8 +58,8 @@ class LLMEngine:
     infermax, rr, ...) or as a Policy object. RT requests get the rt_slo_* targets. dtype
     None picks bf16 on GPUs (fp16 where bf16 is missing) and on CPUs with native bf16, fp32
     elsewhere. attention picks the kernel set: "auto" (C++ on the CPU, Triton on GPUs),
-    "cpu", "triton" or "reference". cuda_graphs replays decode-only steps from captured
-    graphs on GPUs.
+    "cpu", "triton" or "reference". cuda_graphs replays decode steps and small mixed steps
+    from captured graphs on GPUs.
     hidden_cache lets the scheduler keep a request's hidden states instead of its K/V
     (Apt-Serve; only the apt policy chooses it): None turns it on where the model's hidden
     states are smaller than its K/V (MHA models such as OPT), True insists (an error where
@@ -140,8 +140,8 @@ class LLMEngine:
         self.tokens_generated = 0  # since start, for metrics
         self._wall_s = 0.0
         # Set to a list to have each step call append (kind, wall_s, host_s), kind being what
-        # it launched: "graph" (a captured decode), "eager", or "none" (it only read the last
-        # step). Benchmarks use it to tell decode steps' host time from prefills'.
+        # it launched: "graph" (a captured decode step), "mixed graph", "eager", or "none" (it
+        # only read the last step). Benchmarks use it to tell the kinds' costs apart.
         self.step_log: list[tuple[str, float, float]] | None = None
 
     def _load(self, model: str, threads: int | None, kv_cache_bytes: int | None,
@@ -178,6 +178,9 @@ class LLMEngine:
             "dtype": str(self.dtype).removeprefix("torch."),
             "kernels": self.kernels,
             "cuda_graphs": sorted(graphs.graphs) if graphs is not None else [],
+            # Token buckets of mixed steps captured so far (when first needed).
+            "mixed_cuda_graphs": (sorted(graphs.mixed) if graphs is not None and graphs.mixed_on
+                                  else []),
             "kv_cache": {"blocks": self.pool.num_blocks, "block_size": self.pool.block_size,
                          "bytes": kv_bytes, "prefix_caching": self.pool.enable_prefix_caching},
             "hidden_cache": {
@@ -362,7 +365,7 @@ class LLMEngine:
         self._wall_s += wall
         self._host_s += wall - wait
         if self.step_log is not None:
-            kind = "none" if launched is None else "graph" if launched.graphed else "eager"
+            kind = "none" if launched is None else launched.kind
             self.step_log.append((kind, wall, wall - wait))
         return finished
 

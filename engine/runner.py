@@ -4,7 +4,7 @@ The engine hands the runner (request, tokens) pairs and gets back host values on
 token sampled for each generating request whose tokens are all computed, and the numbers
 scoring requests asked for. All tensor work, logits, sampling, log-probabilities, happens
 here on the engine's device, and the results come to the host in one copy per step.
-Decode-only steps on CUDA replay a captured graph (cuda_graphs.py).
+Decode steps and small mixed steps on CUDA replay a captured graph (cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from llmdb.kernels.hidden_cache import HiddenBatch, hidden_rows
 from llmdb.kernels.transfer import to_device
 
 from .cache.kv_cache import KVCache
-from .cuda_graphs import DecodeGraphs, attention_splits
+from .cuda_graphs import StepGraphs, attention_splits
 from .models.hidden_attention import hidden_io
 from .sampling import row_key, sample, top_logprobs
 from .sched.request import PENDING_TOKEN, Request
@@ -65,7 +65,7 @@ class LaunchedStep:
     tokens: torch.Tensor | None = None  # the sampled ids, on the device
     done: torch.cuda.Event | None = None  # recorded after the copy to the host (GPU only)
     started: torch.cuda.Event | None = None
-    graphed: bool = False  # replayed a captured decode graph (else eager, or nothing to run)
+    kind: str = "eager"  # or "graph" (a captured decode step), "mixed graph"
 
     @functools.cached_property
     def sample_index(self) -> dict[str, int]:
@@ -85,7 +85,7 @@ class ModelRunner:
         # take any step up to the model's context (a few MB).
         self.buffers = StepBuffers(device, max(max_num_batched_tokens, max_context) + max_num_seqs,
                                    max_num_seqs, -(-max_context // block_size))
-        self.graphs = (DecodeGraphs(self, max_num_seqs)
+        self.graphs = (StepGraphs(self, max_num_seqs)
                        if cuda_graphs and device.type == "cuda" else None)
         self.steps = 0
         self.last_wait_s = 0.0  # the last collect's wait for the device (its one sync)
@@ -179,12 +179,11 @@ class ModelRunner:
         tables = [req.block_ids for req, _ in scheduled]
         owners = [req.request_id for req, _ in scheduled]
         pending = (prev.tokens, pending_rows, pending_from) if pending_rows else None
-        graph = (self.graphs.pick(scheduled, plan)
+        graph = (self.graphs.pick(scheduled, plan, base)
                  if self.graphs is not None and num_kv == len(scheduled) else None)
         if graph is not None:
-            inputs = self.buffers.fill(ids, qlens, starts, owners, tables, [], self.block_size,
-                                       pad_to=graph.batch_size, pending=pending)
-            logits = graph.replay()[: len(scheduled)]
+            self.graphs.fill(graph, ids, qlens, starts, owners, tables, plan.rows, pending)
+            logits = graph.replay()[: len(plan.rows)]
         else:
             inputs = self.buffers.fill(ids, qlens, starts, owners, tables, plan.rows,
                                        self.block_size, num_kv_seqs=num_kv, pending=pending)
@@ -202,7 +201,9 @@ class ModelRunner:
             logits = (self.model.logits(hidden.index_select(0, inputs.logit_rows))
                       if plan.rows else None)
         step = self._results_to_host(logits, plan)
-        step.started, step.graphed = started, graph is not None
+        step.started = started
+        if graph is not None:
+            step.kind = "mixed graph" if graph.rows else "graph"
         self._last = step
         self.steps += 1
         return step

@@ -102,6 +102,12 @@ class StepBuffers:
             self.dev64, self.dev32 = self.host64, self.host32
             self.dev_tables = None
 
+    def fix_table_stride(self) -> None:
+        """Block tables in rows of one [max_seqs, max_blocks] table, as on a GPU, where
+        CUDA graphs bake its row stride in: for graphs emulated on the CPU (tests)."""
+        if self.dev_tables is None:
+            self.dev_tables = torch.zeros(self.max_seqs, self.max_blocks, dtype=torch.int32)
+
     def _host_set(self, pin: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # int64 holds ids, positions, slots, logit rows and the pending tokens' rows and
         # sources (at most one each a sequence): 4 x tokens + 2 x sequences.
@@ -156,21 +162,29 @@ class StepBuffers:
     def fill(self, ids: list[int], qlens: list[int], starts: list[int], owners: list[str],
              block_tables: list[list[int]], rows: list[int], block_size: int,
              pad_to: int | None = None, num_kv_seqs: int | None = None,
-             pending: tuple[torch.Tensor, list[int], list[int]] | None = None) -> StepInputs:
+             pending: tuple[torch.Tensor, list[int], list[int]] | None = None,
+             pad_tokens: int | None = None) -> StepInputs:
         """Sequence i computes qlens[i] tokens from position starts[i], over the blocks
         block_tables[i] of owners[i] (a request id: see BlockTableRows); ids are all the
         step's token ids, packed; rows: packed rows whose logits are wanted. pad_to (decode
-        graphs) adds sequences of one padding token each, with no context, up to that many.
-        Sequences from num_kv_seqs on keep hidden states, not K/V: their tokens get slot
-        PAD_SLOT and the attention batch leaves them out (the runner adds their
-        HiddenBatch). pending = (sampled, packed rows, indices): the ids at those rows are
-        sampled[indices], tokens the host has not read yet, copied on the device."""
+        graphs) adds sequences of one padding token each, with no context, up to that many;
+        with pad_tokens too (mixed graphs) the added sequences are empty and padding tokens,
+        past the last sequence, make up that many tokens. Sequences from num_kv_seqs on keep
+        hidden states, not K/V: their tokens get slot PAD_SLOT and the attention batch leaves
+        them out (the runner adds their HiddenBatch). pending = (sampled, packed rows,
+        indices): the ids at those rows are sampled[indices], tokens the host has not read
+        yet, copied on the device."""
         if len(self._host_sets) > 1:
             self._turn ^= 1
             self._use_host_set(self._turn)
         s, t = len(qlens), len(ids)
         sk = s if num_kv_seqs is None else num_kv_seqs
-        total_s, total_t = (pad_to, t + pad_to - s) if pad_to else (s, t)
+        pad_qlen = 0 if pad_tokens else 1  # tokens of each padding sequence
+        if pad_tokens:
+            assert pad_to is not None and pad_to >= s and pad_tokens >= t
+            total_s, total_t = pad_to, pad_tokens
+        else:
+            total_s, total_t = (pad_to, t + pad_to - s) if pad_to else (s, t)
         if total_t > self.max_tokens or total_s > self.max_seqs:
             raise ValueError(f"a step of {total_t} tokens over {total_s} sequences exceeds the "
                              f"buffers ({self.max_tokens} tokens, {self.max_seqs} sequences)")
@@ -181,7 +195,8 @@ class StepBuffers:
         ctx[s:] = 0
         tok[:t] = ids
         if t == s:  # decodes, one token each (every step's common case): vectorized
-            loc[:] = np.arange(total_s + 1)
+            loc[: s + 1] = np.arange(s + 1)
+            loc[s + 1 :] = s + pad_qlen * np.arange(1, total_s - s + 1)
             p = np.asarray(starts, dtype=np.int64)
             ctx[:s] = p + 1
             tables = self._tables(owners, block_tables, sk, total_s, ctx, block_size)
@@ -192,7 +207,7 @@ class StepBuffers:
         else:  # prefill chunks among decodes: vectorized over the packed tokens too
             q = np.asarray(qlens, dtype=np.int64)
             loc[0] = 0
-            np.cumsum([*qlens, *([1] * (total_s - s))], out=loc[1:])
+            np.cumsum([*qlens, *([pad_qlen] * (total_s - s))], out=loc[1:])
             a = np.asarray(starts, dtype=np.int64)
             ctx[:s] = a + q
             tables = self._tables(owners, block_tables, sk, total_s, ctx, block_size)
@@ -204,9 +219,10 @@ class StepBuffers:
             p = p[:nk]
             slots[:nk] = tables[seq, p // block_size] * block_size + p % block_size
             slots[nk:t] = PAD_SLOT
-        if total_t > t:  # padding sequences: token 0 at position 0, nowhere in the cache
-            tok[t:], pos[t:], slots[t:] = 0, 0, PAD_SLOT
-            tables[s:] = 0
+        # Padding tokens: token 0 at position 0, nowhere in the cache; padding sequences have
+        # no context (ctx above) and block 0 in their table.
+        tok[t:], pos[t:], slots[t:] = 0, 0, PAD_SLOT
+        tables[s:] = 0
         n64 = 3 * total_t + len(rows)
         a64[3 * total_t : n64] = rows
         if pending is not None:

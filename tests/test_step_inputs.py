@@ -91,3 +91,26 @@ def test_hidden_sequences_and_padding_get_no_slots():
     padded = buffers.fill([1], [1], [5], ["a"], [[3, 4]], [], BS, pad_to=4)
     assert padded.batch.slot_mapping.tolist() == [4 * BS + 1, PAD_SLOT, PAD_SLOT, PAD_SLOT]
     assert padded.batch.seq_lens.tolist() == [6, 0, 0, 0]
+
+
+def test_mixed_graph_padding_adds_empty_sequences_and_trailing_tokens():
+    """A mixed graph's layout: T tokens and S sequences whatever the step; the added
+    sequences have no tokens and no context, the added tokens lie past the last sequence
+    (attention gives them zeros) with no slot, and the logit rows keep their places."""
+    buffers = StepBuffers(torch.device("cpu"), max_tokens=64, max_seqs=8, max_blocks=4)
+    for qlens, starts in (([3, 1], [0, 6]), ([1, 1], [4, 6])):  # mixed, and decodes only
+        t = sum(qlens)
+        ids = list(range(10, 10 + t))
+        rows = [t - 2, t - 1] + [0] * 4
+        inputs = buffers.fill(ids, qlens, starts, ["a", "b"], [[3, 4], [5, 6]], rows, BS,
+                              pad_to=6, pad_tokens=12)
+        loc = [0, qlens[0], t, t, t, t, t]
+        assert inputs.batch.query_start_loc.tolist() == loc
+        assert inputs.batch.seq_lens.tolist() == [starts[0] + qlens[0], starts[1] + 1, 0, 0,
+                                                  0, 0]
+        assert inputs.input_ids.tolist() == ids + [0] * (12 - t)
+        slots = inputs.batch.slot_mapping.tolist()
+        assert slots[:t] == expected_slots([[3, 4], [5, 6]], starts, qlens)
+        assert slots[t:] == [PAD_SLOT] * (12 - t)
+        assert inputs.logit_rows.tolist() == rows
+        assert inputs.batch.block_tables[2:].eq(0).all()
