@@ -385,6 +385,9 @@ def run_llmdb_dir(args: argparse.Namespace) -> dict:
             idle = after["device_idle_s"] - before["device_idle_s"]
             out |= {"device_idle_ms_per_step": round(1000 * idle / steps, 3),
                     "launch_ahead": engine.launch_ahead}
+        if "graph_capture_s" in after:  # mixed graphs captured during the timed run
+            out["graph_capture_s"] = round(after["graph_capture_s"]
+                                           - before["graph_capture_s"], 3)
     out |= _step_kinds(getattr(engine, "step_log", None) or [])
     if args.device == "cpu":
         out["threads"] = torch.get_num_threads()

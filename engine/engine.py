@@ -200,8 +200,11 @@ class LLMEngine:
         """Steps run, and the host's time in them (scheduling, inputs, launches, outputs;
         not the waits for the device) beside their wall time, since the engine started; on
         a GPU also its idle time between steps (host work the launch ahead did not hide)."""
+        graphs = self.runner.graphs
         return {"steps": self.runner.steps, "host_s": self._host_s, "wall_s": self._wall_s,
-                "device_idle_s": self.runner.device_idle_s}
+                "device_idle_s": self.runner.device_idle_s,
+                # (included in host_s: mixed graphs captured when first needed)
+                "graph_capture_s": graphs.capture_s if graphs is not None else 0.0}
 
     # ---- submitting ----------------------------------------------------------------------
 

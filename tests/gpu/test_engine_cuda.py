@@ -1,7 +1,7 @@
 """The engine on a CUDA GPU against the CPU engine, both in fp32, on tiny random models.
 
 Collected everywhere; without a GPU every test skips with the reason. On a GPU the Triton
-kernels, the persistent step buffers and the decode CUDA graphs run for real, and each
+kernels, the persistent step buffers and the CUDA graphs (decode and mixed) run for real, and each
 answer must equal the CPU engine's greedy tokens (or differ first at a near-tie of the
 reference's logits, tests/helpers.py). `make test-gpu` runs this file.
 """
@@ -171,6 +171,26 @@ def test_cuda_graphs_equal_eager(pair, model_dirs):
     assert "graph" in {k for k, _, _ in graphs.step_log}
     assert "graph" not in {k for k, _, _ in eager.step_log}
     graphs.step_log = None
+    _all_free(graphs, eager)
+
+
+def test_mixed_graphs_equal_eager(pair, model_dirs):
+    """More rows than running slots, outputs of different lengths: new prompts join running
+    decodes step after step, and those mixed steps replay graphs captured at first use."""
+    cpu, _ = pair
+    path = next(p for p in model_dirs.values() if cpu.model_name == p)
+    graphs = _engine(path, "cuda", max_num_seqs=16, max_num_batched_tokens=256)
+    eager = _engine(path, "cuda", max_num_seqs=16, max_num_batched_tokens=256,
+                    cuda_graphs=False)
+    prompts = _prompts(48, seed=13, vocab=cpu.config.vocab_size, max_len=60)
+    params = [SamplingParams(max_tokens=4 + i % 13, ignore_eos=True) for i in range(48)]
+    graphs.step_log = []
+    for a, b, p in zip(graphs.generate(prompts, params), eager.generate(prompts, params),
+                       prompts, strict=True):
+        assert_same_tokens(cpu, p, b.token_ids, a.token_ids)
+    kinds = [k for k, _, _ in graphs.step_log]
+    assert kinds.count("mixed graph") > kinds.count("eager"), kinds
+    assert graphs.describe()["mixed_cuda_graphs"]
     _all_free(graphs, eager)
 
 
