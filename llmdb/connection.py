@@ -103,13 +103,14 @@ class Connection:
         The planner's preparatory queries run now."""
         explained = _EXPLAIN_LLM.match(query)
         if explained:
-            # A relation, not an execute() result: DuckDB 2 refuses other work on a
-            # connection while an execute() result is unread.
-            self._con.register(_EXPLAIN_VIEW, self.explain_report(explained["query"]).table())
-            return self._con.sql(f"SELECT * FROM {_EXPLAIN_VIEW}")
+            # A relation of its own: not an execute() result (DuckDB 2 refuses other work on
+            # a connection while one is unread), nor a shared view (relations run again on
+            # each fetch, and would show the latest report).
+            return self._con.from_arrow(self.explain_report(explained["query"]).table())
         self._attach_samples(query)
         self.session.begin_query()
-        return self._con.sql(self._run(lambda: self._planned(query)), **kwargs)
+        planned = self._run(lambda: self._planned(query, kwargs.get("params")))
+        return self._con.sql(planned, **kwargs)
 
     query = sql
 

@@ -52,8 +52,11 @@ def test_shape(env, shape):
     con, plain, plain_session, data = env
     order = order_of(con, shape.sql)
     got, calls = calls_of(con.session, lambda: con.execute(shape.sql).fetchall())
+    names = [d[0] for d in con.description]
     want, naive = calls_of(plain_session, lambda: plain.execute(shape.sql).fetchall())
     assert canonical(got, shape.ordered) == canonical(want, shape.ordered)
+    # Columns are named as written (an unaliased call after its text, not its rewrite).
+    assert names == [d[0] for d in plain.description]
     if shape.fallback:
         assert con.planner.plan(shape.sql) is None
         assert calls == naive
@@ -69,6 +72,22 @@ def test_create_table_as(env):
     assert con.execute("SELECT * FROM r ORDER BY id").fetchall() == \
         plain.execute("SELECT * FROM r ORDER BY id").fetchall()
     assert calls == len({r["x"] for r in data.t if r["id"] % 9 == 0})
+
+
+def test_unaliased_calls_keep_their_written_names(env):
+    """As DuckDB names them when run as written: in a relation, a CTAS's table, with
+    bound parameters; the rows keep the query's order."""
+    con, plain, _, _ = env
+    sql = ("SELECT id, llm_complete('Say ' || x, max_tokens := 2), llm_filter(x) AS f "
+           "FROM t WHERE id < 40 ORDER BY id DESC")
+    want = plain.sql(sql)
+    rel = con.sql(sql)
+    assert rel.columns == want.columns and rel.columns[1].startswith("llm_complete(")
+    assert rel.fetchall() == want.fetchall()
+    con.execute(f"CREATE OR REPLACE TABLE named AS {sql}")
+    assert con.sql("SELECT * FROM named").columns == want.columns
+    con.execute("SELECT id, llm_filter(x) FROM t WHERE id < ?", [10])
+    assert [d[0] for d in con.description] == ["id", "llm_filter(x)"]
 
 
 def test_bound_parameters_keep_their_places(env):
@@ -87,6 +106,12 @@ def test_relation_api_goes_through_the_planner(env):
     rel, calls = calls_of(con.session, lambda: con.sql(sql).fetchall())
     assert sorted(rel) == sorted(plain.execute(sql).fetchall())
     assert calls == len({r["x"] for r in data.t if r["id"] % 7 == 0})
+    # With bound parameters too (the planner binds them to check its rewrite).
+    sql = "SELECT id FROM t WHERE id % 11 = ? AND llm_filter(x)"
+    rel, calls = calls_of(con.session, lambda: con.sql(sql, params=[0]).fetchall())
+    assert sorted(rel) == sorted(plain.execute(sql, [0]).fetchall())
+    assert calls == len({r["x"] for r in data.t if r["id"] % 11 == 0})
+    assert sql in con.planner.history  # planned, not run as written
 
 
 def test_planner_off_runs_as_written(env):

@@ -77,6 +77,8 @@ def test_explain_through_sql_gives_the_same_report(con):
     sql = "SELECT id FROM t WHERE id % 7 = 0 AND llm_filter(x)"
     executed = _site_rows(con, sql)
     rel = con.sql(f"EXPLAIN LLM {sql}")
+    other = con.sql("EXPLAIN LLM SELECT llm_complete(x) FROM t")  # its own report
+    assert other.fetchall()[0][1] == "llm_complete"
     assert [dict(zip(rel.columns, r, strict=True)) for r in rel.fetchall()] == executed
     assert con.sql("SELECT count(*) FROM t").fetchall() == [(ROWS,)]
 

@@ -187,7 +187,29 @@ class Planner:
         self.history[normalized(sql)] = run.counts
         while len(self.history) > KEPT_HISTORY:
             self.history.popitem(last=False)
-        return p.sql
+        return self.named_as_written(sql, p, parameters)
+
+    def named_as_written(self, sql: str, p: Plan, parameters: Any = None) -> str:
+        """p.sql with the result columns named as the statement as written names them.
+        DuckDB names an unaliased column after its expression's text, and the rewrite put a
+        site lookup (`__llmdb_site_llm_complete(...)`, long and different each run) in
+        place of each call: the rewritten query goes under a projection by position with
+        the written names. Binding (DESCRIBE) calls no model."""
+        tree = sqlglot.parse_one(sql, read="duckdb")
+        root = root_query(tree)
+        written = sql if root is tree else root.sql("duckdb")
+        try:
+            want, got = (
+                [row[0] for row in self.con.execute(f"DESCRIBE {q}", parameters).fetchall()]
+                for q in (written, p.dry_sql))
+        except duckdb.Error:  # (a statement DESCRIBE does not take: run it as rewritten)
+            return p.sql
+        if want == got or len(want) != len(got):
+            return p.sql
+        cols = ", ".join(f'#{i} AS "{name.replace(chr(34), chr(34) * 2)}"'
+                         for i, name in enumerate(want, 1))
+        named = f"SELECT {cols} FROM ({p.dry_sql}) AS __llmdb_named"
+        return named if p.dry_sql == p.sql else p.sql.replace(p.dry_sql, named, 1)
 
     def _learn_time_scale(self, p: Plan, run: QueryRun) -> None:
         """Compare the prefetched batches' model time with the cost model's."""
