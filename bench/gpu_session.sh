@@ -10,7 +10,7 @@
 #   bash bench/gpu_session.sh llama1b   # the 1B fixed row beside HF generate and the bare decoder
 #   bash bench/gpu_session.sh llama7b   # the 7B row (200 x 128 in / 128 out)
 #   bash bench/gpu_session.sh bulk      # a SQL-like job: 4,000 rows through 512 slots, so
-#                                       # most steps are mixed (eager): graph vs eager step cost
+#                                       # most steps are mixed: mixed graphs on vs off
 #   bash bench/gpu_session.sh host      # the host's work per step on this machine's CPU
 #   bash bench/gpu_session.sh hybrid-capacity       # issue 12: OPT-13B, an A100-40GB's cache
 #   bash bench/gpu_session.sh hybrid-capacity-apt   #   (apt's modes of the same)
@@ -55,10 +55,11 @@ llama7b)
     throughput "${fixed[@]}" --peer transformers --skip-llmdb --rows-at-once 100
     ;;
 bulk)
-    for ahead in on off; do
-        throughput --shape smollm2-135m --workload bulk --launch-ahead "$ahead"
+    for mixed in on off; do
+        throughput --shape smollm2-135m --workload bulk --mixed-graphs "$mixed"
+        throughput --shape llama3.2-1b --workload bulk --mixed-graphs "$mixed"
     done
-    throughput --shape llama3.2-1b --workload bulk
+    throughput --shape smollm2-135m --workload bulk --launch-ahead off
     ;;
 host)
     python3 bench/host_overhead.py --stub-model --running 64 256 512 | tee -a "$out/host.jsonl"

@@ -353,12 +353,16 @@ def run_llmdb_dir(args: argparse.Namespace) -> dict:
         kwargs["launch_ahead"] = args.launch_ahead == "on"
     engine = LLMEngine(str(args.model_dir), **kwargs)
     startup = time.perf_counter() - t_start
+    graphs = getattr(engine.runner, "graphs", None)
+    if args.mixed_graphs == "off" and graphs is not None and hasattr(graphs, "mixed_on"):
+        graphs.mixed_on = False
     prompts, wants = _read_rows(args.prompts)
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in wants]
     # Warm up on a few rows of real lengths (kernels compile for prefill and decode), with
-    # every id shifted by one so that the timed run finds none of them in the prefix cache.
+    # every id shifted so that the timed run finds none of them in the prefix cache (by half
+    # the vocabulary: the bulk workload's passes shift by one per pass).
     vocab = engine.config.vocab_size
-    engine.generate([[(t + 1) % vocab for t in p] for p in prompts[:8]],
+    engine.generate([[(t + vocab // 2) % vocab for t in p] for p in prompts[:8]],
                     SamplingParams(max_tokens=4, ignore_eos=True))
     before = _step_timing(engine)
     if hasattr(engine, "step_log"):
@@ -530,6 +534,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="llmdb's token budget per step (default: 16384 on cuda)")
     ap.add_argument("--kv-cache-gib", type=float, default=None, help="llmdb's KV pool size")
+    ap.add_argument("--mixed-graphs", choices=["on", "off"], default="on",
+                    help="llmdb on CUDA: replay mixed steps from graphs, or run them eagerly")
     ap.add_argument("--launch-ahead", choices=["auto", "on", "off"], default="auto",
                     help="llmdb launches step N+1 before reading step N (auto: on GPUs)")
     ap.add_argument("--write-standard-prompts", action="store_true",

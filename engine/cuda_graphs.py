@@ -19,9 +19,9 @@ step buffers (step_inputs.py), whose layout for a given size it bakes in.
 
 Steps with hidden-cache sequences or scores, and prefills larger than the largest bucket
 (compute-bound: a launch per kernel costs them little), run eagerly. Graphs share one memory
-pool, captured largest first (decode graphs) so the smaller ones reuse its blocks. A mixed
-graph that fails to capture (out of memory, say) turns mixed graphs off with a warning: those
-steps run eagerly, as they did before.
+pool; the decode graphs are captured largest first so the smaller ones reuse its blocks. A
+mixed graph that fails to capture (out of memory, say) turns mixed graphs off with a warning:
+those steps run eagerly, as they did before.
 """
 
 from __future__ import annotations
@@ -138,6 +138,9 @@ class StepGraphs:
             self.mixed[tokens] = self._capture(tokens, seqs, seqs)
         except Exception as e:  # noqa: BLE001 (any failure: eager steps still work)
             self.mixed_on = False
+            if not self.emulate:  # a capture that failed at its end leaves its stream on
+                torch.cuda.set_stream(torch.cuda.default_stream(self.runner.device))
+                torch.cuda.synchronize(self.runner.device)
             warnings.warn(f"a CUDA graph for mixed steps of {tokens} tokens failed to capture "
                           f"({type(e).__name__}: {e}); such steps run eagerly", stacklevel=2)
         self.capture_s += time.perf_counter() - t0
@@ -172,13 +175,19 @@ class StepGraphs:
 
     def _record(self, run) -> tuple:
         device = self.runner.device
+        with torch.cuda.device(device):  # (an engine on cuda:1 captures on cuda:1)
+            return self._record_on_device(run, device)
+
+    def _record_on_device(self, run, device: torch.device) -> tuple:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # warm-up: kernels compiled, allocator primed
             run()
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: a capture made while serving is not spoiled by another thread's
+        # CUDA call (the server's threads make none, but a user's may).
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             logits = run()
         self.pool = graph.pool()
         return graph.replay, logits

@@ -179,8 +179,9 @@ class LLMEngine:
             "kernels": self.kernels,
             "cuda_graphs": sorted(graphs.graphs) if graphs is not None else [],
             # Token buckets of mixed steps captured so far (when first needed).
-            "mixed_cuda_graphs": (sorted(graphs.mixed) if graphs is not None and graphs.mixed_on
-                                  else []),
+            # (a copy: the compute thread may be adding one)
+            "mixed_cuda_graphs": (sorted(graphs.mixed.copy())
+                                  if graphs is not None and graphs.mixed_on else []),
             "kv_cache": {"blocks": self.pool.num_blocks, "block_size": self.pool.block_size,
                          "bytes": kv_bytes, "prefix_caching": self.pool.enable_prefix_caching},
             "hidden_cache": {

@@ -194,7 +194,8 @@ class Planner:
         DuckDB names an unaliased column after its expression's text, and the rewrite put a
         site lookup (`__llmdb_site_llm_complete(...)`, long and different each run) in
         place of each call: the rewritten query goes under a projection by position with
-        the written names. Binding (DESCRIBE) calls no model."""
+        the written names. Binding (DESCRIBE) calls no model. A CTAS's query part is named
+        as sqlglot writes it back (an IF as a CASE, say), as its other columns were already."""
         tree = sqlglot.parse_one(sql, read="duckdb")
         root = root_query(tree)
         written = sql if root is tree else root.sql("duckdb")
@@ -202,6 +203,8 @@ class Planner:
             want, got = (
                 [row[0] for row in self.con.execute(f"DESCRIBE {q}", parameters).fetchall()]
                 for q in (written, p.dry_sql))
+        except duckdb.InterruptException:
+            raise
         except duckdb.Error:  # (a statement DESCRIBE does not take: run it as rewritten)
             return p.sql
         if want == got or len(want) != len(got):
@@ -209,7 +212,12 @@ class Planner:
         cols = ", ".join(f'#{i} AS "{name.replace(chr(34), chr(34) * 2)}"'
                          for i, name in enumerate(want, 1))
         named = f"SELECT {cols} FROM ({p.dry_sql}) AS __llmdb_named"
-        return named if p.dry_sql == p.sql else p.sql.replace(p.dry_sql, named, 1)
+        if p.dry_sql == p.sql:
+            return named
+        if p.dry_sql not in p.sql:
+            p.notes.append("columns keep the rewrite's names (its query part not found)")
+            return p.sql
+        return p.sql.replace(p.dry_sql, named, 1)
 
     def _learn_time_scale(self, p: Plan, run: QueryRun) -> None:
         """Compare the prefetched batches' model time with the cost model's."""
