@@ -176,18 +176,15 @@ class StepGraphs:
     def _record(self, run) -> tuple:
         device = self.runner.device
         with torch.cuda.device(device):  # (an engine on cuda:1 captures on cuda:1)
-            return self._record_on_device(run, device)
-
-    def _record_on_device(self, run, device: torch.device) -> tuple:
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # warm-up: kernels compiled, allocator primed
-            run()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: a capture made while serving is not spoiled by another thread's
-        # CUDA call (the server's threads make none, but a user's may).
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            logits = run()
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):  # warm-up: kernels compiled, allocator primed
+                run()
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: a capture made while serving is not spoiled by another thread's
+            # CUDA call (the server's threads make none, but a user's may).
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                logits = run()
         self.pool = graph.pool()
         return graph.replay, logits

@@ -178,8 +178,8 @@ class LLMEngine:
             "dtype": str(self.dtype).removeprefix("torch."),
             "kernels": self.kernels,
             "cuda_graphs": sorted(graphs.graphs) if graphs is not None else [],
-            # Token buckets of mixed steps captured so far (when first needed).
-            # (a copy: the compute thread may be adding one)
+            # Token buckets of mixed steps captured so far (a copy: the compute thread may
+            # be adding one).
             "mixed_cuda_graphs": (sorted(graphs.mixed.copy())
                                   if graphs is not None and graphs.mixed_on else []),
             "kv_cache": {"blocks": self.pool.num_blocks, "block_size": self.pool.block_size,

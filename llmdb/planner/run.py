@@ -51,6 +51,7 @@ class Plan:
     qid: int
     sql: str  # the rewritten statement
     dry_sql: str  # its query alone (a CTAS or INSERT without the write), for dry runs
+    written_sql: str  # the statement's query as written (sqlglot's text of a CTAS's query)
     sites: list[Site]
     predicates: list[Predicate]
     steps: list[Step]
@@ -126,8 +127,10 @@ def _plan(sql: str, qid: int, model: str, parameters: Any, learned: Learned) -> 
     if len(statements) != 1 or statements[0] is None:
         raise Unsupported("not exactly one statement")
     tree = statements[0]
-    if root_query(tree) is None:
+    written = root_query(tree)
+    if written is None:
         raise Unsupported("not a query (SELECT, set operation, CREATE TABLE AS, INSERT)")
+    written_sql = sql if written is tree else written.sql("duckdb")
     if parameters:
         number_parameters(tree)
     inline_llm_ctes(tree)
@@ -145,8 +148,8 @@ def _plan(sql: str, qid: int, model: str, parameters: Any, learned: Learned) -> 
     if parameters:
         placements = {i: replace(p, why="the query has bound parameters")
                       for i, p in placements.items()}
-    return Plan(qid, tree.sql("duckdb"), root.sql("duckdb"), sites, predicates, steps,
-                placements)
+    return Plan(qid, tree.sql("duckdb"), root.sql("duckdb"), written_sql, sites, predicates,
+                steps, placements)
 
 
 def normalized(sql: str) -> str:
@@ -187,22 +190,19 @@ class Planner:
         self.history[normalized(sql)] = run.counts
         while len(self.history) > KEPT_HISTORY:
             self.history.popitem(last=False)
-        return self.named_as_written(sql, p, parameters)
+        return self.named_as_written(p, parameters)
 
-    def named_as_written(self, sql: str, p: Plan, parameters: Any = None) -> str:
+    def named_as_written(self, p: Plan, parameters: Any = None) -> str:
         """p.sql with the result columns named as the statement as written names them.
         DuckDB names an unaliased column after its expression's text, and the rewrite put a
         site lookup (`__llmdb_site_llm_complete(...)`, long and different each run) in
         place of each call: the rewritten query goes under a projection by position with
         the written names. Binding (DESCRIBE) calls no model. A CTAS's query part is named
         as sqlglot writes it back (an IF as a CASE, say), as its other columns were already."""
-        tree = sqlglot.parse_one(sql, read="duckdb")
-        root = root_query(tree)
-        written = sql if root is tree else root.sql("duckdb")
         try:
             want, got = (
                 [row[0] for row in self.con.execute(f"DESCRIBE {q}", parameters).fetchall()]
-                for q in (written, p.dry_sql))
+                for q in (p.written_sql, p.dry_sql))
         except duckdb.InterruptException:
             raise
         except duckdb.Error:  # (a statement DESCRIBE does not take: run it as rewritten)
