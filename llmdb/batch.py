@@ -91,6 +91,13 @@ class _Batch:
         for i, c in enumerate(self.calls):
             if i in copies:
                 continue
+            failed = self.session.failed_before(c.key)
+            if failed is not None:  # a copy of that call (its error was counted there)
+                self.outcomes[i] = Outcome(error=failed)
+                self.stats.dedup_hits += 1
+                if c.on_error == "raise":
+                    raise LLMError(failed)
+                continue
             if c.key in hits:
                 self.outcomes[i] = Outcome(hits[c.key])
                 self.stats.cache_hits += 1
@@ -136,6 +143,7 @@ class _Batch:
         self.release(i, outcome)
         if outcome.error is not None:
             self.stats.errors += 1
+            self.session.note_failure(call.key, outcome.error)
             if call.on_error == "raise":
                 raise LLMError(outcome.error)
             self.session.record_error(self.function, call.row, outcome.error)

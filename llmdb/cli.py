@@ -19,8 +19,10 @@ from llmdb.engine.registry import register_model, registered_models
 if TYPE_CHECKING:
     import pyarrow as pa
 
-# Statement types whose rows are the answer; the others (CREATE, COPY, ...) report a count.
-_RESULT_TYPES = {"SELECT", "EXPLAIN", "PRAGMA", "CALL", "RELATION"}
+# A statement's result that is its status, not rows: DuckDB's one column of "Count" (rows
+# changed: INSERT, UPDATE, DELETE, COPY, CREATE) or "Success" (SET, ATTACH, ...). A statement
+# of any type may return rows instead: INSERT ... RETURNING, PIVOT (a MULTI statement).
+_STATUS_COLUMNS = {"Count", "Success"}
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -65,6 +67,7 @@ DEVICE_HELP = "auto (a CUDA GPU when there is one), cpu, cuda or cuda:N"
 
 def _sql(args: argparse.Namespace) -> int:
     import llmdb
+    from llmdb.connection import EXPLAIN_LLM
 
     if args.file:
         try:
@@ -80,26 +83,31 @@ def _sql(args: argparse.Namespace) -> int:
     if args.no_progress:
         options["progress"] = False
     with llmdb.connect(args.db, model=args.model, **options) as con:
-        statements = duckdb.extract_statements(text)
-        for k, statement in enumerate(statements, 1):
+        explained = EXPLAIN_LLM.match(text)
+        if explained:  # llmdb's syntax, which DuckDB cannot split: the report as `explain`'s
+            print(con.explain(explained["query"]), end="")
+            return 0
+        statements = [(s.query, s.type.name) for s in duckdb.extract_statements(text)]
+        for k, (statement, kind) in enumerate(statements, 1):
             try:
-                con.execute(statement.query)
+                con.execute(statement)
             except duckdb.Error as e:
                 if len(statements) == 1:
                     raise
-                first_line = " ".join(statement.query.split()).rstrip(";")[:80]
+                first_line = " ".join(statement.split()).rstrip(";")[:80]
                 raise ValueError(f"statement {k} of {len(statements)} ({first_line}) "
                                  f"failed: {e}") from e
-            kind = statement.type.name
-            if kind in _RESULT_TYPES:
+            columns = [d[0] for d in con.description or []]
+            if len(columns) == 1 and columns[0] in _STATUS_COLUMNS:
+                status = con.fetchone()
+                suffix = (f": {status[0]:,} rows" if columns[0] == "Count" and status and
+                          status[0] is not None else "")
+                print(f"-- {kind}{suffix}", file=sys.stderr)
+            else:
                 with warnings.catch_warnings():  # the copy it warns about is what printing needs
                     warnings.simplefilter("ignore")
                     table = con.to_arrow_table()
                 _print_table(table, args.max_rows)
-            else:
-                count = con.fetchone()
-                suffix = f": {count[0]:,} rows" if count and count[0] is not None else ""
-                print(f"-- {kind}{suffix}", file=sys.stderr)
         s = con.stats()["total"]
         if s["rows"]:
             print(f"-- llm: {s['rows']:,} rows, {s['calls']:,} model calls, "

@@ -19,10 +19,11 @@ import duckdb
 from . import functions, samples
 from .batch import LLMError
 from .planner import Planner, Report, explain
+from .scope import ScopeTables, caller_frame
 from .session import Options, QueryCancelled, Session
 
 # `EXPLAIN LLM <query>`: the planner's report on the query's model calls (not DuckDB syntax).
-_EXPLAIN_LLM = re.compile(r"^\s*EXPLAIN\s+LLM\s+(?P<query>.*?)\s*;?\s*$", re.I | re.S)
+EXPLAIN_LLM = re.compile(r"^\s*EXPLAIN\s+LLM\s+(?P<query>.*?)\s*;?\s*$", re.I | re.S)
 _EXPLAIN_VIEW = "__llmdb_explain"
 
 
@@ -65,35 +66,65 @@ class Connection:
     def __init__(self, database: str = ":memory:", model: str = "smollm2-135m", *,
                  read_only: bool = False, config: dict | None = None, planner: bool = True,
                  **options: Any):
-        self.session = Session(Options.from_kwargs(model=model, **options))
-        self._con = duckdb.connect(database, read_only=read_only, config=config or {})
-        # DuckDB's own bar writes to stdout even into a pipe, mixing with the results; llmdb
-        # shows its bar for model work on stderr instead (SET enable_progress_bar reverts).
-        self._con.execute("SET enable_progress_bar = false")
-        functions.register(self._con, self.session)
-        # planner=False runs every query as written (DuckDB decides where the calls run).
-        self.planner = Planner(self._con, self.session) if planner else None
+        self._setup(duckdb.connect(database, read_only=read_only, config=config or {}),
+                    Session(Options.from_kwargs(model=model, **options)), planner)
         if self.session.options.engine:
             self.session.backend()  # start now: contradicting options fail at connect
 
+    def _setup(self, con: duckdb.DuckDBPyConnection, session: Session, planner: bool) -> None:
+        self.session = session
+        self._con = con
+        # DuckDB's own bar writes to stdout even into a pipe, mixing with the results; llmdb
+        # shows its bar for model work on stderr instead (SET enable_progress_bar reverts).
+        self._con.execute("SET enable_progress_bar = false")
+        self._udfs = functions.register(self._con, self.session)
+        # planner=False runs every query as written (DuckDB decides where the calls run).
+        self.planner = Planner(self._con, self.session) if planner else None
+        if self.planner is not None:
+            self._udfs += self.planner.udfs
+        self._scope = ScopeTables(self._con)
+
+    def cursor(self) -> Connection:
+        """Another connection to the same database (DuckDB's cursor, for another thread or a
+        second open result), with the llm_* functions and this connection's options and
+        model. Its queries, stats and errors are its own."""
+        cur = Connection.__new__(Connection)
+        cur._setup(self._con.cursor(), Session(self.session.options), self.planner is not None)
+        return cur
+
     # ---- queries -------------------------------------------------------------------------
 
-    def _attach_samples(self, query: str) -> None:
+    def _attach_tables(self, query: str) -> None:
+        """The tables the query names that DuckDB would not find on its own: llmdb's sample
+        tables, and pandas/polars/Arrow tables of the caller's scope."""
         names = samples.referenced(query)
         if names:
             samples.attach(self._con, names, self.session.options.sample_rows)
+        self._scope.register_referenced(query, caller_frame())
+
+    def register(self, view_name: str, python_object: Any) -> Connection:
+        """DuckDB's register: `view_name` is the user's from now on (not the caller-scope
+        lookup's)."""
+        self._scope.forget(view_name)
+        self._con.register(view_name, python_object)
+        return self
+
+    def unregister(self, view_name: str) -> Connection:
+        self._scope.forget(view_name)
+        self._con.unregister(view_name)
+        return self
 
     def _planned(self, query: str, parameters: Any = None) -> str:
         """The SQL to run: the planner's rewrite, its calls prefetched (on the query thread)."""
         return self.planner.prepare(query, parameters) if self.planner else query
 
     def execute(self, query: str, parameters: Any = None) -> Connection:
-        explained = _EXPLAIN_LLM.match(query)
+        explained = EXPLAIN_LLM.match(query)
         if explained:
             self._con.register(_EXPLAIN_VIEW, self.explain_report(explained["query"]).table())
             self._con.execute(f"SELECT * FROM {_EXPLAIN_VIEW}")
             return self
-        self._attach_samples(query)
+        self._attach_tables(query)
         self.session.begin_query()
         self._run(lambda: self._con.execute(self._planned(query, parameters), parameters))
         return self
@@ -101,13 +132,16 @@ class Connection:
     def sql(self, query: str, **kwargs: Any) -> duckdb.DuckDBPyRelation | None:
         """A lazy DuckDB relation; it runs when fetched (Ctrl-C then reaches DuckDB only).
         The planner's preparatory queries run now."""
-        explained = _EXPLAIN_LLM.match(query)
+        # DuckDB refuses to run a relation while an execute() result is unread; llmdb's
+        # preparatory queries would throw that result away instead. A trivial one asks DuckDB.
+        self._con.sql("SELECT 1").fetchall()
+        explained = EXPLAIN_LLM.match(query)
         if explained:
             # A relation of its own: not an execute() result (DuckDB 2 refuses other work on
             # a connection while one is unread), nor a shared view (relations run again on
             # each fetch, and would show the latest report).
             return self._con.from_arrow(self.explain_report(explained["query"]).table())
-        self._attach_samples(query)
+        self._attach_tables(query)
         self.session.begin_query()
         planned = self._run(lambda: self._planned(query, kwargs.get("params")))
         return self._con.sql(planned, **kwargs)
@@ -119,7 +153,7 @@ class Connection:
     def explain_report(self, query: str) -> Report:
         """Per call site: estimated rows, prompts, cache hits, tokens, model time and
         priority; next to what the query did when it last ran on this connection."""
-        self._attach_samples(query)
+        self._attach_tables(query)
         if self.planner is None:
             return Report(query, notes=["the planner is off on this connection"])
         return self._run(lambda: explain(self.planner, query))
@@ -186,6 +220,13 @@ class Connection:
         return self.session.stats()
 
     def close(self) -> None:
+        # The database may outlive this connection (a cursor's, a file's other connections):
+        # its functions would keep this session alive.
+        for name in self._udfs:
+            try:
+                self._con.remove_function(name)
+            except duckdb.Error:  # closed already
+                break
         self._con.close()
 
     def __enter__(self) -> Connection:

@@ -497,31 +497,40 @@ def is_argument_error(e: duckdb.Error) -> bool:
         f"{f.name}: {p.name} " in text for f in FUNCTIONS.values() for p in f.params)
 
 
-def register(con: duckdb.DuckDBPyConnection, session: Session) -> None:
-    """Add the llm_* functions (and their macros) to a DuckDB connection."""
+def register(con: duckdb.DuckDBPyConnection, session: Session) -> list[str]:
+    """Add the llm_* functions (and their macros) to a DuckDB connection; the names of the
+    session's UDFs. Connections to one database (cursors, or one file opened twice) share
+    its functions, so the UDFs that close over a session carry its number, and the
+    connection's own temporary macros name them."""
+    have = {r[0] for r in con.execute("SELECT function_name FROM duckdb_functions()").fetchall()}
     for sql_type in {p.sql_type for f in FUNCTIONS.values() for p in f.params}:
-        con.create_function(_argument_error_udf(sql_type), _raise_argument_error, ["VARCHAR"],
-                            sql_type, side_effects=False)
+        name = _argument_error_udf(sql_type)
+        if name not in have:  # pure: one for all sessions
+            con.create_function(name, _raise_argument_error, ["VARCHAR"], sql_type,
+                                side_effects=False)
+    udfs = []
+
+    def udf(name: str, *args: Any, **kwargs: Any) -> str:
+        udfs.append(f"__llmdb_{name}_{session.id}")
+        con.create_function(udfs[-1], *args, **kwargs)
+        return udfs[-1]
+
     for f in FUNCTIONS.values():
-        impl = f"__llmdb_{f.name}"
-        udf = _arrow_udf(session, f.rows, f.names)
-        con.create_function(impl, udf, [p.sql_type for p in f.params], f.returns,
-                            type="arrow", null_handling="special", side_effects=False)
+        impl = udf(f.name, _arrow_udf(session, f.rows, f.names), [p.sql_type for p in f.params],
+                   f.returns, type="arrow", null_handling="special", side_effects=False)
         args = ", ".join(_with_default(p) for p in f.params)
         checked = ", ".join(checked_arg(f.name, p, p.name) for p in f.params)
         con.execute(f"CREATE OR REPLACE TEMP MACRO {f.name}({args}) AS {impl}({checked})")
     # Zero-argument helpers, evaluated per query (side effects: never folded or cached).
-    con.create_function("__llmdb_stats", lambda: json.dumps(session.stats()), [], "VARCHAR",
-                        side_effects=True)
-    con.execute("CREATE OR REPLACE TEMP MACRO llm_stats() AS CAST(__llmdb_stats() AS JSON)")
-    con.create_function("__llmdb_cache_clear", lambda: _cache_clear(session), [], "BIGINT",
-                        side_effects=True)
-    con.execute("CREATE OR REPLACE TEMP MACRO llm_cache_clear() AS __llmdb_cache_clear()")
+    stats = udf("stats", lambda: json.dumps(session.stats()), [], "VARCHAR", side_effects=True)
+    con.execute(f"CREATE OR REPLACE TEMP MACRO llm_stats() AS CAST({stats}() AS JSON)")
+    clear = udf("cache_clear", lambda: _cache_clear(session), [], "BIGINT", side_effects=True)
+    con.execute(f"CREATE OR REPLACE TEMP MACRO llm_cache_clear() AS {clear}()")
     # SELECT * FROM llm_errors(): the rows that failed under on_error = 'null'.
-    con.create_function("__llmdb_errors", lambda: _errors_json(session), [], "VARCHAR",
-                        side_effects=True)
+    errors = udf("errors", lambda: _errors_json(session), [], "VARCHAR", side_effects=True)
     con.execute(f"CREATE OR REPLACE TEMP MACRO llm_errors() AS TABLE SELECT unnest(from_json("
-                f"__llmdb_errors(), '{_ERRORS_SHAPE}'), recursive := true)")
+                f"{errors}(), '{_ERRORS_SHAPE}'), recursive := true)")
+    return udfs
 
 
 _ERRORS_SHAPE = ('[{"query_id": "BIGINT", "function": "VARCHAR", "prompt": "VARCHAR", '

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import sys
 import threading
 from collections import deque
@@ -119,15 +120,24 @@ class QueryCancelled(Exception):
     pass
 
 
+_SESSION_IDS = itertools.count(1)
+
+
 class Session:
     def __init__(self, options: Options | None = None):
         self.options = options or Options()
+        # Process-unique: names this session's UDFs, which connections to one database share.
+        self.id = next(_SESSION_IDS)
         self.total = Stats()
         self.last = Stats()
         self.errors: deque[RowError] = deque(maxlen=MAX_KEPT_ERRORS)
         self.query_id = 0
         self.cancel = threading.Event()
         self._fresh_query = False
+        # Call key -> error, for the calls that failed in this query: DuckDB evaluates a
+        # failing constant call more than once (each constant-folding attempt), and the
+        # planner's lazy lookups follow a failed driver. None of that reaches the model again.
+        self._failed: dict[str, str] = {}
         self._lock = threading.Lock()
         self._bar: tqdm | None = None
         self._bar_total = 0
@@ -181,6 +191,7 @@ class Session:
         with self._lock:
             self.query_id += 1
             self._fresh_query = True
+            self._failed = {}
             self.cancel.clear()
             self._bar_total = self._bar_done = 0  # one progress bar per query
 
@@ -205,6 +216,19 @@ class Session:
                 self.last, self._fresh_query = Stats(), False
             self.last.add(delta)
             self.total.add(delta)
+
+    def failed_before(self, key: str | None) -> str | None:
+        """The error of an identical call that failed earlier in this query. Outside a
+        query scope (llmdb.register's connections) every call is tried: no query ends."""
+        if key is None or self.query_id == 0:
+            return None
+        with self._lock:
+            return self._failed.get(key)
+
+    def note_failure(self, key: str | None, error: str) -> None:
+        if key is not None and self.query_id:
+            with self._lock:
+                self._failed[key] = error
 
     def record_error(self, function: str, prompt: str, error: str) -> None:
         with self._lock:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import duckdb
 import pytest
 
 import llmdb
@@ -111,6 +112,12 @@ def test_explain_of_a_query_without_calls(con):
     # sqlglot reads `range < 4` as the start of a type: DuckDB runs it as written.
     [row] = _site_rows(con, "SELECT llm_filter('a' || range) FROM range(10) WHERE range < 4")
     assert "cannot parse" in row["call"]
+
+
+def test_explain_of_a_wrong_query_raises_duckdbs_error(con, requests):
+    with pytest.raises(duckdb.CatalogException, match="nosuch does not exist"):
+        con.explain("SELECT llm_complete('a') FROM nosuch")
+    assert requests == []  # binding it asked the model nothing
 
 
 def test_cli_explain(capsys):

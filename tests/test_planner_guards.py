@@ -46,7 +46,7 @@ def rewritten(sql: str) -> str:
     """The planner's rewrite with each lookup replaced by the value column of its call."""
     tree = sqlglot.parse_one(sql, read="duckdb")
     sites = find_sites(tree)
-    tree, _, _ = rewrite_sites(tree, sites, qid=0, rank=lambda o, op: 0.0)
+    tree, _, _ = rewrite_sites(tree, sites, qid=0, namespace=0, rank=lambda o, op: 0.0)
     for node in list(tree.walk()):
         if is_lookup(node):
             # The prompt literal 'pN' (inside the lookup's argument type check).
@@ -98,6 +98,7 @@ def test_a_guard_is_as_tight_as_the_logic_allows():
                        ("SELECT (a AND llm_filter('p1')) FROM tt", "NOT ((a) IS FALSE)"),
                        ("SELECT 1 FROM tt WHERE NOT (a OR llm_filter('p1'))", "(a) IS FALSE")]:
         tree = sqlglot.parse_one(sql, read="duckdb")
-        _, sites, _ = rewrite_sites(tree, find_sites(tree), qid=0, rank=lambda o, op: 0.0)
+        _, sites, _ = rewrite_sites(tree, find_sites(tree), qid=0, namespace=0,
+                                    rank=lambda o, op: 0.0)
         assert " AND ".join(g.sql("duckdb") for g in sites[0].guard).strip("()") == \
             guard.strip("()"), sql

@@ -77,7 +77,7 @@ def test_llm_conjuncts_move_from_inner_joins_only():
 
 def _rewritten(q: str) -> exp.Expression:
     tree = parse(q)
-    tree, _, _ = rewrite_sites(tree, find_sites(tree), qid=1, rank=lambda o, op: 0.0)
+    tree, _, _ = rewrite_sites(tree, find_sites(tree), qid=1, namespace=0, rank=lambda o, op: 0.0)
     return tree
 
 

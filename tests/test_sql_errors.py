@@ -54,6 +54,26 @@ def test_an_ill_formed_row_is_counted_once():
     con.close()
 
 
+@pytest.mark.parametrize("planner", [True, False], ids=["planned", "as written"])
+def test_a_failing_call_reaches_the_model_once_per_query(planner):
+    """DuckDB evaluates a failing constant call once per constant-folding attempt, and the
+    planner's lookups follow a failed driver: one query still sends it once, and records it
+    once. The next query tries it again (a failure may be transient)."""
+    con = llmdb.connect(cache=False, planner=planner)
+    con.execute("CREATE TABLE r AS SELECT range AS i FROM range(3)")
+    query = f"SELECT llm_complete('{LONG}', max_tokens := 2{{}}) FROM r"
+    for _ in range(2):
+        with pytest.raises(llmdb.LLMError, match=TOO_LONG):
+            con.execute(query.format("")).fetchall()
+        stats = con.stats()["last_query"]
+        assert (stats["model_rows"], stats["errors"]) == (1, 1)
+    assert con.execute(query.format(", on_error := 'null'")).fetchall() == [(None,)] * 3
+    stats = con.stats()["last_query"]
+    assert (stats["model_rows"], stats["errors"]) == (1, 1)
+    assert len(_errors(con)) == 1
+    con.close()
+
+
 def test_null_policy_answers_the_other_rows_and_records_the_failure(con, eng):
     good = ["Name a color.", "Name a fruit."]
     register_rows(con, [good[0], LONG, good[1]])
@@ -146,4 +166,27 @@ def test_a_failed_row_raises_llmdb_error_and_duckdbs(planner):
     else:
         assert isinstance(e.value.__cause__, duckdb.Error)
         assert "Python exception" in str(e.value.__cause__)
+    con.close()
+
+
+def test_explains_time_scale_learns_from_whole_warm_batches(monkeypatch):
+    """The time scale EXPLAIN applies learns from neither a model's first batch in the
+    process (the engine's warm-up) nor a batch with failed rows (cut short)."""
+    from llmdb.planner import estimate
+    from llmdb.planner.learned import Learned
+
+    monkeypatch.setattr(estimate, "calibrated", lambda cm: True)  # whatever this CPU is
+    con = llmdb.connect(cache=False)
+    con.planner.learned = learned = Learned()
+    register_rows(con, ["Name a color.", "Name a fruit."])
+    model = con.session.options.model
+
+    def batches_after(call: str) -> int:
+        con.execute(f"SELECT {call} FROM t").fetchall()
+        return learned.time_scale(model)[1]
+
+    assert batches_after("llm_complete(p, max_tokens := 2)") == 0  # the first: warm-up
+    assert batches_after("llm_complete(p, max_tokens := 3)") == 1
+    register_rows(con, ["Name a color.", LONG])
+    assert batches_after("llm_complete(p, max_tokens := 2, on_error := 'null')") == 1
     con.close()

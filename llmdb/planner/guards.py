@@ -51,8 +51,10 @@ class Predicate:
     site_ids: list[int] = field(default_factory=list)
 
 
-def lookup_name(function: str) -> str:
-    return f"{LOOKUP_PREFIX}{function}"
+def lookup_name(function: str, namespace: int) -> str:
+    """A site lookup's UDF name. Connections to one database share its functions, so each
+    planner's lookups (closing over its runs) carry its session's number."""
+    return f"{LOOKUP_PREFIX}{namespace}_{function}"
 
 
 def is_lookup(node: exp.Expression) -> bool:
@@ -76,8 +78,8 @@ def lookup_tag(node: exp.Expression) -> tuple[int, str]:
     return parse_tag(node.expressions[1].this)
 
 
-def make_lookup(site: Site, qid: int) -> exp.Anonymous:
-    return exp.Anonymous(this=lookup_name(site.function), expressions=[
+def make_lookup(site: Site, qid: int, namespace: int) -> exp.Anonymous:
+    return exp.Anonymous(this=lookup_name(site.function, namespace), expressions=[
         exp.Literal.number(qid), exp.Literal.string(tag(site.id, MAIN)),
         *[checked(site, i, a) for i, a in enumerate(site.args)]])
 
@@ -176,10 +178,11 @@ def operands(node: exp.Expression, kind: type) -> list[exp.Expression]:
 class Rewriter:
     """Rewrites a statement in place; `rank(operand, op)` orders LLM operands of AND/OR."""
 
-    def __init__(self, sites: list[Site], qid: int,
+    def __init__(self, sites: list[Site], qid: int, namespace: int,
                  rank: Callable[[exp.Expression, str], float]):
         self.sites = {id(s.node): s for s in sites}
         self.qid = qid
+        self.namespace = namespace
         self.rank = rank
         self.rewritten: dict[int, Site] = {}  # by site id, in evaluation order
         self.predicates: list[Predicate] = []
@@ -237,7 +240,7 @@ class Rewriter:
         site = replace(site, args=resolve(node, site.id).args, order=len(self.rewritten),
                        guard=tuple(g.copy() for g in guard))
         self.rewritten[site.id] = site
-        return guarded(make_lookup(site, self.qid), guard)
+        return guarded(make_lookup(site, self.qid, self.namespace), guard)
 
     def connector(self, node: exp.Expression, ctx: str, guard: list[exp.Expression]
                   ) -> exp.Expression:
@@ -307,12 +310,12 @@ class Rewriter:
         return node
 
 
-def rewrite_sites(tree: exp.Expression, sites: list[Site], qid: int,
+def rewrite_sites(tree: exp.Expression, sites: list[Site], qid: int, namespace: int,
                   rank: Callable[[exp.Expression, str], float]
                   ) -> tuple[exp.Expression, list[Site], list[Predicate]]:
     """The statement with every call site replaced by its guarded lookup, and the sites
     with their rewritten arguments, guards and evaluation order."""
-    rw = Rewriter(sites, qid, rank)
+    rw = Rewriter(sites, qid, namespace, rank)
     out = rw.run(tree)
     missing = [s.key for s in sites if s.id not in rw.rewritten]
     if missing:  # a call in a position the traversal never reached: do not guess

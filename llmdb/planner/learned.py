@@ -87,11 +87,16 @@ class Learned:
             return list(v.sample) if v else []
 
     def observe_time(self, model: str, simulated_s: float, actual_s: float) -> None:
+        """A batch's model time, next to the cost model's. The first batch of a model in the
+        process is left out: it pays the engine's warm-up (kernels loaded, first steps),
+        several times a batch's work for a small query."""
         if simulated_s <= 0 or actual_s <= 0:
             return
         with self._lock:
-            self._times.setdefault(model, deque(maxlen=TIME_WINDOW)).append(
-                (simulated_s, actual_s))
+            if model not in self._times:
+                self._times[model] = deque(maxlen=TIME_WINDOW)
+                return
+            self._times[model].append((simulated_s, actual_s))
 
     def time_scale(self, model: str) -> tuple[float, int]:
         """Actual over simulated model time of recent batches, and how many there were."""

@@ -1,9 +1,9 @@
 """The lookups a rewritten query calls instead of the LLM functions, and the query's memo.
 
-`__llmdb_site_<function>(qid, tag, args...)` has the LLM function's parameters plus the query
-run and the site (tag: 'llmdb site <id> <role>', the role telling the site itself from a copy
-of it inside another site's guard; guards.tag). It answers from the run's memo: argument
-tuple -> value, filled by the planner's driver queries in one batch per site. A miss
+`__llmdb_site_<session>_<function>(qid, tag, args...)` has the LLM function's parameters plus
+the query run and the site (tag: 'llmdb site <id> <role>', the role telling the site itself
+from a copy of it inside another site's guard; guards.tag). It answers from the run's memo:
+argument tuple -> value, filled by the planner's driver queries in one batch per site. A miss
 computes the value through the same row-level function the SQL function uses (so dedup, the
 result cache, errors and stats all apply) and remembers it: identical calls are computed
 once per query. A site in "strict" mode answers a miss with NULL instead (ORDER BY ... LIMIT
@@ -54,6 +54,7 @@ class SiteCounts:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens the engine's prefix cache served
+    errors: int = 0  # rows that failed
     model_s: float = 0.0
     sampled: list[tuple] = field(default_factory=list)  # a uniform sample of computed tuples
 
@@ -207,6 +208,7 @@ class QueryRun:
                 counts.prompt_tokens += after["prompt_tokens"] - before["prompt_tokens"]
                 counts.generated_tokens += after["generated_tokens"] - before["generated_tokens"]
                 counts.cached_tokens += after["cached_tokens"] - before["cached_tokens"]
+                counts.errors += after["errors"] - before["errors"]
                 counts.model_s += after["engine_s"] - before["engine_s"]
         key = self.learn_key(site)
         self.learned.observe_values(key, [v for v in values if v is not None])
@@ -321,9 +323,13 @@ def _site_udf(sig: SqlFunction, runs: Runs, session: Session):
     return udf
 
 
-def register(con: duckdb.DuckDBPyConnection, runs: Runs, session: Session) -> None:
+def register(con: duckdb.DuckDBPyConnection, runs: Runs, session: Session) -> list[str]:
+    """The site lookups of the session's planner, as UDFs of `con`; their names."""
+    names = []
     for sig in SIGNATURES.values():
-        con.create_function(lookup_name(sig.name), _site_udf(sig, runs, session),
+        names.append(lookup_name(sig.name, session.id))
+        con.create_function(names[-1], _site_udf(sig, runs, session),
                             ["INTEGER", "VARCHAR", *(p.sql_type for p in sig.params)],
                             sig.returns, type="arrow", null_handling="special",
                             side_effects=False)
+    return names

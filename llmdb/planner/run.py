@@ -99,19 +99,22 @@ def ranker(sites: list[Site], model: str, learned: Learned
 
 # ---- planning ----------------------------------------------------------------------------
 
-def plan(sql: str, qid: int, model: str, *, parameters: Any = None,
+def plan(sql: str, qid: int, model: str, *, namespace: int = 0, parameters: Any = None,
          learned: Learned = LEARNED) -> Plan | None:
-    """The rewritten statement and its prefetch steps; None: run the statement as written."""
-    return plan_or_reason(sql, qid, model, parameters=parameters, learned=learned)[0]
+    """The rewritten statement and its prefetch steps; None: run the statement as written.
+    Its site lookups are the UDFs memo.register made for `namespace`."""
+    return plan_or_reason(sql, qid, model, namespace=namespace, parameters=parameters,
+                          learned=learned)[0]
 
 
-def plan_or_reason(sql: str, qid: int, model: str, *, parameters: Any = None,
-                   learned: Learned = LEARNED) -> tuple[Plan | None, str]:
+def plan_or_reason(sql: str, qid: int, model: str, *, namespace: int = 0,
+                   parameters: Any = None, learned: Learned = LEARNED
+                   ) -> tuple[Plan | None, str]:
     """The plan, or None and why the statement runs as written."""
     if not _QUICK_CHECK.search(sql):
         return None, "no LLM calls"
     try:
-        return _plan(sql, qid, model, parameters, learned), ""
+        return _plan(sql, qid, namespace, model, parameters, learned), ""
     except Unsupported as e:
         return None, str(e)
     except Exception as e:  # noqa: BLE001 - a planner bug must not fail a query
@@ -119,7 +122,8 @@ def plan_or_reason(sql: str, qid: int, model: str, *, parameters: Any = None,
         return None, f"planner error ({type(e).__name__}: {e})"
 
 
-def _plan(sql: str, qid: int, model: str, parameters: Any, learned: Learned) -> Plan:
+def _plan(sql: str, qid: int, namespace: int, model: str, parameters: Any,
+          learned: Learned) -> Plan:
     try:
         statements = sqlglot.parse(sql, read="duckdb")
     except SqlglotError as e:
@@ -139,7 +143,8 @@ def _plan(sql: str, qid: int, model: str, parameters: Any, learned: Learned) -> 
     sites = find_sites(tree)
     if not sites:
         raise Unsupported("no LLM calls")
-    tree, sites, predicates = rewrite_sites(tree, sites, qid, ranker(sites, model, learned))
+    tree, sites, predicates = rewrite_sites(tree, sites, qid, namespace,
+                                            ranker(sites, model, learned))
     top_rows_before_calls(tree)
     root = root_query(tree)
     # With bound parameters a driver would need them too: every site stays lazy then.
@@ -166,7 +171,7 @@ class Planner:
         self.session = session
         self.learned = learned
         self.runs = Runs()
-        memo.register(con, self.runs, session)
+        self.udfs = memo.register(con, self.runs, session)
         self._qids = itertools.count(1)
         # What each recent query did, per site (the counts alone: a run's memo can be large).
         self.history: OrderedDict[str, dict[int, SiteCounts]] = OrderedDict()
@@ -176,7 +181,8 @@ class Planner:
 
     def plan_or_reason(self, sql: str, parameters: Any = None) -> tuple[Plan | None, str]:
         return plan_or_reason(sql, next(self._qids), self.session.options.model,
-                              parameters=parameters, learned=self.learned)
+                              namespace=self.session.id, parameters=parameters,
+                              learned=self.learned)
 
     def prepare(self, sql: str, parameters: Any = None) -> str:
         """The SQL to run in place of `sql`, its calls prefetched. On the query's thread."""
@@ -220,7 +226,8 @@ class Planner:
         return p.sql.replace(p.dry_sql, named, 1)
 
     def _learn_time_scale(self, p: Plan, run: QueryRun) -> None:
-        """Compare the prefetched batches' model time with the cost model's."""
+        """Compare the prefetched batches' model time with the cost model's (not a batch
+        with failed rows: its time is that of the rows before the failure, or none)."""
         from .estimate import calibrated, cost_model, estimate_site
 
         backend = self.session.backend()
@@ -228,7 +235,7 @@ class Planner:
             return
         for site in p.sites:
             c = run.counts[site.id]
-            if site.id not in run.prefetched or c.model_s <= 0 or not c.computed:
+            if site.id not in run.prefetched or c.model_s <= 0 or not c.computed or c.errors:
                 continue
             sim = estimate_site(self.session, site, c, self.learned, observed=True).model_s
             if sim:
@@ -236,7 +243,8 @@ class Planner:
 
     def binds(self, p: Plan, parameters: Any) -> bool:
         """Whether DuckDB accepts the rewritten SQL (sqlglot regenerates it). Planning it
-        may fold constant calls: a dry run answers those."""
+        may fold constant calls: a dry run answers those. A query DuckDB rejects as written
+        too (a missing table, say) raises DuckDB's error about it."""
         self.runs.put(QueryRun(p.qid, p.sites, self.session, dry=True, learned=self.learned))
         try:
             self.con.execute(f"EXPLAIN {p.sql}", parameters)
@@ -244,6 +252,8 @@ class Planner:
         except duckdb.InterruptException:
             raise
         except duckdb.Error as e:
+            # A relation binds, without constant folding (so without model calls).
+            self.con.sql(p.written_sql, params=parameters)
             p.notes.append(f"rewritten SQL rejected ({type(e).__name__}); ran as written")
             return False
 
