@@ -20,9 +20,11 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
 # A statement's result that is its status, not rows: DuckDB's one column of "Count" (rows
-# changed: INSERT, UPDATE, DELETE, COPY, CREATE) or "Success" (SET, ATTACH, ...). A statement
-# of any type may return rows instead: INSERT ... RETURNING, PIVOT (a MULTI statement).
+# changed: INSERT, UPDATE, DELETE, COPY, CREATE) or "Success" (SET, ATTACH, ...). Such a
+# statement may return rows instead (INSERT ... RETURNING, PIVOT: a MULTI statement); these
+# always return rows, whatever their columns are called.
 _STATUS_COLUMNS = {"Count", "Success"}
+_ROW_TYPES = {"SELECT", "EXPLAIN", "PRAGMA", "CALL", "RELATION"}
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -85,6 +87,8 @@ def _sql(args: argparse.Namespace) -> int:
     with llmdb.connect(args.db, model=args.model, **options) as con:
         explained = EXPLAIN_LLM.match(text)
         if explained:  # llmdb's syntax, which DuckDB cannot split: the report as `explain`'s
+            if len(duckdb.extract_statements(explained["query"])) > 1:
+                raise ValueError("EXPLAIN LLM explains one statement; run the others apart")
             print(con.explain(explained["query"]), end="")
             return 0
         statements = [(s.query, s.type.name) for s in duckdb.extract_statements(text)]
@@ -98,7 +102,7 @@ def _sql(args: argparse.Namespace) -> int:
                 raise ValueError(f"statement {k} of {len(statements)} ({first_line}) "
                                  f"failed: {e}") from e
             columns = [d[0] for d in con.description or []]
-            if len(columns) == 1 and columns[0] in _STATUS_COLUMNS:
+            if kind not in _ROW_TYPES and len(columns) == 1 and columns[0] in _STATUS_COLUMNS:
                 status = con.fetchone()
                 suffix = (f": {status[0]:,} rows" if columns[0] == "Count" and status and
                           status[0] is not None else "")

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
 from typing import Any
 
 import duckdb
@@ -19,7 +22,7 @@ import duckdb
 from . import functions, samples
 from .batch import LLMError
 from .planner import Planner, Report, explain
-from .scope import ScopeTables, caller_frame
+from .scope import ScopedConnection, caller_frame, tables_named
 from .session import Options, QueryCancelled, Session
 
 # `EXPLAIN LLM <query>`: the planner's report on the query's model calls (not DuckDB syntax).
@@ -73,7 +76,7 @@ class Connection:
 
     def _setup(self, con: duckdb.DuckDBPyConnection, session: Session, planner: bool) -> None:
         self.session = session
-        self._con = con
+        self._con = ScopedConnection(con)
         # DuckDB's own bar writes to stdout even into a pipe, mixing with the results; llmdb
         # shows its bar for model work on stderr instead (SET enable_progress_bar reverts).
         self._con.execute("SET enable_progress_bar = false")
@@ -82,37 +85,30 @@ class Connection:
         self.planner = Planner(self._con, self.session) if planner else None
         if self.planner is not None:
             self._udfs += self.planner.udfs
-        self._scope = ScopeTables(self._con)
 
     def cursor(self) -> Connection:
         """Another connection to the same database (DuckDB's cursor, for another thread or a
         second open result), with the llm_* functions and this connection's options and
         model. Its queries, stats and errors are its own."""
         cur = Connection.__new__(Connection)
-        cur._setup(self._con.cursor(), Session(self.session.options), self.planner is not None)
+        cur._setup(self._con.con.cursor(), Session(self.session.options), self.planner is not None)
         return cur
 
     # ---- queries -------------------------------------------------------------------------
 
-    def _attach_tables(self, query: str) -> None:
-        """The tables the query names that DuckDB would not find on its own: llmdb's sample
-        tables, and pandas/polars/Arrow tables of the caller's scope."""
+    @contextmanager
+    def _tables(self, query: str, frame: FrameType | None) -> Iterator[None]:
+        """While the query is planned and bound: the tables it names that DuckDB would not
+        find on its own. llmdb's sample tables (attached), and the pandas/polars/Arrow
+        tables of the user's frame (see scope.py; not kept past the query)."""
         names = samples.referenced(query)
         if names:
             samples.attach(self._con, names, self.session.options.sample_rows)
-        self._scope.register_referenced(query, caller_frame())
-
-    def register(self, view_name: str, python_object: Any) -> Connection:
-        """DuckDB's register: `view_name` is the user's from now on (not the caller-scope
-        lookup's)."""
-        self._scope.forget(view_name)
-        self._con.register(view_name, python_object)
-        return self
-
-    def unregister(self, view_name: str) -> Connection:
-        self._scope.forget(view_name)
-        self._con.unregister(view_name)
-        return self
+        self._con.tables = tables_named(query, frame)
+        try:
+            yield
+        finally:
+            self._con.tables = {}
 
     def _planned(self, query: str, parameters: Any = None) -> str:
         """The SQL to run: the planner's rewrite, its calls prefetched (on the query thread)."""
@@ -124,9 +120,9 @@ class Connection:
             self._con.register(_EXPLAIN_VIEW, self.explain_report(explained["query"]).table())
             self._con.execute(f"SELECT * FROM {_EXPLAIN_VIEW}")
             return self
-        self._attach_tables(query)
-        self.session.begin_query()
-        self._run(lambda: self._con.execute(self._planned(query, parameters), parameters))
+        with self._tables(query, caller_frame()):
+            self.session.begin_query()
+            self._run(lambda: self._con.execute(self._planned(query, parameters), parameters))
         return self
 
     def sql(self, query: str, **kwargs: Any) -> duckdb.DuckDBPyRelation | None:
@@ -141,10 +137,10 @@ class Connection:
             # a connection while one is unread), nor a shared view (relations run again on
             # each fetch, and would show the latest report).
             return self._con.from_arrow(self.explain_report(explained["query"]).table())
-        self._attach_tables(query)
-        self.session.begin_query()
-        planned = self._run(lambda: self._planned(query, kwargs.get("params")))
-        return self._con.sql(planned, **kwargs)
+        with self._tables(query, caller_frame()):
+            self.session.begin_query()
+            planned = self._run(lambda: self._planned(query, kwargs.get("params")))
+            return self._con.sql(planned, **kwargs)
 
     query = sql
 
@@ -153,10 +149,10 @@ class Connection:
     def explain_report(self, query: str) -> Report:
         """Per call site: estimated rows, prompts, cache hits, tokens, model time and
         priority; next to what the query did when it last ran on this connection."""
-        self._attach_tables(query)
         if self.planner is None:
             return Report(query, notes=["the planner is off on this connection"])
-        return self._run(lambda: explain(self.planner, query))
+        with self._tables(query, caller_frame()):
+            return self._run(lambda: explain(self.planner, query))
 
     def explain(self, query: str) -> str:
         """explain_report as text (what `llmdb explain` prints)."""
@@ -171,7 +167,8 @@ class Connection:
 
         def target() -> None:
             try:
-                result.append(work())
+                with self.session.remembering_failures():
+                    result.append(work())
             except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
                 failure.append(e)
             finally:
@@ -222,11 +219,12 @@ class Connection:
     def close(self) -> None:
         # The database may outlive this connection (a cursor's, a file's other connections):
         # its functions would keep this session alive.
-        for name in self._udfs:
-            try:
+        try:
+            self._con.abort()  # an unread result: DuckDB would refuse the removals
+            for name in self._udfs:
                 self._con.remove_function(name)
-            except duckdb.Error:  # closed already
-                break
+        except duckdb.ConnectionException:  # closed already
+            pass
         self._con.close()
 
     def __enter__(self) -> Connection:

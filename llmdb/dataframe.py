@@ -7,18 +7,26 @@ has the input's type. Prompts are Python format strings over the columns ("Summa
 
 from __future__ import annotations
 
+import functools
 import string
+from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
 
 from . import functions
 from .reorder import ggr, render
-from .session import Options, Session
+from .session import ON_ERROR, Options, Session
 
-# Options of one call (the rest configure the session: cache, progress, engine, ...).
-CALL_OPTIONS = ("max_tokens", "temperature", "top_p", "seed", "stop", "system", "model",
-                "on_error", "instruction")
+# Options of one call, per function (the rest configure the session: cache, progress,
+# engine, ...): the SQL function's parameters after its row argument(s).
+CALL_OPTIONS = {
+    "complete": ("max_tokens", "temperature", "top_p", "seed", "stop", "system", "model",
+                 "on_error"),
+    "filter": ("system", "model", "on_error"),
+    "classify": ("instruction", "system", "model", "on_error"),
+}
+ALL_CALL_OPTIONS = {o for names in CALL_OPTIONS.values() for o in names}
 
 _default_session: Session | None = None
 
@@ -31,10 +39,16 @@ def default_session() -> Session:
     return _default_session
 
 
-def _session_and_call_options(options: dict[str, Any]) -> tuple[Session, dict[str, Any]]:
+def _session_and_call_options(function: str, options: dict[str, Any]
+                               ) -> tuple[Session, dict[str, Any]]:
     """session=Session(...) shares one session (its engine, cache and counters) between
     calls, as a connection does; else the session options make a session for this call."""
-    call = {k: options.pop(k) for k in list(options) if k in CALL_OPTIONS}
+    own = CALL_OPTIONS[function]
+    other = sorted(k for k in options if k in ALL_CALL_OPTIONS and k not in own)
+    if other:  # another function's option would be ignored: say so instead
+        raise TypeError(f"llmdb.{function} does not take {', '.join(other)} (its options: "
+                        f"{', '.join(own)})")
+    call = {k: options.pop(k) for k in list(options) if k in own}
     session = options.pop("session", None)
     if session is not None:
         if options:
@@ -45,11 +59,37 @@ def _session_and_call_options(options: dict[str, Any]) -> tuple[Session, dict[st
     return session, call
 
 
+_TABLES = {"pandas": ("DataFrame",), "polars": ("DataFrame",),
+           "pyarrow": ("Table", "RecordBatch")}
+
+
 def _kind(df: Any) -> str:
-    module = type(df).__module__.split(".")[0]
-    if module in ("pandas", "polars", "pyarrow"):
-        return module
-    raise TypeError(f"expected a pandas, polars or pyarrow table, got {type(df).__name__}")
+    for cls in type(df).__mro__:  # subclasses too (a GeoDataFrame)
+        module = cls.__module__.split(".")[0]
+        if cls.__name__ in _TABLES.get(module, ()):
+            return module
+    raise TypeError(f"expected a pandas or polars DataFrame or a pyarrow Table, got "
+                    f"{type(df).__module__}.{type(df).__name__}")
+
+
+def _lazy(df: Any) -> bool:
+    """A polars LazyFrame: its rows are computed here, and the answer is lazy again."""
+    return type(df).__name__ == "LazyFrame" and type(df).__module__.startswith("polars")
+
+
+def _check_call(session: Session, function: str, call: dict[str, Any]) -> None:
+    """The call's options checked once, before any row: a wrong one (max_tokens=0, an
+    unknown on_error) would fail every row, which on_error='null' turns into NULLs."""
+    policy = call.get("on_error")
+    if policy is not None and policy not in ON_ERROR:
+        raise ValueError(f"on_error must be one of {ON_ERROR}, got {policy!r}")
+    spec = functions.FUNCTIONS[function]
+    probe = {p.name: call.get(p.name) for p in spec.params}
+    probe[spec.params[0].name] = "x"  # a row: only the call's own values can fail it
+    try:
+        functions.row_call(function, session.backend(probe["model"]), probe, "BE")
+    except ValueError as e:
+        raise ValueError(f"llmdb.{function.removeprefix('llm_')}: {e}") from None
 
 
 def _columns(df: Any, names: list[str]) -> dict[str, list]:
@@ -69,8 +109,9 @@ def _columns(df: Any, names: list[str]) -> dict[str, list]:
 def _is_missing(v: Any) -> bool:
     import pandas as pd
 
-    # pandas marks missing values with NaN, or pd.NA in its nullable dtypes ("string", ...)
-    return v is None or v is pd.NA or (isinstance(v, float) and v != v)
+    # pandas marks missing values with NaN (any float type), NaT, or pd.NA in its nullable
+    # dtypes ("string", ...)
+    return v is None or (pd.api.types.is_scalar(v) and bool(pd.isna(v)))
 
 
 def _render(df: Any, template: str) -> list[str | None]:
@@ -89,7 +130,10 @@ def _with_column(df: Any, name: str, values: list[str | None]) -> Any:
     """df plus a text column (typed as text even with no rows or all NULLs)."""
     kind = _kind(df)
     if kind == "pandas":
-        return df.assign(**{name: values})
+        import pandas as pd
+
+        text = pd.Series(["x"]).dtype  # this pandas' text type: str (3.x), object (2.x)
+        return df.assign(**{name: pd.Series(values, index=df.index, dtype=text)})
     if kind == "polars":
         import polars as pl
 
@@ -102,8 +146,8 @@ def _with_column(df: Any, name: str, values: list[str | None]) -> Any:
 
 def _keep(df: Any, mask: list[bool]) -> Any:
     kind = _kind(df)
-    if kind == "pandas":
-        return df[mask]
+    if kind == "pandas":  # by position: df[[]] would select no columns
+        return df.iloc[[i for i, k in enumerate(mask) if k]]
     if kind == "polars":
         import polars as pl
 
@@ -132,6 +176,16 @@ def _field_prompts(df: Any, instruction: str, fields: list[str],
     return prompts, send
 
 
+def _lazy_in_lazy_out(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def call(df: Any, *args: Any, **kwargs: Any) -> Any:
+        if _lazy(df):
+            return fn(df.collect(), *args, **kwargs).lazy()
+        return fn(df, *args, **kwargs)
+    return call
+
+
+@_lazy_in_lazy_out
 def complete(df: Any, template: str, output: str = "completion", *,
              fields: list[str] | None = None, reorder_fields: bool = False,
              **options: Any) -> Any:
@@ -140,15 +194,18 @@ def complete(df: Any, template: str, output: str = "completion", *,
     With `fields`, the template is an instruction followed by one "field: value" line per
     field; reorder_fields=True lets llmdb choose each row's field order and the row order so
     that prompts share the longest prefixes (GGR), which the engine computes once."""
-    session, call = _session_and_call_options(options)
+    session, call = _session_and_call_options("complete", options)
+    if reorder_fields and not fields:
+        raise ValueError("reorder_fields=True orders the `fields`: give fields=[...]")
+    if call.get("stop") is not None and isinstance(call["stop"], str):
+        call["stop"] = [call["stop"]]
+    _check_call(session, "llm_complete", call)
     if fields:
         prompts, send = _field_prompts(df, template, list(fields), reorder_fields)
     else:
         prompts = _render(df, template)
         send = list(range(len(prompts)))
     n = len(prompts)
-    if call.get("stop") is not None and isinstance(call["stop"], str):
-        call["stop"] = [call["stop"]]
     cols = _broadcast(n, call, ("max_tokens", "temperature", "top_p", "seed", "stop", "system",
                                 "model", "on_error"))
     with session.query():
@@ -159,9 +216,11 @@ def complete(df: Any, template: str, output: str = "completion", *,
     return _with_column(df, output, values)
 
 
+@_lazy_in_lazy_out
 def filter(df: Any, template: str, **options: Any) -> Any:  # noqa: A001 - mirrors llm_filter
     """The rows for which the model answers yes to the rendered template."""
-    session, call = _session_and_call_options(options)
+    session, call = _session_and_call_options("filter", options)
+    _check_call(session, "llm_filter", call)
     prompts = _render(df, template)
     cols = _broadcast(len(prompts), call, ("system", "model", "on_error"))
     with session.query():
@@ -169,13 +228,19 @@ def filter(df: Any, template: str, **options: Any) -> Any:  # noqa: A001 - mirro
     return _keep(df, [bool(k) for k in keep])
 
 
+@_lazy_in_lazy_out
 def classify(df: Any, column: str, labels: list[str], output: str = "label",
              **options: Any) -> Any:
-    """df plus a column `output` holding one of `labels` for each row's `column`."""
-    session, call = _session_and_call_options(options)
-    texts = _columns(df, [column])[column]
+    """df plus a column `output` holding one of `labels` for each row's `column` (its
+    text: a number or date as Python writes it)."""
+    session, call = _session_and_call_options("classify", options)
+    if isinstance(labels, str) or not hasattr(labels, "__iter__"):
+        raise TypeError(f"labels must be a list of strings, got {type(labels).__name__}")
+    labels = list(labels)
+    _check_call(session, "llm_classify", {**call, "labels": labels})
+    texts = [None if v is None else str(v) for v in _columns(df, [column])[column]]
     n = len(texts)
     cols = _broadcast(n, call, ("instruction", "system", "model", "on_error"))
     with session.query():
-        values = functions.llm_classify(session, texts, [list(labels)] * n, *cols)
+        values = functions.llm_classify(session, texts, [labels] * n, *cols)
     return _with_column(df, output, values)

@@ -502,12 +502,13 @@ def register(con: duckdb.DuckDBPyConnection, session: Session) -> list[str]:
     session's UDFs. Connections to one database (cursors, or one file opened twice) share
     its functions, so the UDFs that close over a session carry its number, and the
     connection's own temporary macros name them."""
-    have = {r[0] for r in con.execute("SELECT function_name FROM duckdb_functions()").fetchall()}
     for sql_type in {p.sql_type for f in FUNCTIONS.values() for p in f.params}:
-        name = _argument_error_udf(sql_type)
-        if name not in have:  # pure: one for all sessions
-            con.create_function(name, _raise_argument_error, ["VARCHAR"], sql_type,
-                                side_effects=False)
+        try:  # pure: one for all sessions (another connection may have made it)
+            con.create_function(_argument_error_udf(sql_type), _raise_argument_error,
+                                ["VARCHAR"], sql_type, side_effects=False)
+        except duckdb.CatalogException as e:
+            if "already exists" not in str(e):
+                raise
     udfs = []
 
     def udf(name: str, *args: Any, **kwargs: Any) -> str:

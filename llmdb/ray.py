@@ -55,7 +55,7 @@ class RowMapper:
 def _split_options(function: str, options: dict[str, Any]) -> tuple[dict, dict]:
     """(the call's options: the function's own keywords and the per-call ones, the session's)."""
     own = set(inspect.signature(getattr(dataframe, function)).parameters) | set(
-        dataframe.CALL_OPTIONS)
+        dataframe.ALL_CALL_OPTIONS)
     return ({k: v for k, v in options.items() if k in own},
             {k: v for k, v in options.items() if k not in own})
 

@@ -1,26 +1,33 @@
 """Tables from the caller's Python scope: `SELECT ... FROM df` with a pandas, polars or Arrow
 table named df, as plain DuckDB allows.
 
-DuckDB finds such a table (a "replacement scan") in the frame that called execute or sql,
-which under llmdb is llmdb's own code, or its query thread. So the connection looks the names
-up in the first frame outside llmdb, before the query runs, and registers them. It does so as
-DuckDB would: only for names that are not tables or views of the database (those win), the
-frame's locals before its globals, and only objects DuckDB can scan.
-
-The registrations outlive the query: a relation from sql() binds its tables again each time it
-is fetched. Each later query that names one looks it up again, so it follows the variable.
+DuckDB finds such a table (a "replacement scan", tried only for names the catalog lacks) in
+the locals and globals of the Python frame that called execute or sql. Under llmdb that is
+llmdb's own code, or its query thread. So the connection collects, before a query, the
+objects of the user's frame that the query's text names, and calls DuckDB from a frame whose
+variables are those objects. DuckDB then resolves them as it would have in the user's frame:
+the database's tables win, and a relation keeps the object it was made with. Nothing is
+registered, so nothing outlives the query or shadows a table created later.
 """
 
 from __future__ import annotations
 
+import re
 import sys
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 import duckdb
-import sqlglot
-from sqlglot import exp
-from sqlglot.errors import SqlglotError
+
+# Identifiers as a query may write them: plain, or in double quotes ("" escapes a quote).
+_WORD = re.compile(r'"((?:[^"]|"")+)"|([A-Za-z_][A-Za-z0-9_$]*)')
+# Packages of the objects DuckDB scans: DataFrames, Arrow tables, datasets and readers,
+# relations, NumPy arrays (their subclasses too: a GeoDataFrame is a pandas DataFrame).
+_SCANNABLE = {"pandas", "polars", "pyarrow", "duckdb", "_duckdb", "numpy"}
+# Run in a frame whose variables are the tables (and the call): DuckDB looks there.
+_CALL = compile("__llmdb_out = __llmdb_call(*__llmdb_args, **__llmdb_kwargs)",
+                "<llmdb scope>", "exec")
 
 
 def caller_frame() -> FrameType | None:
@@ -36,74 +43,51 @@ def _in_llmdb(frame: FrameType) -> bool:
     return module == "llmdb" or module.startswith("llmdb.")
 
 
-def unqualified_tables(sql: str) -> set[str]:
-    """Names a query reads as tables with no schema or catalog, less its CTEs' names.
-    A query sqlglot cannot parse names none (DuckDB then reports what it cannot find)."""
-    try:
-        statements = sqlglot.parse(sql, read="duckdb")
-    except SqlglotError:
-        return set()
-    names: set[str] = set()
-    ctes: set[str] = set()
-    for statement in statements:
-        if statement is None:
-            continue
-        names |= {t.name for t in statement.find_all(exp.Table)
-                  if t.name and not t.db and not t.catalog}
-        ctes |= {c.alias_or_name.lower() for c in statement.find_all(exp.CTE)}
-    return {n for n in names if n.lower() not in ctes}
+def tables_named(sql: str, frame: FrameType | None) -> dict[str, Any]:
+    """The objects of `frame` (its locals before its globals, as DuckDB looks) that DuckDB
+    can scan and whose names are words of `sql`. A word that is a column or a string is
+    harmless: DuckDB only looks up names it reads as tables and cannot find."""
+    if frame is None:
+        return {}
+    scopes = (frame.f_locals, frame.f_globals)  # f_locals is a copy: taken once
+    found = {}
+    for quoted, plain in _WORD.findall(sql):
+        name = quoted.replace('""', '"') if quoted else plain
+        for scope in scopes:
+            if name in scope:
+                if _scannable(scope[name]):
+                    found[name] = scope[name]
+                break
+    return found
 
 
-class ScopeTables:
-    """The caller's tables registered on one DuckDB connection."""
+def _scannable(obj: object) -> bool:
+    return any(c.__module__.split(".")[0] in _SCANNABLE for c in type(obj).__mro__)
+
+
+class ScopedConnection:
+    """A DuckDB connection whose execute and sql find `tables` as DuckDB finds a caller's
+    variables; everything else is the connection's own."""
 
     def __init__(self, con: duckdb.DuckDBPyConnection):
-        self._con = con
-        self.registered: set[str] = set()  # lower-cased: DuckDB's names ignore case
+        self.con = con
+        self.tables: dict[str, Any] = {}  # set by the llmdb connection around each query
 
-    def register_referenced(self, sql: str, frame: FrameType | None) -> None:
-        """Register the objects of `frame` that `sql` reads as tables and the database
-        lacks; drop an earlier registration whose variable is gone or no longer a table."""
-        if frame is None:
-            return
-        found = {name: _lookup(frame, name) for name in unqualified_tables(sql)}
-        if not any(obj is not None or name.lower() in self.registered
-                   for name, obj in found.items()):
-            return  # the usual case: only the database's tables (no catalog query)
-        catalog = self._catalog_names()
-        for name, obj in found.items():
-            key = name.lower()
-            if key not in catalog and obj is not None and self._register(name, obj):
-                self.registered.add(key)
-            elif key in self.registered:  # the database's now, or the variable's gone
-                self.forget(name)
-                self._con.unregister(name)
+    def execute(self, *args: Any, **kwargs: Any) -> Any:
+        return self._in_scope(self.con.execute, args, kwargs)
 
-    def forget(self, name: str) -> None:
-        """`name` is no longer llmdb's to manage (the user registered or dropped it)."""
-        self.registered.discard(name.lower())
+    def sql(self, *args: Any, **kwargs: Any) -> Any:
+        return self._in_scope(self.con.sql, args, kwargs)
 
-    def _register(self, name: str, obj: Any) -> bool:
-        try:
-            self._con.register(name, obj)
-        except duckdb.InvalidInputException:  # not a table DuckDB can scan
-            return False
-        return True
+    query = sql
 
-    def _catalog_names(self) -> set[str]:
-        """Tables and views an unqualified name can mean (the current database's and the
-        temporary ones), less the views llmdb registered."""
-        rows = self._con.execute(
-            "SELECT lower(table_name), false FROM duckdb_tables() "
-            "WHERE database_name IN (current_database(), 'temp') "
-            "UNION ALL SELECT lower(view_name), temporary FROM duckdb_views() "
-            "WHERE NOT internal AND database_name IN (current_database(), 'temp')").fetchall()
-        return {name for name, temporary in rows
-                if not (temporary and name in self.registered)}
+    def _in_scope(self, method: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if not self.tables:
+            return method(*args, **kwargs)
+        frame = {**self.tables, "__llmdb_call": method, "__llmdb_args": args,
+                 "__llmdb_kwargs": kwargs}
+        exec(_CALL, frame)  # noqa: S102 - a fixed statement: the call, in the tables' frame
+        return frame["__llmdb_out"]
 
-
-def _lookup(frame: FrameType, name: str) -> Any:
-    for scope in (frame.f_locals, frame.f_globals):
-        if name in scope:
-            return scope[name]
-    return None
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.con, name)

@@ -134,10 +134,13 @@ class Session:
         self.query_id = 0
         self.cancel = threading.Event()
         self._fresh_query = False
-        # Call key -> error, for the calls that failed in this query: DuckDB evaluates a
-        # failing constant call more than once (each constant-folding attempt), and the
-        # planner's lazy lookups follow a failed driver. None of that reaches the model again.
+        # Call key -> error, for the calls that failed in this query while the connection
+        # runs it (execute, its fetches, sql's planning): DuckDB evaluates a failing
+        # constant call more than once (each constant-folding attempt), and the planner's
+        # lazy lookups follow a failed driver. None of that reaches the model again. A
+        # relation fetched later, by DuckDB alone, tries again (a failure may be transient).
         self._failed: dict[str, str] = {}
+        self._remembering = False
         self._lock = threading.Lock()
         self._bar: tqdm | None = None
         self._bar_total = 0
@@ -217,16 +220,24 @@ class Session:
             self.last.add(delta)
             self.total.add(delta)
 
+    @contextmanager
+    def remembering_failures(self) -> Iterator[None]:
+        """Within: a call that failed earlier in the query fails again without the model."""
+        self._remembering = True
+        try:
+            yield
+        finally:
+            self._remembering = False
+
     def failed_before(self, key: str | None) -> str | None:
-        """The error of an identical call that failed earlier in this query. Outside a
-        query scope (llmdb.register's connections) every call is tried: no query ends."""
-        if key is None or self.query_id == 0:
+        """The error of an identical call that failed earlier in this query."""
+        if key is None or not self._remembering:
             return None
         with self._lock:
             return self._failed.get(key)
 
     def note_failure(self, key: str | None, error: str) -> None:
-        if key is not None and self.query_id:
+        if key is not None and self._remembering:
             with self._lock:
                 self._failed[key] = error
 

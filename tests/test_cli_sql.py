@@ -15,6 +15,7 @@ INSERT INTO t VALUES ('Name a fruit.') RETURNING p;
 PIVOT t ON p USING count(*);
 UPDATE t SET p = p WHERE p LIKE '%fruit%';
 SET threads = 2;
+SELECT 42 AS Count;
 SELECT p, llm_complete(p, max_tokens := 2) AS a FROM t ORDER BY p;
 """
 
@@ -27,9 +28,10 @@ def test_rows_are_printed_whatever_the_statement_type(tmp_path, monkeypatch, cap
     script.write_text(SCRIPT)
     assert main(["sql", "-f", str(script), "--no-progress"]) == 0
     err = capsys.readouterr().err
-    returning, pivot, answers = printed
+    returning, pivot, count, answers = printed
     assert returning == {"p": ["Name a fruit."]}  # INSERT ... RETURNING: its rows
     assert pivot == {"Name a colour.": [1], "Name a fruit.": [1]}  # PIVOT: a MULTI statement
+    assert count == {"Count": [42]}  # a SELECT's rows, whatever its column is called
     assert answers["p"] == ["Name a colour.", "Name a fruit."] and all(answers["a"])
     assert "-- CREATE: 1 rows" in err and "-- UPDATE: 1 rows" in err and "-- SET\n" in err
     assert "-- llm: 2 rows" in err
@@ -40,3 +42,10 @@ def test_explain_llm_prints_the_report(capsys):
     assert main(["sql", f"EXPLAIN LLM {query};"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("EXPLAIN LLM") and "site 0: LLM_COMPLETE(p)" in out
+
+
+def test_explain_llm_takes_one_statement(capsys):
+    """Not the report of the first and silence about the rest."""
+    assert main(["sql", "EXPLAIN LLM SELECT llm_complete('a'); CREATE TABLE made AS SELECT 1"]
+                ) != 0
+    assert "EXPLAIN LLM explains one statement" in capsys.readouterr().err

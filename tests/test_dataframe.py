@@ -3,6 +3,7 @@ the same values as the SQL functions on the same rows, NULL for rows with a NULL
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import polars as pl
 import pyarrow as pa
@@ -36,6 +37,10 @@ def _frame(kind: str):
     if kind == "polars":
         return pl.DataFrame(DATA)
     return pa.table(DATA)
+
+
+def _names(df) -> list[str]:
+    return df.column_names if isinstance(df, pa.Table) else list(df.columns)
 
 
 def _column(df, name: str) -> list:
@@ -103,11 +108,58 @@ def test_classify_equals_sql(kind, sql_reference):
 
 def test_pandas_missing_values_of_any_dtype_give_null():
     df = pd.DataFrame({"review": pd.array(["Fine.", None], dtype="string"),
-                       "other": pd.Series(["a", None], dtype=object)})
-    out = llmdb.complete(df, "{review}", max_tokens=3, cache=False)
-    assert isinstance(out["completion"][0], str) and pd.isna(out["completion"][1])
-    out = llmdb.complete(df, "{other}", max_tokens=3, cache=False)
-    assert isinstance(out["completion"][0], str) and pd.isna(out["completion"][1])
+                       "other": pd.Series(["a", None], dtype=object),
+                       "when": pd.to_datetime(["2020-01-01", None]),
+                       "nan32": pd.Series(["a", np.float32("nan")], dtype=object)})
+    for column in df.columns:
+        out = llmdb.complete(df, f"{{{column}}}", max_tokens=3, cache=False)
+        assert isinstance(out["completion"][0], str) and pd.isna(out["completion"][1]), column
+
+
+def test_options_are_checked_before_any_row():
+    """A wrong option fails every row alike: it is the call's error, raised before any
+    work, even under on_error='null' (which would otherwise answer NULL everywhere)."""
+    table = pa.table(DATA)
+    wrong = [
+        (lambda: llmdb.complete(table, "{review}", max_tokens=0, on_error="null"),
+         ValueError, "max_tokens must be positive"),
+        (lambda: llmdb.complete(table, "{review}", temperature=-1, on_error="null"),
+         ValueError, "temperature must be >= 0"),
+        (lambda: llmdb.complete(table, "{review}", on_error="ignore"), ValueError, "on_error"),
+        (lambda: llmdb.classify(table, "review", "positive", on_error="null"), TypeError,
+         "labels must be a list of strings, got str"),
+        (lambda: llmdb.classify(table, "review", ["yes", "yes"], on_error="null"),
+         ValueError, "listed twice"),
+        # Another function's option would be ignored.
+        (lambda: llmdb.complete(table, "{review}", instruction="Be brief."), TypeError,
+         "llmdb.complete does not take instruction"),
+        (lambda: llmdb.filter(table, "{review}", max_tokens=2), TypeError,
+         "llmdb.filter does not take max_tokens"),
+        (lambda: llmdb.complete(table, "{review}", reorder_fields=True), ValueError,
+         "give fields"),
+    ]
+    before = llmdb.stats()["total"]
+    for call, error, message in wrong:
+        with pytest.raises(error, match=message):
+            call()
+    assert llmdb.stats()["total"] == before  # no row reached a model
+
+
+def test_classify_takes_any_column_type():
+    df = pd.DataFrame({"score": [4.5, None, 1.0]})
+    out = llmdb.classify(df, "score", ["high", "low"], on_error="null", cache=False)
+    assert out["label"][0] in ("high", "low") and pd.isna(out["label"][1])
+
+
+def test_a_polars_lazyframe_comes_back_lazy(sql_reference):
+    lazy = pl.DataFrame(DATA).lazy()
+    out = llmdb.complete(lazy, "Product {product}: {review}", max_tokens=6)
+    assert isinstance(out, pl.LazyFrame)
+    assert out.collect()["completion"].to_list() == sql_reference["complete"]
+    kept = llmdb.filter(lazy, "{review}")
+    assert isinstance(kept, pl.LazyFrame)
+    with pytest.raises(TypeError, match="got polars.series"):
+        llmdb.complete(pl.Series("review", ["x"]), "{review}")
 
 
 def test_dataframe_calls_share_the_sql_result_cache():
@@ -126,7 +178,7 @@ def test_dataframe_calls_share_the_sql_result_cache():
 def test_unknown_column_and_table_type_are_named():
     with pytest.raises(KeyError, match="nope"):
         llmdb.complete(pa.table(DATA), "{nope}", cache=False)
-    with pytest.raises(TypeError, match="pandas, polars or pyarrow"):
+    with pytest.raises(TypeError, match="pandas or polars DataFrame or a pyarrow Table"):
         llmdb.complete([{"review": "x"}], "{review}", cache=False)
 
 
@@ -136,9 +188,13 @@ def test_empty_tables_come_back_empty_and_typed(kind):
     empty = empty.head(0) if kind != "pyarrow" else empty.slice(0, 0)
     kept = llmdb.filter(empty, "Is this positive? {review}")
     assert type(kept) is type(empty) and len(kept) == 0
+    assert list(_names(kept)) == list(DATA)  # pandas: not df[[]], which selects no columns
     done = llmdb.complete(empty, "Summarize: {review}", max_tokens=4)
     labelled = llmdb.classify(empty, "review", LABELS)
     assert len(done) == 0 and len(labelled) == 0
+    if kind == "pandas":
+        text = pd.Series(["x"]).dtype
+        assert done["completion"].dtype == text and labelled["label"].dtype == text
     if kind == "pyarrow":
         assert done.schema.field("completion").type == pa.string()
         assert labelled.schema.field("label").type == pa.string()

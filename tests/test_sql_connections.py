@@ -42,19 +42,35 @@ def test_globals_are_found_and_locals_come_first(con):
     assert con.execute("SELECT count(*) FROM MODULE_TABLE").fetchall() == [(1,)]
 
 
-def test_the_databases_table_wins_and_the_lookup_follows_the_variable(con):
+def test_the_databases_table_wins_and_a_relation_keeps_its_object(con):
     t = pd.DataFrame({"x": [1, 2, 3]})
     assert con.execute("SELECT sum(x) FROM t").fetchall() == [(6,)]
+    rel = con.sql("SELECT sum(x) FROM t")
     t = pd.DataFrame({"x": [10]})  # a later query sees the variable's new value
     assert con.execute("SELECT sum(x) FROM t").fetchall() == [(10,)]
-    rel = con.sql("SELECT sum(x) FROM t")  # a lazy relation binds again when fetched
-    assert rel.fetchall() == [(10,)]
+    assert rel.fetchall() == [(6,)]  # a relation, the object it was made with (as DuckDB)
     con.execute("CREATE TABLE t AS SELECT 100 AS x")
     assert con.execute("SELECT sum(x) FROM t").fetchall() == [(100,)]
     con.execute("DROP TABLE t")
     del t
     with pytest.raises(duckdb.CatalogException, match="t does not exist"):
         con.execute("SELECT sum(x) FROM t")
+    assert rel.fetchall() == [(6,)]
+
+
+def test_a_tables_name_in_scope_is_no_obstacle_to_writing_it(con):
+    """A variable named like a table being created, or a view of the user's, is not read
+    for it (nothing is registered under its name)."""
+    results = pd.DataFrame({"old": [1]})
+    con.execute("CREATE TEMP TABLE results AS SELECT 7 AS new")
+    assert con.table("results").fetchall() == [(7,)]
+    con.execute("CREATE TEMP TABLE copy AS SELECT * FROM results")  # the table's, not ours
+    assert con.execute("SELECT * FROM copy").fetchall() == [(7,)]
+    frame = pd.DataFrame({"x": [1]})
+    assert con.execute("SELECT x FROM frame").fetchall() == [(1,)]
+    con.execute("CREATE OR REPLACE TEMP VIEW frame AS SELECT 2 AS x")
+    assert con.execute("SELECT x FROM frame").fetchall() == [(2,)]
+    del results, frame
 
 
 def test_names_that_are_not_tables_are_left_to_duckdb(con):

@@ -190,3 +190,29 @@ def test_explains_time_scale_learns_from_whole_warm_batches(monkeypatch):
     register_rows(con, ["Name a color.", LONG])
     assert batches_after("llm_complete(p, max_tokens := 2, on_error := 'null')") == 1
     con.close()
+
+
+def test_a_relation_fetched_again_retries_a_failed_call():
+    """The query's memory of failures lasts while the connection runs it: a relation the
+    user fetches again later sends its calls again (the failure may have been transient)."""
+    from llmdb.backends.standin import StandinBackend
+
+    class Flaky(StandinBackend):
+        failing, sent = True, 0
+
+        def submit(self, request, on_finish):
+            self.sent += 1
+            if self.failing:
+                raise ValueError("503 from the server")
+            return super().submit(request, on_finish)
+
+    backend = Flaky()
+    # (Planned, the relation's calls would be made, and fail, by sql() itself.)
+    con = llmdb.connect(model="flaky", backend=backend, cache=False, planner=False)
+    rel = con.sql("SELECT llm_complete(p, max_tokens := 2) AS c FROM (VALUES ('a'), ('b')) v(p)")
+    with pytest.raises(duckdb.Error, match="503"):
+        rel.fetchall()
+    backend.failing, backend.sent = False, 0
+    assert all(c for (c,) in rel.fetchall())
+    assert backend.sent == 2
+    con.close()

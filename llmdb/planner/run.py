@@ -252,8 +252,9 @@ class Planner:
         except duckdb.InterruptException:
             raise
         except duckdb.Error as e:
-            # A relation binds, without constant folding (so without model calls).
-            self.con.sql(p.written_sql, params=parameters)
+            if p.dry_sql == p.sql:  # a query (a write's own CTEs are not in written_sql)
+                # A relation binds, without constant folding (so without model calls).
+                self.con.sql(p.written_sql, params=parameters)
             p.notes.append(f"rewritten SQL rejected ({type(e).__name__}); ran as written")
             return False
 
