@@ -46,6 +46,17 @@ def stats() -> dict:
     return default_session().stats()
 
 
+def errors() -> list[dict]:
+    """The rows that failed under on_error='null' in the DataFrame calls made without
+    session options, oldest first: query_id (the call), function, prompt (its start) and
+    error. SQL's llm_errors(); a Session passed as session= keeps its own in .errors."""
+    import dataclasses
+
+    from .dataframe import default_session
+
+    return [dataclasses.asdict(e) for e in default_session().errors]
+
+
 __all__ = [
     "Connection",
     "LLMError",
@@ -53,6 +64,7 @@ __all__ = [
     "classify",
     "complete",
     "connect",
+    "errors",
     "filter",
     "register",
     "stats",

@@ -210,3 +210,12 @@ def test_each_dataframe_call_is_a_query_of_its_own():
     llmdb.complete(table.slice(0, 2), "Summarize: {review}", max_tokens=4)
     second = llmdb.stats()["last_query"]
     assert second["rows"] == 2 and second["cache_hits"] == 2  # computed by the first call
+
+
+def test_failed_rows_under_null_are_listed():
+    table = pa.table({"review": ["Fine.", "word " * 9000]})
+    out = llmdb.complete(table, "{review}", max_tokens=2, on_error="null")
+    assert out.column("completion").to_pylist()[1] is None
+    failed = llmdb.errors()[-1]
+    assert failed["function"] == "llm_complete" and failed["prompt"].startswith("word word")
+    assert "longer than the model's context" in failed["error"]
