@@ -9,6 +9,7 @@ llm_count_tokens is not a call site: it never reaches a model.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import sqlglot
@@ -98,7 +99,7 @@ def resolve(node: exp.Anonymous, site_id: int) -> Site:
         elif p.default is None:
             raise Unsupported(f"{sig.name}: missing argument {p.name!r}")
         else:
-            args.append(sqlglot.parse_one(p.default, read="duckdb"))
+            args.append(_parsed(p.default).copy())
     return Site(site_id, sig, node, tuple(args), priority, node.sql("duckdb"))
 
 
@@ -109,9 +110,16 @@ def checked(site: Site, i: int, arg: exp.Expression) -> exp.Expression:
     """The site's i-th argument expression inside functions.checked_arg's type check, as the
     SQL function's macro has it: a wrong type fails naming the function and parameter."""
     p = site.signature.params[i]
-    template = sqlglot.parse_one(checked_arg(site.function, p, _ARG), read="duckdb")
+    template = _parsed(checked_arg(site.function, p, _ARG))  # transform() copies it
     return template.transform(
         lambda n: arg.copy() if isinstance(n, exp.Column) and n.name == _ARG else n)
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed(sql: str) -> exp.Expression:
+    """A fixed SQL text's tree, parsed once (a copy is what callers may change): the type
+    checks are long CASEs, and a query's plan needs a few per call site."""
+    return sqlglot.parse_one(sql, read="duckdb")
 
 
 def _priority_literal(e: exp.Expression) -> str:

@@ -36,6 +36,8 @@ from .guards import (
 from .placement import Placement, main_lookups, placement, projection_index, reads_site
 from .shapes import int_literal, own_qualify
 
+# A driver's tree is built from copies, for its text alone: it is written out without the
+# copy sqlglot otherwise makes first (a plan's largest cost, the type checks being long).
 ARG = "__llmdb_a{}"
 GUARD = "__llmdb_g"
 PASS = "__llmdb_p"
@@ -211,7 +213,7 @@ def with_limit(select: exp.Select, n: int) -> str:
     q = select.copy()
     inner = q.args["from_"].this.this  # FROM (inner) AS __llmdb_s
     inner.set("limit", exp.Limit(expression=exp.Literal.number(n)))
-    return q.sql("duckdb")
+    return q.sql("duckdb", copy=False)
 
 
 def learn_sql(s: exp.Select, pred: Predicate) -> str:
@@ -223,7 +225,7 @@ def learn_sql(s: exp.Select, pred: Predicate) -> str:
     cond = conjunction([c.copy() for c in pred.guard])
     if cond is not None:
         inner.set("where", exp.Where(this=cond))
-    return _with(inner, _ctes_above(s), s.args.get("with_")).sql("duckdb")
+    return _with(inner, _ctes_above(s), s.args.get("with_")).sql("duckdb", copy=False)
 
 
 def plan_steps(tree: exp.Expression, root: exp.Expression, tops: list[exp.Select],
@@ -258,7 +260,7 @@ def plan_steps(tree: exp.Expression, root: exp.Expression, tops: list[exp.Select
             sel = where_driver(p.scope, site, with_where=True)
         else:
             sel = output_driver(p.scope, site, node)
-        steps.append(Fill(site, sel.sql("duckdb")))
+        steps.append(Fill(site, sel.sql("duckdb", copy=False)))
         done.add(site.id)
         for pred in predicates:  # learn a WHERE predicate's pass rate once it is computed
             if pred.site_ids and max(pred.site_ids) == site.id and all(

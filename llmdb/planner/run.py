@@ -153,8 +153,9 @@ def _plan(sql: str, qid: int, namespace: int, model: str, parameters: Any,
     if parameters:
         placements = {i: replace(p, why="the query has bound parameters")
                       for i, p in placements.items()}
-    return Plan(qid, tree.sql("duckdb"), root.sql("duckdb"), written_sql, sites, predicates,
-                steps, placements)
+    sql = tree.sql("duckdb")
+    dry_sql = sql if root is tree else root.sql("duckdb")  # a query: its one text
+    return Plan(qid, sql, dry_sql, written_sql, sites, predicates, steps, placements)
 
 
 def normalized(sql: str) -> str:
