@@ -447,6 +447,16 @@ def _sql_list(items: Sequence[str]) -> str:
     return ", ".join("'" + t.replace("'", "''") + "'" for t in items)
 
 
+CHECK_PREFIX = "__llmdb_check_"
+
+
+def check_macro(function: str, p: Param) -> str:
+    """The connection's macro around checked_arg: the planner's rewrite checks arguments
+    by name, not with the whole CASE (which made a one-call query's SQL 2,700 characters,
+    and its planning mostly copying and printing them)."""
+    return f"{CHECK_PREFIX}{function}_{p.name}"
+
+
 def checked_arg(function: str, p: Param, x: str) -> str:
     """SQL for the argument expression x of parameter p, typed as the UDF takes it, or an
     error naming the SQL function and the parameter (DuckDB's own would name the internal
@@ -519,8 +529,11 @@ def register(con: duckdb.DuckDBPyConnection, session: Session) -> list[str]:
     for f in FUNCTIONS.values():
         impl = udf(f.name, _arrow_udf(session, f.rows, f.names), [p.sql_type for p in f.params],
                    f.returns, type="arrow", null_handling="special", side_effects=False)
+        for p in f.params:
+            con.execute(f"CREATE OR REPLACE TEMP MACRO {check_macro(f.name, p)}(x) AS "
+                        f"{checked_arg(f.name, p, 'x')}")
         args = ", ".join(_with_default(p) for p in f.params)
-        checked = ", ".join(checked_arg(f.name, p, p.name) for p in f.params)
+        checked = ", ".join(f"{check_macro(f.name, p)}({p.name})" for p in f.params)
         con.execute(f"CREATE OR REPLACE TEMP MACRO {f.name}({args}) AS {impl}({checked})")
     # Zero-argument helpers, evaluated per query (side effects: never folded or cached).
     stats = udf("stats", lambda: json.dumps(session.stats()), [], "VARCHAR", side_effects=True)

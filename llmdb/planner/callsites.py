@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import sqlglot
 from sqlglot import exp
 
-from llmdb.functions import FUNCTIONS, SqlFunction, checked_arg
+from llmdb.functions import CHECK_PREFIX, FUNCTIONS, SqlFunction, check_macro
 
 PRIORITIES = ("RT", "BE")
 
@@ -103,22 +103,20 @@ def resolve(node: exp.Anonymous, site_id: int) -> Site:
     return Site(site_id, sig, node, tuple(args), priority, node.sql("duckdb"))
 
 
-_ARG = "__llmdb_arg"
-
-
 def checked(site: Site, i: int, arg: exp.Expression) -> exp.Expression:
-    """The site's i-th argument expression inside functions.checked_arg's type check, as the
-    SQL function's macro has it: a wrong type fails naming the function and parameter."""
-    p = site.signature.params[i]
-    template = _parsed(checked_arg(site.function, p, _ARG))  # transform() copies it
-    return template.transform(
-        lambda n: arg.copy() if isinstance(n, exp.Column) and n.name == _ARG else n)
+    """The site's i-th argument expression inside its type check, as the SQL function's
+    macro has it: a wrong type fails naming the function and parameter."""
+    return exp.Anonymous(this=check_macro(site.function, site.signature.params[i]),
+                         expressions=[arg])
 
 
-@functools.lru_cache(maxsize=256)
+def is_check(node: exp.Expression) -> bool:
+    return isinstance(node, exp.Anonymous) and node.name.lower().startswith(CHECK_PREFIX)
+
+
+@functools.lru_cache(maxsize=64)
 def _parsed(sql: str) -> exp.Expression:
-    """A fixed SQL text's tree, parsed once (a copy is what callers may change): the type
-    checks are long CASEs, and a query's plan needs a few per call site."""
+    """A parameter's default, parsed once (callers take a copy)."""
     return sqlglot.parse_one(sql, read="duckdb")
 
 

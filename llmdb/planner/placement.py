@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from sqlglot import exp
 
+from .callsites import is_check
 from .guards import MAIN, is_lookup, lookup_tag
 from .shapes import aggregated, contains, has_window, int_literal, own_qualify
 
@@ -38,7 +39,7 @@ def _locate(node: exp.Expression) -> tuple[exp.Select | None, str | None, set[st
             flags.add("window")
         elif isinstance(parent, exp.Lambda):
             flags.add("lambda")
-        elif isinstance(parent, exp.Anonymous) and not is_lookup(parent):
+        elif isinstance(parent, exp.Anonymous) and not (is_lookup(parent) or is_check(parent)):
             flags.add("unknown_fn")
         if isinstance(parent, exp.Select):
             return parent, child.arg_key, flags
