@@ -74,6 +74,12 @@ def test_complete_stop_strings_cut_the_answer(con, eng):
      "got DOUBLE"),
     ("llm_complete('x', max_tokens := 10000000000)", "llm_complete: max_tokens = 10000000000 "
      "is out of range for INTEGER"),
+    # Literals the planner passes unchecked must be exactly those the check would pass.
+    ("llm_complete('x', max_tokens := 2147483648)", "max_tokens = 2147483648 is out of range"),
+    ("llm_complete('x', max_tokens := 4e0)", "max_tokens must be an integer, got DOUBLE"),
+    ("llm_complete('x', max_tokens := 4.0)", "max_tokens must be an integer, got DECIMAL"),
+    ("llm_complete('x', seed := 2.5)", "seed must be an integer, got DECIMAL"),
+    ("llm_complete('x', system := 5)", "llm_complete: system must be text, got INTEGER"),
     ("llm_complete('x', temperature := 'hot')", "llm_complete: temperature must be a number"),
     ("llm_complete('x', stop := 42)", "llm_complete: stop must be text or a list of text"),
     ("llm_classify('x', 'positive')", "llm_classify: labels must be a list of text, got "

@@ -103,11 +103,33 @@ def resolve(node: exp.Anonymous, site_id: int) -> Site:
     return Site(site_id, sig, node, tuple(args), priority, node.sql("duckdb"))
 
 
+_INT_RANGE = {"INTEGER": 2**31, "BIGINT": 2**63}
+
+
 def checked(site: Site, i: int, arg: exp.Expression) -> exp.Expression:
     """The site's i-th argument expression inside its type check, as the SQL function's
-    macro has it: a wrong type fails naming the function and parameter."""
-    return exp.Anonymous(this=check_macro(site.function, site.signature.params[i]),
-                         expressions=[arg])
+    macro has it: a wrong type fails naming the function and parameter. A literal that
+    passes it (the defaults, `max_tokens := 32`) is only cast: binding nine checks per
+    call costs DuckDB more than planning the query."""
+    p = site.signature.params[i]
+    if _passes(p.sql_type, arg):
+        return exp.cast(arg, p.sql_type, dialect="duckdb")
+    return exp.Anonymous(this=check_macro(site.function, p), expressions=[arg])
+
+
+def _passes(sql_type: str, arg: exp.Expression) -> bool:
+    if isinstance(arg, exp.Null):
+        return True
+    if sql_type == "VARCHAR":
+        return isinstance(arg, exp.Literal) and arg.is_string
+    if sql_type == "DOUBLE":
+        return _literal_number(arg) is not None
+    if sql_type in _INT_RANGE:  # digits alone: DuckDB types 4.0 and 4e0 as non-integers
+        digits = arg.this if isinstance(arg, exp.Neg) else arg
+        return isinstance(digits, exp.Literal) and not digits.is_string and \
+            digits.this.isdigit() and -_INT_RANGE[sql_type] <= _literal_number(arg) < \
+            _INT_RANGE[sql_type]
+    return False
 
 
 def is_check(node: exp.Expression) -> bool:
@@ -136,8 +158,7 @@ def deterministic(site: Site) -> bool:
     temperature = _literal_number(site.arg("temperature"))
     if temperature == 0.0:
         return True
-    seed = site.arg("seed")
-    return isinstance(seed, exp.Literal) and _literal_number(seed) is not None
+    return _literal_number(site.arg("seed")) is not None  # -3 too (a Neg of a literal)
 
 
 def find_sites(tree: exp.Expression) -> list[Site]:

@@ -52,6 +52,8 @@ class Plan:
     sql: str  # the rewritten statement
     dry_sql: str  # its query alone (a CTAS or INSERT without the write), for dry runs
     written_sql: str  # the statement's query as written (sqlglot's text of a CTAS's query)
+    # Its columns are aliases and plain columns, which the rewrite names alike.
+    names_kept: bool
     sites: list[Site]
     predicates: list[Predicate]
     steps: list[Step]
@@ -135,6 +137,9 @@ def _plan(sql: str, qid: int, namespace: int, model: str, parameters: Any,
     if written is None:
         raise Unsupported("not a query (SELECT, set operation, CREATE TABLE AS, INSERT)")
     written_sql = sql if written is tree else written.sql("duckdb")
+    names_kept = isinstance(written, exp.Select) and all(  # (t.* is a Column of a Star)
+        isinstance(e, exp.Alias) or (isinstance(e, exp.Column) and not e.is_star)
+        for e in written.expressions)
     if parameters:
         number_parameters(tree)
     inline_llm_ctes(tree)
@@ -155,7 +160,8 @@ def _plan(sql: str, qid: int, namespace: int, model: str, parameters: Any,
                       for i, p in placements.items()}
     sql = tree.sql("duckdb")
     dry_sql = sql if root is tree else root.sql("duckdb")  # a query: its one text
-    return Plan(qid, sql, dry_sql, written_sql, sites, predicates, steps, placements)
+    return Plan(qid, sql, dry_sql, written_sql, names_kept, sites, predicates, steps,
+                placements)
 
 
 def normalized(sql: str) -> str:
@@ -206,6 +212,8 @@ class Planner:
         place of each call: the rewritten query goes under a projection by position with
         the written names. Binding (DESCRIBE) calls no model. A CTAS's query part is named
         as sqlglot writes it back (an IF as a CASE, say), as its other columns were already."""
+        if p.names_kept:
+            return p.sql
         try:
             want, got = (
                 [row[0] for row in self.con.execute(f"DESCRIBE {q}", parameters).fetchall()]
