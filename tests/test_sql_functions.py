@@ -79,6 +79,9 @@ def test_complete_stop_strings_cut_the_answer(con, eng):
     ("llm_complete('x', max_tokens := 4e0)", "max_tokens must be an integer, got DOUBLE"),
     ("llm_complete('x', max_tokens := 4.0)", "max_tokens must be an integer, got DECIMAL"),
     ("llm_complete('x', seed := 2.5)", "seed must be an integer, got DECIMAL"),
+    ("llm_complete('x', seed := -9223372036854775809)", "seed = -9223372036854775809 is out "
+     "of range for BIGINT"),
+    ("llm_complete('x', temperature := 1" + "0" * 40 + ")", "temperature must be a number"),
     ("llm_complete('x', system := 5)", "llm_complete: system must be text, got INTEGER"),
     ("llm_complete('x', temperature := 'hot')", "llm_complete: temperature must be a number"),
     ("llm_complete('x', stop := 42)", "llm_complete: stop must be text or a list of text"),

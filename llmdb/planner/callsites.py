@@ -122,14 +122,24 @@ def _passes(sql_type: str, arg: exp.Expression) -> bool:
         return True
     if sql_type == "VARCHAR":
         return isinstance(arg, exp.Literal) and arg.is_string
-    if sql_type == "DOUBLE":
-        return _literal_number(arg) is not None
+    whole = _integer_literal(arg)
     if sql_type in _INT_RANGE:  # digits alone: DuckDB types 4.0 and 4e0 as non-integers
-        digits = arg.this if isinstance(arg, exp.Neg) else arg
-        return isinstance(digits, exp.Literal) and not digits.is_string and \
-            digits.this.isdigit() and -_INT_RANGE[sql_type] <= _literal_number(arg) < \
-            _INT_RANGE[sql_type]
+        return whole is not None and -_INT_RANGE[sql_type] <= whole < _INT_RANGE[sql_type]
+    if sql_type == "DOUBLE":  # a decimal or exponent literal; integers of the BIGINT range
+        # (beyond it DuckDB types them HUGEINT, UHUGEINT or BIGNUM, and the check decides)
+        if whole is not None:
+            return -_INT_RANGE["BIGINT"] <= whole < _INT_RANGE["BIGINT"]
+        return _literal_number(arg) is not None
     return False
+
+
+def _integer_literal(arg: exp.Expression) -> int | None:
+    """The exact value of a literal of digits, or of its negation (float would round)."""
+    digits = arg.this if isinstance(arg, exp.Neg) else arg
+    if not (isinstance(digits, exp.Literal) and not digits.is_string and
+            digits.this.isdigit()):
+        return None
+    return -int(digits.this) if digits is not arg else int(digits.this)
 
 
 def is_check(node: exp.Expression) -> bool:
