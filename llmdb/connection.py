@@ -263,7 +263,9 @@ def register(con: duckdb.DuckDBPyConnection, model: str = "smollm2-135m",
     """Add the llm_* functions to an existing DuckDB connection (no query rewriting).
 
     Returns the session that holds the connection's stats and errors. Without the wrapper
-    there are no query boundaries: llm_stats()'s last_query then covers every call so far."""
+    there are no query boundaries: llm_stats()'s last_query then covers every call so far.
+    Nor does DuckDB's con.interrupt() reach the model: the rows sent finish before DuckDB
+    stops (set session.cancel to abort them; llmdb.connect's interrupt() does both)."""
     session = Session(Options.from_kwargs(model=model, **options))
     functions.register(con, session)
     return session
