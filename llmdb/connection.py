@@ -265,7 +265,8 @@ def register(con: duckdb.DuckDBPyConnection, model: str = "smollm2-135m",
     Returns the session that holds the connection's stats and errors. Without the wrapper
     there are no query boundaries: llm_stats()'s last_query then covers every call so far.
     Nor does DuckDB's con.interrupt() reach the model: the rows sent finish before DuckDB
-    stops (set session.cancel to abort them; llmdb.connect's interrupt() does both)."""
+    stops. session.cancel.set() aborts them, and stays set until cleared (no query ends
+    here to clear it); llmdb.connect's interrupt() does both per query."""
     session = Session(Options.from_kwargs(model=model, **options))
     functions.register(con, session)
     return session
