@@ -37,7 +37,7 @@ from .placement import Placement, main_lookups, placement, projection_index, rea
 from .shapes import int_literal, own_qualify
 
 # A driver's tree is built from copies, for its text alone: it is written out without the
-# copy sqlglot otherwise makes first (a plan's largest cost, the type checks being long).
+# deep copy sqlglot otherwise makes first.
 ARG = "__llmdb_a{}"
 GUARD = "__llmdb_g"
 PASS = "__llmdb_p"
