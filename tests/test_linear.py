@@ -67,3 +67,18 @@ def test_fp32_is_not_packed_and_is_exactly_f_linear(shape, with_bias):
         got = lin(x)
         assert got.shape == (rows, out_f)
         assert torch.equal(got, F.linear(x, w, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_out_is_written_in_place_with_the_same_result(dtype, with_bias):
+    """out= (a CUDA graph's shared logits buffer): the rows are written into the given
+    tensor, a row slice of a larger one, equal to the result without it."""
+    w, b, g = _operands(960, 576, dtype, with_bias, seed=5)
+    lin = linear(w, b)
+    x = torch.randn(7, 576, generator=g).to(dtype)
+    buf = torch.full((10, 960), float("nan"), dtype=dtype)
+    got = lin(x, out=buf[:7])
+    assert got.data_ptr() == buf.data_ptr()
+    torch.testing.assert_close(buf[:7], lin(x), rtol=0, atol=1e-5)
+    assert buf[7:].isnan().all()

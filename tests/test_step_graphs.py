@@ -60,6 +60,11 @@ def test_more_rows_than_slots_run_in_graphs_and_give_the_eager_tokens(engine):
         engine.runner.graphs, engine.launch_ahead, engine.step_log = None, False, None
     # Mixed steps took the smallest bucket that holds them, with as many sequences as fit.
     assert graphs.mixed and all(g.seqs == min(t, SEQS) for t, g in graphs.mixed.items())
+    # Every graph writes its logit rows into the first rows of one buffer (a graph's own
+    # output would hold a [rows, vocab] tensor per graph in the GPU's pool).
+    for g in [*graphs.graphs.values(), *graphs.mixed.values()]:
+        assert g.logits.data_ptr() == graphs.logits_out.data_ptr()
+        assert g.logits.shape[0] == (g.rows or g.seqs) <= SEQS
 
 
 def test_scoring_steps_run_eagerly(engine):

@@ -37,11 +37,13 @@ def cpu_attention(kernels: str):
     return paged_attention_reference if kernels == "reference" else paged_attention
 
 
-def vocab_projection(hidden: torch.Tensor, lm_head: Linear) -> torch.Tensor:
+def vocab_projection(hidden: torch.Tensor, lm_head: Linear,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     if hidden.shape[0] <= _VOCAB_SLICE_ROWS or hidden.device.type != "cpu":
-        return lm_head(hidden)
-    out = torch.empty(hidden.shape[0], lm_head.out_features, dtype=hidden.dtype,
-                      device=hidden.device)
+        return lm_head(hidden, out=out)
+    if out is None:
+        out = torch.empty(hidden.shape[0], lm_head.out_features, dtype=hidden.dtype,
+                          device=hidden.device)
     for i in range(0, hidden.shape[0], _VOCAB_SLICE_ROWS):
         out[i : i + _VOCAB_SLICE_ROWS] = lm_head(hidden[i : i + _VOCAB_SLICE_ROWS])
     return out
@@ -200,6 +202,7 @@ class LlamaModel:
                        self.sin[positions][:, None, :])
         return k, kv[:, hk:].contiguous()
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """In the model dtype: greedy argmax needs no fp32 copy of [rows, vocab]."""
-        return vocab_projection(hidden, self.lm_head)
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """In the model dtype: greedy argmax needs no fp32 copy of [rows, vocab]. out: the
+        tensor to write into."""
+        return vocab_projection(hidden, self.lm_head, out)

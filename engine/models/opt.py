@@ -133,6 +133,7 @@ class OPTModel:
         kv = self.kv_projs[layer](states).view(states.shape[0], 2, c.num_heads, c.head_dim)
         return kv[:, 0].contiguous(), kv[:, 1].contiguous()
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """In the model dtype: greedy argmax needs no fp32 copy of [rows, vocab]."""
-        return vocab_projection(hidden, self.lm_head)
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """In the model dtype: greedy argmax needs no fp32 copy of [rows, vocab]. out: the
+        tensor to write into."""
+        return vocab_projection(hidden, self.lm_head, out)
