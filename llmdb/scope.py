@@ -56,9 +56,18 @@ def tables_named(sql: str, frame: FrameType | None) -> dict[str, Any]:
         for scope in scopes:
             if name in scope:
                 if _scannable(scope[name]):
-                    found[name] = scope[name]
+                    found[name] = _readable_twice(scope[name])
                 break
     return found
+
+
+def _readable_twice(obj: Any) -> Any:
+    """A pyarrow RecordBatchReader is a stream that DuckDB can read once, and the planner
+    reads a query's tables before the query does: such a stream is read into a table, in
+    memory, as the planner's reads would need anyway. (The user's reader is used up, as a
+    plain DuckDB query would use it up.)"""
+    pyarrow = sys.modules.get("pyarrow")  # (an object of pyarrow's means it is imported)
+    return obj.read_all() if pyarrow and isinstance(obj, pyarrow.RecordBatchReader) else obj
 
 
 def _scannable(obj: object) -> bool:

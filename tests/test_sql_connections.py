@@ -140,3 +140,12 @@ def test_sql_refuses_while_a_result_is_unread_as_duckdb_does(con):
     assert con.fetchone() == (1,)  # the result is still there
     assert len(con.fetchall()) == 4998
     assert con.sql("SELECT 1").fetchall() == [(1,)]
+
+
+def test_a_record_batch_reader_in_scope_gives_every_row_once(con):
+    """A reader is a one-shot stream: the planner's statements must not use up the rows the
+    query itself reads."""
+    want = reference(con)
+    stream = pa.RecordBatchReader.from_batches(  # noqa: F841 - read by the query, by name
+        MODULE_TABLE.schema, MODULE_TABLE.to_batches())
+    assert con.execute(QUESTION.format("stream")).fetchall() == want
