@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from llmdb.engine.device import default_dtype, resolve_device
 from llmdb.engine.engine import LLMEngine
 from llmdb.engine.params import SamplingParams
 from llmdb.engine.research.workloads import LENGTHS, arrivals, lognormal
@@ -72,12 +73,14 @@ def free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def kv_bytes_per_token(shape: str) -> int:
-    """K and V of one token over all layers, bf16 (the engines' dtype on GPUs and bf16 CPUs)."""
+def kv_bytes_per_token(shape: str, device: str) -> int:
+    """K and V of one token over all layers, in the dtype the engine takes on `device` (bf16
+    on GPUs and bf16 CPUs, fp32 on other CPUs)."""
     from random_model import SHAPES
 
     s = SHAPES[shape]
-    return 2 * s.layers * s.kv_heads * s.dim * 2
+    itemsize = torch.empty(0, dtype=default_dtype(resolve_device(device))).element_size()
+    return 2 * s.layers * s.kv_heads * s.dim * itemsize
 
 
 def engine(path: Path, args, policy: str, hidden: bool, cache_bytes: int) -> LLMEngine:
@@ -228,7 +231,8 @@ def slo_sweep(path: Path, args) -> None:
         cache = args.slo_cache_mb << 20
     else:  # about --cache-requests average requests (a whole prompt, half the output)
         tokens = (LENGTHS["sharegpt"][0] + LENGTHS["sharegpt"][2] / 2) * args.scale
-        cache = int(args.cache_requests * tokens * kv_bytes_per_token(args.slo_shape))
+        per_token = kv_bytes_per_token(args.slo_shape, args.device)
+        cache = int(args.cache_requests * tokens * per_token)
     results = {}
     for policy in args.policies:
         hidden = SLO_POLICIES[policy]
