@@ -8,11 +8,19 @@ tables, whatever the batch. The device tensors are views of persistent device bu
 a CUDA graph captured over them sees each step's values by replaying. On the CPU the host
 buffers are the device buffers and nothing is copied.
 
-Layouts (T tokens, S sequences, R logit rows, W block-table columns):
-  int64: ids [T] | positions [T] | slot_mapping [T] | logit rows [R]
-  int32: query_start_loc [S + 1] | seq_lens [S]
+Layouts (T tokens, S sequences, R logit rows, W block-table columns), every region 16-byte
+aligned (Triton specializes a kernel on its pointers' 16-byte alignment: an odd T would
+otherwise compile a second variant of the RoPE and attention kernels while serving):
+  int64: ids [T] | positions [T] | slot_mapping [T] | logit rows [R], every T rounded up to
+  even
+  int32: query_start_loc [S + 1] | seq_lens [S], from S + 1 rounded up to a multiple of 4
   block tables: [S, W] on the host; on the device rows of a [max_seqs, max_blocks] table,
   so its row stride never changes (CUDA graphs bake it in).
+
+On a GPU two sets of host buffers take turns, so the next step is filled while the last
+one's copies may still wait in the stream; before a set is written again, the host waits
+for the copies made from it two steps before (an event per set), which a step's read has
+usually covered already.
 """
 
 from __future__ import annotations
@@ -26,6 +34,16 @@ from llmdb.kernels.attention import AttentionBatch
 from llmdb.kernels.hidden_cache import HiddenBatch
 
 PAD_SLOT = -1  # a padding row: its K/V is not written, its sequence has no context
+
+
+def _token_stride(num_tokens: int) -> int:
+    """Elements from one int64 region to the next: 16-byte aligned."""
+    return num_tokens + (num_tokens & 1)
+
+
+def _seq_lens_at(num_seqs: int) -> int:
+    """Where seq_lens starts in the int32 buffer: 16-byte aligned."""
+    return -(-(num_seqs + 1) // 4) * 4
 
 
 @dataclass
@@ -90,6 +108,8 @@ class StepBuffers:
         # On a GPU two sets of host buffers take turns: the engine fills the next step's
         # while the copies of the one before it may not have run yet.
         self._host_sets = [self._host_set(pin) for _ in range(2 if pin else 1)]
+        # Recorded after each set's copies (an event never recorded is waited for at once).
+        self._copied = [torch.cuda.Event() for _ in self._host_sets] if pin else []
         self._turn = 0
         self._use_host_set(0)
         self.block_tables = BlockTableRows(max_seqs, max_blocks)
@@ -110,10 +130,11 @@ class StepBuffers:
 
     def _host_set(self, pin: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # int64 holds ids, positions, slots, logit rows and the pending tokens' rows and
-        # sources (at most one each a sequence): 4 x tokens + 2 x sequences.
-        return (torch.zeros(4 * self.max_tokens + 2 * self.max_seqs, dtype=torch.int64,
+        # sources (at most one each a sequence): 4 x tokens + 2 x sequences, and alignment.
+        t = _token_stride(self.max_tokens)
+        return (torch.zeros(4 * t + 2 * self.max_seqs, dtype=torch.int64, pin_memory=pin),
+                torch.zeros(_seq_lens_at(self.max_seqs) + self.max_seqs, dtype=torch.int32,
                             pin_memory=pin),
-                torch.zeros(2 * self.max_seqs + 1, dtype=torch.int32, pin_memory=pin),
                 torch.zeros(self.max_seqs * self.max_blocks, dtype=torch.int32,
                             pin_memory=pin))
 
@@ -134,12 +155,13 @@ class StepBuffers:
             tables = self.dev_tables[:b]
         else:
             tables = self.host_tables[: s * width].view(s, width)[:b]
+        ts, c0 = _token_stride(t), _seq_lens_at(s)
         batch = AttentionBatch(
-            query_start_loc=d32[: b + 1], seq_lens=d32[s + 1 : s + 1 + b], block_tables=tables,
-            slot_mapping=d64[2 * t : 3 * t], block_size=block_size,
+            query_start_loc=d32[: b + 1], seq_lens=d32[c0 : c0 + b], block_tables=tables,
+            slot_mapping=d64[2 * ts : 2 * ts + t], block_size=block_size,
             max_query_len=max_query_len, max_seq_len=max_seq_len,
         )
-        return StepInputs(d64[:t], d64[t : 2 * t], batch, d64[3 * t : 3 * t + num_rows])
+        return StepInputs(d64[:t], d64[ts : ts + t], batch, d64[3 * ts : 3 * ts + num_rows])
 
     def _width(self, ctx: np.ndarray, block_size: int) -> int:
         """Block-table columns the step needs (at least one)."""
@@ -177,6 +199,7 @@ class StepBuffers:
         if len(self._host_sets) > 1:
             self._turn ^= 1
             self._use_host_set(self._turn)
+            self._copied[self._turn].synchronize()  # this set's last copies have run
         s, t = len(qlens), len(ids)
         sk = s if num_kv_seqs is None else num_kv_seqs
         pad_qlen = 0 if pad_tokens else 1  # tokens of each padding sequence
@@ -189,9 +212,10 @@ class StepBuffers:
             raise ValueError(f"a step of {total_t} tokens over {total_s} sequences exceeds the "
                              f"buffers ({self.max_tokens} tokens, {self.max_seqs} sequences)")
         a64, a32 = self.np64, self.np32
-        tok, pos, slots = (a64[k * total_t : (k + 1) * total_t] for k in range(3))
+        ts, c0 = _token_stride(total_t), _seq_lens_at(total_s)
+        tok, pos, slots = (a64[k * ts : k * ts + total_t] for k in range(3))
         loc = a32[: total_s + 1]
-        ctx = a32[total_s + 1 : 2 * total_s + 1]
+        ctx = a32[c0 : c0 + total_s]
         ctx[s:] = 0
         tok[:t] = ids
         if t == s:  # decodes, one token each (every step's common case): vectorized
@@ -223,19 +247,21 @@ class StepBuffers:
         # no context (ctx above) and block 0 in their table.
         tok[t:], pos[t:], slots[t:] = 0, 0, PAD_SLOT
         tables[s:] = 0
-        n64 = 3 * total_t + len(rows)
-        a64[3 * total_t : n64] = rows
+        n64 = 3 * ts + len(rows)
+        a64[3 * ts : n64] = rows
         if pending is not None:
             sampled, pending_rows, indices = pending
             p0, n64 = n64, n64 + 2 * len(pending_rows)
             a64[p0:n64] = [*pending_rows, *indices]
         width = tables.shape[1]
         if self.dev_tables is not None:
-            n32 = 2 * total_s + 1
+            n32 = c0 + total_s
             self.dev64[:n64].copy_(self.host64[:n64], non_blocking=True)
             self.dev32[:n32].copy_(self.host32[:n32], non_blocking=True)
             host_view = self.host_tables[: total_s * width].view(total_s, width)
             self.dev_tables[:total_s, :width].copy_(host_view, non_blocking=True)
+            if self._copied:
+                self._copied[self._turn].record(torch.cuda.current_stream(self.device))
         max_q = 0 if not sk else 1 if t == s else int((loc[1 : sk + 1] - loc[:sk]).max())
         inputs = self.views(total_t, total_s, len(rows), width, block_size, max_q,
                             int(ctx[:sk].max(initial=0)), None if pad_to else sk)

@@ -114,3 +114,24 @@ def test_mixed_graph_padding_adds_empty_sequences_and_trailing_tokens():
         assert slots[t:] == [PAD_SLOT] * (12 - t)
         assert inputs.logit_rows.tolist() == rows
         assert inputs.batch.block_tables[2:].eq(0).all()
+
+
+def test_every_region_is_16_byte_aligned_whatever_the_counts():
+    """Triton compiles a kernel variant per pointer alignment (16 bytes or not): the regions
+    a kernel reads start aligned for any token and sequence count, so no step compiles a
+    second variant while serving."""
+    buffers = StepBuffers(torch.device("cpu"), max_tokens=64, max_seqs=8, max_blocks=16)
+    for s in range(1, 8):
+        for extra in range(0, 6):  # prefill tokens beyond one a sequence: odd and even T
+            qlens = [1] * (s - 1) + [1 + extra]
+            starts = [3] * s
+            ids = list(range(sum(qlens)))
+            inputs = buffers.fill(ids, qlens, starts, [f"r{i}" for i in range(s)],
+                                  [[i] * 2 for i in range(s)], [len(ids) - 1], BS)
+            b = inputs.batch
+            for name, t in [("ids", inputs.input_ids), ("positions", inputs.positions),
+                            ("slot_mapping", b.slot_mapping), ("logit_rows", inputs.logit_rows),
+                            ("query_start_loc", b.query_start_loc), ("seq_lens", b.seq_lens)]:
+                assert t.data_ptr() % 16 == 0, (name, s, len(ids))
+            assert b.seq_lens.tolist() == [4] * (s - 1) + [4 + extra]
+            assert inputs.positions.tolist()[-1] == 3 + extra

@@ -216,6 +216,21 @@ def test_launch_ahead_equals_step_by_step(pair):
     _all_free(gpu)
 
 
+def test_launching_ahead_never_overwrites_inputs_the_device_has_not_copied(pair, model_dirs):
+    """Launching ahead, step N+2 is filled into step N's host buffers. Eager prompt chunks
+    sample nothing, so no read makes the host wait for the device: with the device held
+    back (a spin kernel queued first), only the buffers' own wait keeps step N's inputs
+    from being overwritten before they are copied."""
+    cpu, _ = pair
+    path = next(p for p in model_dirs.values() if cpu.model_name == p)
+    gpu = _engine(path, "cuda", max_num_batched_tokens=32, cuda_graphs=False)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(5, cpu.config.vocab_size) for _ in range(k)] for k in (150, 90)]
+    torch.cuda._sleep(1_000_000_000)  # the GPU spins for about half a second
+    _check(cpu, prompts, gpu.generate(prompts, GEN))
+    _all_free(gpu)
+
+
 def test_a_decode_step_waits_for_the_device_once(pair):
     """No hidden synchronization: a pageable host-to-device copy, .item() or .tolist() would
     stall the host behind the step it just launched. Only the read of the sampled ids
