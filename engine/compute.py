@@ -20,6 +20,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+import torch
+
 T = TypeVar("T")
 
 _lock = threading.Lock()
@@ -53,3 +55,17 @@ def run_on_compute_thread(fn: Callable[..., T], *args, **kwargs) -> T:
                                            initializer=_mark_thread)
         executor = _executor
     return executor.submit(fn, *args, **kwargs).result()
+
+
+def run_on_device(device: torch.device, fn: Callable[..., T], *args, **kwargs) -> T:
+    """run_on_compute_thread with `device` the thread's current CUDA device while fn runs:
+    Triton launches its kernels, and torch records an event given no stream, on the current
+    device, not the one the tensors are on, so an engine on cuda:1 would run on cuda:0."""
+    if device.type != "cuda":
+        return run_on_compute_thread(fn, *args, **kwargs)
+    return run_on_compute_thread(_on_device, device, fn, args, kwargs)
+
+
+def _on_device(device: torch.device, fn: Callable[..., T], args: tuple, kwargs: dict) -> T:
+    with torch.cuda.device(device):
+        return fn(*args, **kwargs)

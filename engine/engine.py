@@ -23,7 +23,7 @@ import torch
 from . import __version__
 from .cache.block_pool import HIDDEN_RATIO, BlockPool
 from .cache.kv_cache import KVCache
-from .compute import run_on_compute_thread
+from .compute import run_on_compute_thread, run_on_device
 from .costmodel import engine_cost_model
 from .device import default_dtype, device_name, resolve_device
 from .models import load_model
@@ -97,8 +97,8 @@ class LLMEngine:
         if max_num_batched_tokens is None:  # GPUs take larger steps at little extra time
             max_num_batched_tokens = 8192 if self.device.type == "cuda" else 1024
         # Weights and caches are made on the compute thread, where the steps will run.
-        num_blocks = run_on_compute_thread(self._load, model, threads, kv_cache_bytes,
-                                           block_size)
+        num_blocks = run_on_device(self.device, self._load, model, threads, kv_cache_bytes,
+                                   block_size)
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
         self._context, self._eos = self.config.max_context, self.config.eos_token_ids
         supported, self.hidden_cache_reason = self.config.hidden_cache_support()
@@ -116,12 +116,12 @@ class LLMEngine:
         self.rt_slos = (rt_slo_ttft_s, rt_slo_tbt_s)
         # On the compute thread too: zero-filling its buffers here would start an OpenMP
         # team on the caller's thread (engine/compute.py).
-        self.runner = run_on_compute_thread(
-            ModelRunner, self.model, self.kv_cache, block_size, self.device,
+        self.runner = run_on_device(
+            self.device, ModelRunner, self.model, self.kv_cache, block_size, self.device,
             max_num_batched_tokens, max_num_seqs, self.config.max_context,
             cuda_graphs=cuda_graphs and self.kernels == "triton",
         )
-        run_on_compute_thread(self.runner.capture_graphs)
+        run_on_device(self.device, self.runner.capture_graphs)
         self.launch_ahead = self.device.type == "cuda" if launch_ahead is None else launch_ahead
         self._in_flight: _InFlight | None = None
         self.version = __version__
@@ -324,7 +324,7 @@ class LLMEngine:
     def step(self) -> list[str]:
         """One scheduler iteration; returns the ids of requests that finished in it."""
         with self._step_lock:  # threads that drive the engine themselves take turns
-            return run_on_compute_thread(self._step)
+            return run_on_device(self.device, self._step)
 
     def _step(self) -> list[str]:
         """Schedule, launch, then read the step before: with launch-ahead on (GPUs) the

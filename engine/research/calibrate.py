@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from ..compute import run_on_compute_thread
+from ..compute import run_on_compute_thread, run_on_device
 from ..costmodel import FEATURES, CostModel, CostModelKey, cost_model_path, engine_cost_model_key
 from .fit import Measured, Plan, fit, mape
 
@@ -204,7 +204,7 @@ class StepTimer:
 
     def run(self, scheduled: list[tuple]) -> float:
         """Seconds of one step, timed on the compute thread where the engine's steps run."""
-        return run_on_compute_thread(self._timed_step, scheduled)
+        return run_on_device(self.engine.device, self._timed_step, scheduled)
 
     def _timed_step(self, scheduled: list[tuple]) -> float:
         """One step's wall time, sampling and the device's work included (the runner copies
