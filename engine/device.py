@@ -41,7 +41,10 @@ def default_dtype(device: torch.device) -> torch.dtype:
     """bf16 on GPUs that have it (fp16 on older ones); on the CPU, bf16 where it multiplies
     it natively and fp32 elsewhere."""
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        # Native bf16 from Ampere (sm_80) on. torch.cuda.is_bf16_supported() says yes on a
+        # V100 or T4 too (it counts emulation) and asks the current device, not this one.
+        native = torch.cuda.get_device_capability(device)[0] >= 8
+        return torch.bfloat16 if native else torch.float16
     return cpu_default_dtype()
 
 
