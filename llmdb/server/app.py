@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmdb.engine.engine import LLMEngine
 from llmdb.engine.outputs import RequestResult
@@ -31,6 +32,8 @@ from llmdb.engine.params import SamplingParams
 from .metrics import EngineMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, ServerError, TokenizeRequest
 from .text import IncrementalText
+
+_LOGPROB_ROWS = 256  # prompt log-probabilities are worked out this many rows at a time
 
 
 @dataclass
@@ -75,14 +78,15 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     async def drain() -> None:
         """Graceful shutdown's first half (run.py calls it before closing connections): new
         requests get 503, in-flight ones have shutdown_timeout_s to finish, then the rest are
-        aborted, so every caller gets an answer and every block is freed."""
+        aborted and answered 503 (a client retries them elsewhere, as llmdb's does), so every
+        caller gets an answer and every block is freed."""
         state.draining = True
         deadline = time.monotonic() + shutdown_timeout_s
         while inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for rid in list(inflight):
             engine.abort(rid)
-        while inflight:  # their handlers answer with finish_reason "abort"
+        while inflight:  # their handlers answer
             await asyncio.sleep(0.01)
 
     app = FastAPI(title="llmdb", version=engine.version, lifespan=lifespan)
@@ -92,12 +96,20 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
 
     @app.exception_handler(ServerError)
     async def _server_error(_req: Request, exc: ServerError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """A path or method that is not served: in OpenAI's error shape too."""
+        err = ServerError(exc.status_code, str(exc.detail))
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_req: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
-        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        # (a JSON syntax error's loc is the character offset, not a parameter)
+        loc = [] if first.get("type") == "json_invalid" else first.get("loc", ())[1:]
+        param = ".".join(str(p) for p in loc) or None
         err = ServerError(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}", param)
         return JSONResponse(err.body(), status_code=400)
 
@@ -162,16 +174,21 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
         inflight.pop(call.request_id, None)
         slots.release()
 
-    async def run(request: Request, body, prompt, params: SamplingParams, render) -> Any:
-        """Answer one completion: a JSON body, or a server-sent event stream."""
+    async def run(request: Request, body, prompt, params: SamplingParams, render,
+                  prepare=None) -> Any:
+        """Answer one completion: a JSON body, or a server-sent event stream. prepare: work
+        done first, once the request is admitted (prompt log-probabilities)."""
         check_model(body.model)
         if state.draining:
             raise ServerError(503, "the server is shutting down", type_="server_error")
         if slots.locked():
             raise ServerError(429, f"{limits.max_concurrent} requests are running; retry later",
-                              type_="rate_limit_error", code="too_many_requests")
+                              type_="rate_limit_error", code="too_many_requests",
+                              headers={"Retry-After": "1"})
         await slots.acquire()
         try:
+            if prepare is not None:
+                await watch_disconnect(request, prepare())
             call = submit(prompt, body, params)
         except BaseException:
             slots.release()
@@ -211,43 +228,62 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
         finally:  # also when the client disconnects: the generator is closed
             close(call)
 
+    def sampling(body, logprobs: int | None) -> SamplingParams:
+        if logprobs is not None and body.stream:
+            raise ServerError(400, "logprobs are not sent in streams here; ask without stream",
+                              "logprobs", code="unsupported_parameter")
+        # A request that names no max_tokens gets the default, within this server's limit.
+        return body.sampling(min(limits.default_max_tokens, limits.max_tokens), logprobs)
+
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
-        params = body.sampling(limits.default_max_tokens, body.logprobs)
-        render = _CompletionRender(model_name, engine, body.logprobs)
+        params = sampling(body, body.logprobs)
+        render = _CompletionRender(model_name, engine, body.logprobs, usage(body))
+        prepare = None
         if body.prompt_logprobs is not None:
             if body.stream:
                 raise ServerError(400, "prompt_logprobs is not available with stream",
                                   "prompt_logprobs")
-            render.prompt_logprobs = await prompt_logprobs(body.prompt, body.prompt_logprobs)
-        return await run(request, body, body.prompt, params, render)
 
-    async def prompt_logprobs(prompt, k: int) -> list:
+            async def prepare() -> None:
+                render.prompt_logprobs = await asyncio.to_thread(
+                    prompt_logprobs, body.prompt, body.prompt_logprobs)
+
+        return await run(request, body, body.prompt, params, render, prepare)
+
+    def prompt_logprobs(prompt, k: int) -> list:
         """vLLM's prompt_logprobs: None for the first token, then per prompt token a dict of
-        its own and the k most likely ids' {"logprob", "rank", "decoded_token"}."""
+        its own and the k most likely ids' {"logprob", "rank", "decoded_token"}. (Off the
+        event loop: a long prompt's loop takes seconds.)"""
         try:
             ids = engine.encode_prompt(prompt)
             cap = limits.max_prompt_tokens or engine.config.max_context
             if len(ids) > cap:
                 raise ValueError(f"the prompt is {len(ids)} tokens; at most {cap} here")
-            logits = await asyncio.to_thread(engine.logits, ids)
+            logits = engine.logits(ids)[:-1]
         except ValueError as e:
             raise ServerError(400, str(e), "prompt") from e
-        lp = logits[:-1].log_softmax(-1)
         dec = engine.tokenizer.decode
         out: list = [None]
-        for row, tok in zip(lp, ids[1:], strict=True):
-            ranks = {tok, *(row.topk(k).indices.tolist() if k else [])}
-            out.append({t: {"logprob": float(row[t]), "rank": int((row > row[t]).sum()) + 1,
-                            "decoded_token": dec([t], skip_special=False)} for t in ranks})
+        for i in range(0, len(logits), _LOGPROB_ROWS):  # ([rows, vocab] fp32 copies: bounded)
+            lp = logits[i : i + _LOGPROB_ROWS].log_softmax(-1)
+            for row, tok in zip(lp, ids[i + 1 : i + 1 + len(lp)], strict=True):
+                ranks = {tok, *(row.topk(k).indices.tolist() if k else [])}
+                out.append({t: {"logprob": float(row[t]), "rank": int((row > row[t]).sum()) + 1,
+                                "decoded_token": dec([t], skip_special=False)} for t in ranks})
         return out
+
+    def usage(body) -> bool:
+        """Usage on a stream's last chunk unless stream_options turns it off."""
+        return body.stream_options is None or body.stream_options.include_usage
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request, body: ChatCompletionRequest):
         k = (body.top_logprobs or 0) if body.logprobs else None
-        params = body.sampling(limits.default_max_tokens, k)
+        params = sampling(body, k)
         messages = [m.model_dump() for m in body.messages]
-        return await run(request, body, messages, params, _ChatRender(model_name, engine, k))
+        return await run(request, body, messages, params,
+                         _ChatRender(model_name, engine, k, usage(body)))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -284,8 +320,9 @@ class _Guard:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         if self.api_key is not None:
-            given = headers.get("authorization", "").removeprefix("Bearer ").strip()
-            if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+            scheme, _, given = headers.get("authorization", "").strip().partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                    given.strip().encode(), self.api_key.encode()):
                 return await _reject(send, ServerError(
                     401, "missing or wrong API key (Authorization: Bearer ...)",
                     type_="authentication_error", code="invalid_api_key"))
@@ -335,14 +372,19 @@ def _usage(r: RequestResult) -> dict:
 def _finish_reason(r: RequestResult) -> str:
     if r.finish_reason == "error":
         raise ServerError(500, f"generation failed: {r.error}", type_="server_error")
-    return {"length": "length", "abort": "abort"}.get(r.finish_reason, "stop")
+    if r.finish_reason == "abort":  # (the server is shutting down: retried elsewhere, whole)
+        raise ServerError(503, "the server stopped before the request finished; retry it",
+                          type_="server_error")
+    return "length" if r.finish_reason == "length" else "stop"
 
 
 class _Render:
     """The OpenAI objects of one endpoint: a final body, or stream chunks."""
 
-    def __init__(self, model: str, engine: LLMEngine, logprobs: int | None):
+    def __init__(self, model: str, engine: LLMEngine, logprobs: int | None,
+                 stream_usage: bool = True):
         self.model, self.engine, self.logprobs = model, engine, logprobs
+        self.stream_usage = stream_usage
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -380,7 +422,7 @@ class _CompletionRender(_Render):
         out = {**self._base("text_completion"), "choices": [{
             "index": 0, "text": text, "logprobs": None,
             "finish_reason": _finish_reason(result) if result else None}]}
-        if result is not None:
+        if result is not None and self.stream_usage:
             out["usage"] = _usage(result)
         return out
 
@@ -412,7 +454,7 @@ class _ChatRender(_Render):
         out = {**self._base("chat.completion.chunk"), "choices": [{
             "index": 0, "delta": {"content": text} if text else {},
             "finish_reason": _finish_reason(result) if result else None}]}
-        if result is not None:
+        if result is not None and self.stream_usage:
             out["usage"] = _usage(result)
         return out
 

@@ -7,7 +7,7 @@ real-time work with latency targets, "bulk" ones as best-effort work.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -15,19 +15,37 @@ from llmdb.engine.params import SamplingParams
 
 MAX_STOP_STRINGS = 16
 
+# Options of OpenAI's API (and vLLM's) that llmdb serve does not implement, and the values
+# that mean "not used": any other value is a 400 naming the option, not silently ignored.
+_UNUSED = {
+    "logit_bias": ({}, None), "presence_penalty": (0, None), "frequency_penalty": (0, None),
+    "repetition_penalty": (1, None), "min_p": (0, None), "min_tokens": (0, None),
+    "best_of": (1, None), "suffix": ("", None), "echo": (False, None),
+    "response_format": ({"type": "text"}, None), "tools": ([], None),
+    "tool_choice": ("none", "auto", None), "functions": ([], None),
+    "function_call": ("none", "auto", None), "guided_json": (None,),
+    "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+}
+
 
 class ServerError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 type_: str = "invalid_request_error", code: str | None = None):
+                 type_: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = (
             status, message, param, type_, code)
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = True  # (usage rides on the last chunk unless turned off)
 
 
 class _Sampling(BaseModel):
@@ -49,6 +67,17 @@ class _Sampling(BaseModel):
     user: str | None = None
     priority: int = 0  # vLLM: lower runs first; negative values are interactive
     request_class: Literal["interactive", "bulk"] | None = None
+    stream_options: StreamOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unused(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, unused in _UNUSED.items():
+                if name in data and data[name] not in unused:
+                    raise ServerError(400, f"{name} is not supported by this server",
+                                      name, code="unsupported_parameter")
+        return data
 
     @field_validator("stop")
     @classmethod
@@ -74,22 +103,63 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        """OpenAI takes a list of prompts (a choice each); one per request here."""
+        if isinstance(v, list) and v and isinstance(v[0], str | list):
+            if len(v) != 1:
+                raise ValueError(f"one prompt per request here, not {len(v)}: send each "
+                                 "in a request of its own")
+            return v[0]
+        return v
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    @field_validator("role")
+    @classmethod
+    def _developer_is_system(cls, v: str) -> str:
+        return "system" if v == "developer" else v  # (OpenAI's newer name for it)
+
+    @field_validator("content")
+    @classmethod
+    def _text(cls, v) -> str:
+        """Content parts are text here: joined by newlines, as vLLM joins them."""
+        return v if isinstance(v, str) else "\n".join(part.text for part in v)
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_prompt_logprobs(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("prompt_logprobs") is not None:
+            raise ServerError(400, "prompt_logprobs is available on /v1/completions only",
+                              "prompt_logprobs", code="unsupported_parameter")
+        return data
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
 
 class TokenizeRequest(BaseModel):
