@@ -263,12 +263,12 @@ _CPU_DEFAULT = {
 }
 _CPU_DEFAULT_FLOOR_S = 0.022
 
-def _cpu_default() -> CostModel:
+def _cpu_default(key: CostModelKey) -> CostModel:
     return CostModel(
         name="cpu",
         coefficients=dict(_CPU_DEFAULT),
         source="built-in default for a 2-core AVX512-BF16 CPU (SmolLM2-135M, bf16); run "
-               "`llmdb calibrate` to measure this machine",
+               f"`{calibrate_command(key)}` to measure this machine",
         floor_s=_CPU_DEFAULT_FLOOR_S,
     )
 
@@ -361,12 +361,24 @@ def cost_model_key(model_name: str, fingerprint: str | None, dtype, device,
 
 
 def engine_cost_model_key(engine) -> CostModelKey:
-    """The key of a loaded LLMEngine."""
+    """The key of a loaded LLMEngine. Its threads are the compute thread's, where the engine
+    set them and runs its steps: another thread that ran torch ops has a count of its own."""
     import torch
+
+    from .compute import run_on_compute_thread
 
     device = getattr(engine, "device", torch.device("cpu"))
     return cost_model_key(engine.model_name, getattr(engine, "fingerprint", None),
-                          engine.dtype, device, torch.get_num_threads())
+                          engine.dtype, device, run_on_compute_thread(torch.get_num_threads))
+
+
+def calibrate_command(key: CostModelKey) -> str:
+    """The `llmdb calibrate` command that measures `key`, writing the file an engine of that
+    key reads: model, dtype, device and, on the CPU, threads named."""
+    device = "cpu" if key.device == "cpu" else "cuda"
+    threads = f" --threads {key.threads}" if key.device == "cpu" else ""
+    return (f"llmdb calibrate --model {key.model_name} --dtype {key.dtype} --device {device}"
+            f"{threads}")
 
 
 def default_cost_model_key() -> CostModelKey:
@@ -502,7 +514,7 @@ def fallback_cost_model(key: CostModelKey, config=None) -> CostModel:
 
 
 def _default_for(key: CostModelKey) -> CostModel:
-    model = _cpu_default()
+    model = _cpu_default(key)
     if key.threads != 2:
         model.source += f" (it was measured with 2 threads; this engine uses {key.threads})"
     return model
@@ -513,11 +525,11 @@ def scaled_cpu_default(key: CostModelKey, shape: ModelConfig | None) -> CostMode
     per-request work by the parameter count, K/V reads by the K/V per token, prefill
     attention by its width; fp32 reads twice the bytes and multiplies at ~1/3 the bf16 rate
     on the machines measured, so it counts twice. A guess, and labelled as one."""
-    model = _cpu_default()
+    model = _cpu_default(key)
     if shape is None:
         model.source = (f"built-in CPU default for SmolLM2-135M bf16, unscaled: the shape of "
-                        f"{key.model} is unknown; run `llmdb calibrate --model "
-                        f"{key.model_name}` to measure it")
+                        f"{key.model} is unknown; run `{calibrate_command(key)}` to "
+                        "measure it")
         return model
     base, f = SMOLLM2_SHAPE, dtype_bytes(key.dtype) / 2
     params = shape.params / base.params
@@ -533,8 +545,8 @@ def scaled_cpu_default(key: CostModelKey, shape: ModelConfig | None) -> CostMode
         coefficients=coef,
         source=(f"estimate, not measured: the built-in CPU default (SmolLM2-135M bf16 on a "
                 f"2-core AVX512-BF16 CPU) scaled to {key.label()} (x{params:.2f} by "
-                f"parameters{', x2 for fp32' if f > 1 else ''}); run `llmdb calibrate "
-                f"--model {key.model_name} --device cpu` to measure it"),
+                f"parameters{', x2 for fp32' if f > 1 else ''}); run "
+                f"`{calibrate_command(key)}` to measure it"),
         floor_s=_CPU_DEFAULT_FLOOR_S * by_params,
     )
 
@@ -660,6 +672,6 @@ def gpu_roofline(key: CostModelKey, shape: ModelConfig, spec: GPUSpec | None = N
                 f"{spec.bytes_per_s / 1e12:.2f} TB/s x {BANDWIDTH_EFFICIENCY:.0%}, "
                 f"{flops / FLOPS_EFFICIENCY / 1e12:.0f} TFLOP/s {key.dtype} x "
                 f"{FLOPS_EFFICIENCY:.0%}; {shape.params / 1e9:.2f}B parameters); run "
-                f"`llmdb calibrate --model {key.model_name} --device cuda` to measure it"),
+                f"`{calibrate_command(key)}` to measure it"),
         floor_s=const,
     )

@@ -65,6 +65,64 @@ def _print_table(table: pa.Table, max_rows: int) -> None:
 
 
 DEVICE_HELP = "auto (a CUDA GPU when there is one), cpu, cuda or cuda:N"
+DTYPES = ("auto", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
+DTYPE_HELP = "the engine's dtype (default: auto, the device's best)"
+THREADS_HELP = "CPU threads for the engine (default: all cores)"
+
+
+def _whole_number(low: int, high: int | None = None):
+    """An argparse type: a whole number from `low` (up to `high`), so that a value the
+    command would misread is a usage error naming its flag, not a traceback or a silent
+    default."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+        if value < low or (high is not None and value > high):
+            span = f"at least {low}" if high is None else f"from {low} to {high}"
+            raise argparse.ArgumentTypeError(f"must be {span}, not {value}")
+        return value
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: seconds, 0 or more (inf waits for ever)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, not {text!r}") from None
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}")
+    return value
+
+
+def _output_file(text: str) -> Path:
+    """An argparse type: a file the calibration can be written to, checked before the
+    minutes of timing that precede the write."""
+    from llmdb.engine.research.calibrate import check_output
+
+    try:
+        return check_output(Path(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _local_model(name: str, command: str) -> None:
+    """Refuses a model registered as remote endpoints: `command` runs a local engine, which
+    would call it unknown while `llmdb models list` shows it."""
+    from llmdb.backends.remote_models import remote_models
+    from llmdb.engine.registry import DEFAULT_MODEL
+
+    if name == DEFAULT_MODEL or name in registered_models() or Path(name).exists():
+        return
+    remote = remote_models().get(name)
+    if remote is not None:
+        raise ValueError(f"{name!r} is a remote model (served at "
+                         f"{', '.join(remote['endpoints'])}); `llmdb {command}` runs a local "
+                         "engine, so it takes a model file: a name registered with `llmdb "
+                         "models add NAME PATH`, or a path")
 
 
 def _sql(args: argparse.Namespace) -> int:
@@ -123,8 +181,10 @@ def _sql(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     from llmdb.engine.research.calibrate import calibrate, report
 
+    _local_model(args.model, "calibrate")
     print(report(calibrate(quick=args.quick, passes=args.passes, path=args.output,
-                           model=args.model, device=args.device)))
+                           model=args.model, device=args.device, dtype=args.dtype,
+                           threads=args.threads)))
     return 0
 
 
@@ -153,6 +213,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise ValueError(f"llmdb serve needs {e.name}: pip install 'llmdb[serve]'") from e
 
+    _local_model(args.model, "serve")
     key = api_key_for(args.host, args.api_key_env, args.no_auth)
     limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                     max_tokens=args.max_tokens, max_concurrent=args.max_concurrent)
@@ -198,8 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     sql.add_argument("--on-error", choices=("raise", "null"), default="raise")
     sql.add_argument("--no-cache", action="store_true", help="do not use the result cache")
     sql.add_argument("--no-progress", action="store_true", help="no progress bar")
-    sql.add_argument("--max-rows", type=int, default=40, help="rows to print per result")
-    sql.add_argument("--sample-rows", type=int, default=None,
+    sql.add_argument("--max-rows", type=_whole_number(1), default=40,
+                     help="rows to print per result")
+    sql.add_argument("--sample-rows", type=_whole_number(1), default=None,
                      help="use only the first N rows of samples.* tables")
     sql.set_defaults(func=_sql)
 
@@ -212,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--model", default="smollm2-135m", help="a registered model name")
     exp.add_argument("--device", default="auto", help=DEVICE_HELP)
     exp.add_argument("--no-cache", action="store_true", help="do not use the result cache")
-    exp.add_argument("--sample-rows", type=int, default=None,
+    exp.add_argument("--sample-rows", type=_whole_number(1), default=None,
                      help="use only the first N rows of samples.* tables")
     exp.set_defaults(func=_explain)
 
@@ -235,10 +297,13 @@ def main(argv: list[str] | None = None) -> int:
 
     cal = sub.add_parser("calibrate", help="time the engine here and fit its step cost model")
     cal.add_argument("--quick", action="store_true", help="a dozen small steps (seconds)")
-    cal.add_argument("--passes", type=int, default=None, help="timed passes over the steps")
+    cal.add_argument("--passes", type=_whole_number(1), default=None,
+                     help="timed passes over the steps (default: 4, 2 with --quick)")
     cal.add_argument("--model", default="smollm2-135m", help="a registered model name")
     cal.add_argument("--device", default="auto", help=DEVICE_HELP)
-    cal.add_argument("--output", type=Path, default=None,
+    cal.add_argument("--dtype", choices=DTYPES, default=None, help=DTYPE_HELP)
+    cal.add_argument("--threads", type=_whole_number(1), default=None, help=THREADS_HELP)
+    cal.add_argument("--output", type=_output_file, default=None,
                      help="where to write the JSON (default: the file the engine reads, in "
                           "the user cache directory, one per model, dtype, device and "
                           "thread count)")
@@ -250,24 +315,25 @@ def main(argv: list[str] | None = None) -> int:
                          "in $LLMDB_API_KEY as 'Authorization: Bearer KEY'.")
     srv.add_argument("--model", default="smollm2-135m", help="a registered model name or path")
     srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--port", type=_whole_number(0, 65535), default=8000,
+                     help="the TCP port (0: any free one, which the log names)")
     srv.add_argument("--device", default="auto", help=DEVICE_HELP)
     srv.add_argument("--policy", default="sarathi", help="the engine's scheduling policy")
-    srv.add_argument("--dtype", default=None,
-                     help="the engine's dtype (bf16, fp32, ...; default: the device's best)")
-    srv.add_argument("--threads", type=int, default=None,
-                     help="CPU threads for the engine (default: all cores)")
+    srv.add_argument("--dtype", choices=DTYPES, default=None, help=DTYPE_HELP)
+    srv.add_argument("--threads", type=_whole_number(1), default=None, help=THREADS_HELP)
     srv.add_argument("--api-key-env", default="LLMDB_API_KEY",
                      help="the environment variable holding the API key")
     srv.add_argument("--no-auth", action="store_true",
                      help="serve without an API key (loopback addresses only)")
-    srv.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    srv.add_argument("--max-prompt-tokens", type=int, default=None,
+    srv.add_argument("--max-body-bytes", type=_whole_number(1), default=1 << 20,
+                     help="the largest request body; larger ones get 413")
+    srv.add_argument("--max-prompt-tokens", type=_whole_number(1), default=None,
                      help="default: the model's context")
-    srv.add_argument("--max-tokens", type=int, default=4096, help="the most max_tokens allowed")
-    srv.add_argument("--max-concurrent", type=int, default=256,
+    srv.add_argument("--max-tokens", type=_whole_number(1), default=4096,
+                     help="the most max_tokens allowed")
+    srv.add_argument("--max-concurrent", type=_whole_number(1), default=256,
                      help="requests served at once; more get 429")
-    srv.add_argument("--shutdown-timeout", type=float, default=10.0,
+    srv.add_argument("--shutdown-timeout", type=_seconds, default=10.0,
                      help="seconds in-flight requests get to finish on shutdown")
     srv.set_defaults(func=_serve)
 

@@ -378,11 +378,14 @@ def test_engine_key_reads_the_engine():
 
     import torch
 
+    from llmdb.engine.compute import run_on_compute_thread
+
     engine = SimpleNamespace(model_name="smollm2-135m", fingerprint=SMOL_FP,
                              dtype=torch.bfloat16)  # no device: an engine on the CPU
     key = engine_cost_model_key(engine)
+    # The threads of the compute thread, where engines set them and run their steps.
     assert key == CostModelKey("smollm2-135m@b179c9523d0e", "bf16", "cpu",
-                               torch.get_num_threads())
+                               run_on_compute_thread(torch.get_num_threads))
     engine.device = torch.device("cpu")
     assert engine_cost_model_key(engine) == key
 

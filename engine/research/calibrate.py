@@ -354,7 +354,7 @@ def machine_info(engine) -> dict:
     info = {
         "cpu": cpu_info().model,
         "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": run_on_compute_thread(torch.get_num_threads),  # the steps' thread
         "bf16_flags": sorted(BF16_FLAGS & cpu_info().flags),
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -369,10 +369,12 @@ def machine_info(engine) -> dict:
     return info
 
 
-def load_engine(model: str | None = None, device: str | None = None, log=print):
+def load_engine(model: str | None = None, device: str | None = None, log=print,
+                dtype: str | None = None, threads: int | None = None):
     """The engine to calibrate: `model` (default: the default model) on `device` ("cpu",
     "cuda", "cuda:N" or "auto"; None or "auto" on a machine without CUDA means the CPU,
-    and the CPU is asked for with no device argument, as engines before devices took it)."""
+    and the CPU is asked for with no device argument, as engines before devices took it),
+    in `dtype` with `threads` CPU threads (None: the engine's defaults)."""
     import torch
 
     from ..engine import LLMEngine
@@ -382,26 +384,50 @@ def load_engine(model: str | None = None, device: str | None = None, log=print):
         device = "cpu"
     log(f"loading the engine ({model or DEFAULT_MODEL} on {device}) ...")
     kwargs = {} if device == "cpu" else {"device": device}
+    kwargs.update({k: v for k, v in (("dtype", dtype), ("threads", threads)) if v is not None})
     return LLMEngine(model or DEFAULT_MODEL, **kwargs)
+
+
+def check_output(path: Path) -> Path:
+    """`path` if a calibration can be written there, else a ValueError saying why: checked
+    before the timing, which would otherwise be lost at the write."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory; give a file name, e.g. "
+                         f"{path / 'costmodel.json'}")
+    parent = path.parent
+    while not parent.exists():  # the write makes the missing directories
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"cannot write {path}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot write {path}: {parent} is not writable")
+    return path
 
 
 def calibrate(quick: bool = False, passes: int | None = None, path: Path | None = None,
               engine=None, tries: int = 3, budget_s: float | None = None, log=print,
-              model: str | None = None, device: str | None = None) -> Calibration:
+              model: str | None = None, device: str | None = None, dtype: str | None = None,
+              threads: int | None = None) -> Calibration:
     """Measure, fit, and write the cost model of an engine: `engine`, or one loaded for
-    `model` on `device` (see load_engine). It goes to `path`, default the file of the
-    engine's key (cost_model_path), where the engine will look for it. The timing stops
-    adding passes after budget_s (default 150 s, 30 s with quick), which keeps a run near
-    three minutes even on a loaded machine."""
+    `model` on `device` in `dtype` with `threads` (see load_engine). It goes to `path`,
+    default the file of the engine's key (cost_model_path), where the engine will look for
+    it. The timing stops adding passes after budget_s (default 150 s, 30 s with quick),
+    which keeps a run near three minutes even on a loaded machine."""
     t0 = time.perf_counter()
+    if passes is None:
+        passes = 2 if quick else 4
+    elif passes < 1:
+        raise ValueError(f"a calibration needs at least 1 timed pass, not {passes}")
+    if path is not None:
+        path = check_output(path)
     if engine is None:
-        engine = load_engine(model, device, log)
+        engine = load_engine(model, device, log, dtype, threads)
     key = engine_cost_model_key(engine)
     limits = PlanLimits.of(engine)
     steps = quick_plan(limits) if quick else full_plan(limits)
     if not any(kind == "decode" for kind, _ in steps):
         raise ValueError(f"no calibration step fits this engine's limits ({limits})")
-    passes = passes or (2 if quick else 4)
     load_before = os.getloadavg()[0]
     log(f"timing {len(steps)} steps of {key.label()}, {passes} passes after a warm-up pass ...")
     if budget_s is None:
@@ -415,7 +441,7 @@ def calibrate(quick: bool = False, passes: int | None = None, path: Path | None 
     held_mape, train_mape = mape(model, held), mape(model, train)
     held_ids = {id(m) for m in held}
     elapsed = time.perf_counter() - t0
-    path = Path(path) if path is not None else cost_model_path(key)
+    path = path if path is not None else cost_model_path(key)
     payload = {
         **model.to_dict(),
         "key": key.to_dict(),
@@ -436,9 +462,14 @@ def calibrate(quick: bool = False, passes: int | None = None, path: Path | None 
                      for m in measured],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, indent=1))
-    tmp.replace(path)  # a reader never sees half a file
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(json.dumps(payload, indent=1))
+        tmp.replace(path)  # a reader never sees half a file
+    except OSError:
+        if tmp.is_file():
+            tmp.unlink()
+        raise
     return Calibration(model, measured, held, held_mape, train_mape, elapsed, path, key)
 
 
