@@ -64,6 +64,21 @@ def test_shape(env, shape):
         assert calls == shape.minimal(data, order), f"naive DuckDB made {naive}"
 
 
+def test_top_rows_of_an_arrow_table_cost_k_calls(env):
+    """ORDER BY a plain column LIMIT k over a registered Arrow table: DuckDB computes a
+    projection before its top-k there (not over its own tables), so the planner's QUALIFY
+    keeps it to k calls."""
+    import pyarrow as pa
+
+    con, _, _, _ = env
+    con.register("arrow_t", pa.table({"i": list(range(300)), "p": [f"row {i}" for i in
+                                                                  range(300)]}))
+    q = "SELECT i, llm_complete(p, max_tokens := 2) AS a FROM arrow_t ORDER BY i LIMIT 2"
+    got, calls = calls_of(con.session, lambda: con.execute(q).fetchall())
+    assert [r[0] for r in got] == [0, 1] and calls == 2
+    con.unregister("arrow_t")
+
+
 def test_create_table_as(env):
     con, plain, plain_session, data = env
     sql = "CREATE OR REPLACE TABLE r AS SELECT id FROM t WHERE id % 9 = 0 AND llm_filter(x)"

@@ -275,7 +275,8 @@ def top_rows_before_calls(tree: exp.Expression) -> exp.Expression:
     DuckDB 2.0 computes a projection's UDF on every row before a top-k by an expression, but
     only on the k rows after a QUALIFY (measured: 200 rows against 3). The result is the
     same k rows (or, among ties at the boundary, other rows as allowed by the ORDER BY).
-    Keys that are plain columns need nothing: DuckDB already takes the top-k first."""
+    Keys that are plain columns get it too: DuckDB takes the top-k first over its own
+    tables, but not over an Arrow or pandas table (measured: 300 calls against 1)."""
     for s in list(tree.find_all(exp.Select)):
         k = int_literal(s.args.get("limit"))
         order = s.args.get("order")
@@ -285,8 +286,6 @@ def top_rows_before_calls(tree: exp.Expression) -> exp.Expression:
                 or s.args.get("distinct") or s.args.get("qualify"):
             continue
         if not any(any(is_lookup(n) for n in p.walk()) for p in s.expressions):
-            continue
-        if all(isinstance(o.this, exp.Column) for o in order.expressions):
             continue
         keys = []
         for o in order.expressions:
