@@ -125,6 +125,9 @@ class _Batch:
             except ValueError as e:
                 self.fail(i, str(e))
                 return
+            except Exception as e:  # noqa: BLE001 - any row's failure is that row's alone
+                self.fail(i, f"{type(e).__name__}: {e}")
+                return
             self.handles[i].append(h)
             self.stats.calls += 1
 
@@ -142,11 +145,12 @@ class _Batch:
             self.cache.put(call.key, outcome.value)  # now, not at the end of the batch
         self.release(i, outcome)
         if outcome.error is not None:
-            self.stats.errors += 1
+            self.stats.errors += self.as_rows
             self.session.note_failure(call.key, outcome.error)
             if call.on_error == "raise":
                 raise LLMError(outcome.error)
-            self.session.record_error(self.function, call.row, outcome.error)
+            if self.as_rows:  # (a failed prior is reported on the rows it calibrates)
+                self.session.record_error(self.function, call.row, outcome.error)
 
     def release(self, i: int, outcome: Outcome | None) -> None:
         pending = self.owned.pop(i, None)

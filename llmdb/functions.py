@@ -48,8 +48,10 @@ def row_call(function: str, backend: Backend, args: Mapping[str, Any], priority:
 
 
 def _execute(session: Session, function: str, rows: list[dict[str, Any]], priority: str,
-             combine: Callable[[Call, list[BackendResult]], Any]) -> list[Any]:
-    """Values for the rows (None where NULL or failed with on_error='null')."""
+             combine: Callable[[Call, list[BackendResult]], Any],
+             failed_priors: Mapping[str, str] | None = None) -> list[Any]:
+    """Values for the rows (None where NULL or failed with on_error='null'). failed_priors:
+    the errors of calibration priors that failed, by key: the rows they calibrate fail."""
     session.record(Stats())  # this query reached an LLM function, even if only with NULLs
     spec = FUNCTIONS[function]
     out: list[Any] = [None] * len(rows)
@@ -66,7 +68,10 @@ def _execute(session: Session, function: str, rows: list[dict[str, Any]], priori
                 if policy not in ON_ERROR:
                     raise ValueError(f"on_error must be one of {ON_ERROR}, got {policy!r}")
                 call = row_call(function, session.backend(model), a, priority)
-            except ValueError as e:
+                if failed_priors and call.prior in failed_priors:
+                    raise ValueError(f"calibrating its prompt template failed: "
+                                     f"{failed_priors[call.prior]}")
+            except (ValueError, TypeError, UnicodeError) as e:  # (this row's, not the query's)
                 text = a[spec.params[0].name]
                 message = describe_row(function, text, str(e))
                 session.record(Stats(rows=1, errors=1))
@@ -173,24 +178,31 @@ def _divide_prior(probs: Sequence[float], prior: Sequence[float]) -> list[float]
 
 def _template_priors(session: Session, function: str, templates: dict[str, tuple[str | None,
                      Call]], combine: Callable[[Call, list[BackendResult]], Any]
-                     ) -> dict[str, Any]:
-    """The content-free prior of each template (by its key), computed where not yet known."""
+                     ) -> tuple[dict[str, Any], dict[str, str]]:
+    """The content-free prior of each template (by its key), computed where not yet known;
+    and the errors of those that failed (a system prompt or label too long for the model,
+    say): the rows of such a template fail, each under its own on_error, not the query."""
     todo: dict[str | None, list[tuple[str, Call]]] = {}
     for key, (model, call) in templates.items():
         if key not in _priors:
             todo.setdefault(model, []).append((key, call))
+    failed = {}
     for model, items in todo.items():
         calls = [c for _, c in items]
         for call in calls:
-            call.on_error = "raise"  # not a row: a template that cannot run fails the query
+            call.on_error = "null"  # (its rows carry the error)
             # Kept in this process only: the result cache holds rows' answers, one per row.
             call.key = None
         outcomes = run_calls(session, session.backend(model), function, calls, combine,
                              as_rows=False)
         if len(_priors) + len(items) > _PRIORS_MAX:
             _priors.clear()
-        _priors.update((k, o.value) for (k, _), o in zip(items, outcomes, strict=True))
-    return {key: _priors[key] for key in templates}
+        for (k, _), o in zip(items, outcomes, strict=True):
+            if o.error is None:
+                _priors[k] = o.value
+            else:  # not kept: the cause may pass
+                failed[k] = o.error
+    return {key: _priors[key] for key in templates if key not in failed}, failed
 
 
 # ---- llm_filter / llm_filter_score ---------------------------------------------------------
@@ -245,11 +257,12 @@ def llm_filter_score(session: Session, *columns: Sequence) -> list[float | None]
         except ValueError:
             continue  # the row's own error, raised (or NULLed) when it is built
         templates.setdefault(call.key, (a["model"], call))
-    priors = _template_priors(session, "llm_filter", templates,
-                              lambda call, parts: _p_yes(parts))
+    priors, failed = _template_priors(session, "llm_filter", templates,
+                                      lambda call, parts: _p_yes(parts))
     # Errors and stats name both functions llm_filter: one model call serves both.
     return _execute(session, "llm_filter", rows, priority,
-                    lambda call, parts: _calibrated_yes(_p_yes(parts), priors[call.prior]))
+                    lambda call, parts: _calibrated_yes(_p_yes(parts), priors[call.prior]),
+                    failed)
 
 
 def llm_filter(session: Session, *columns: Sequence) -> list[bool | None]:
@@ -338,14 +351,14 @@ def llm_classify(session: Session, *columns: Sequence) -> list[str | None]:
         except ValueError:
             continue  # the row's own error, raised (or NULLed) when it is built
         templates.setdefault(call.key, (a["model"], call))
-    priors = _template_priors(session, "llm_classify", templates, _content_free_probs)
+    priors, failed = _template_priors(session, "llm_classify", templates, _content_free_probs)
 
     def combine(call: Call, parts: list[BackendResult]) -> str:
         probs = _divide_prior(_label_probs(call, parts), priors[call.prior])
         best = max(range(len(probs)), key=lambda j: (probs[j], -j))  # ties: first in order
         return call.requests[best].continuation
 
-    return _execute(session, "llm_classify", rows, priority, combine)
+    return _execute(session, "llm_classify", rows, priority, combine, failed)
 
 
 # ---- llm_count_tokens ----------------------------------------------------------------------

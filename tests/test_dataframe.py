@@ -151,6 +151,16 @@ def test_classify_takes_any_column_type():
     assert out["label"][0] in ("high", "low") and pd.isna(out["label"][1])
 
 
+def test_a_row_the_tokenizer_cannot_take_fails_alone():
+    """A lone surrogate (bytes decoded with errors='surrogateescape') makes the tokenizer
+    raise a TypeError: that row's error, not the job's."""
+    df = pd.DataFrame({"p": pd.Series(["Say hi.", "bad \udcff row"], dtype=object)})
+    out = llmdb.complete(df, "{p}", max_tokens=2, on_error="null")
+    assert isinstance(out["completion"][0], str) and pd.isna(out["completion"][1])
+    [error] = [e for e in llmdb.errors() if "bad" in e["prompt"]]
+    assert "TypeError" in error["error"]
+
+
 def test_a_polars_lazyframe_comes_back_lazy(sql_reference):
     lazy = pl.DataFrame(DATA).lazy()
     out = llmdb.complete(lazy, "Product {product}: {review}", max_tokens=6)

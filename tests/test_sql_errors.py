@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import duckdb
+import pyarrow as pa
 import pytest
 
 import llmdb
@@ -95,6 +96,22 @@ def test_null_policy_on_filter_and_classify(con, eng):
     labels = column(con, "llm_classify(p, ['yes', 'no'], on_error := 'null')")
     assert labels[0] in ("yes", "no") and labels[1] is None
     assert [f for f, _, _ in _errors(con)] == ["llm_filter", "llm_classify"]
+    _assert_engine_clean(eng)
+
+
+def test_a_template_whose_calibration_fails_fails_its_rows_only(con, eng):
+    """A filter's calibration prior is per system prompt: one too long for the model fails
+    the rows asking under it (named by their own prompts), not the query."""
+    con.register("s", pa.table({"p": ["Is the sky blue?", "Is grass green?"],
+                                "s": ["Answer briefly.", LONG]}))
+    got = con.execute("SELECT llm_filter(p, system := s, on_error := 'null') FROM s "
+                      "ORDER BY p DESC").fetchall()
+    assert got[0][0] is not None and got[1][0] is None
+    [(function, prompt, error)] = _errors(con)
+    assert function == "llm_filter" and prompt == "Is grass green?"
+    assert "calibrating its prompt template failed" in error and TOO_LONG.search(error)
+    with pytest.raises(duckdb.Error, match="'Is grass green\\?'"):
+        con.execute("SELECT llm_filter(p, system := s) FROM s").fetchall()
     _assert_engine_clean(eng)
 
 
