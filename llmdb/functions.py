@@ -265,8 +265,13 @@ def llm_filter_score(session: Session, *columns: Sequence) -> list[float | None]
                     failed)
 
 
+def passes(score: float | None) -> bool | None:
+    """llm_filter's answer from llm_filter_score's."""
+    return None if score is None else score >= 0.5
+
+
 def llm_filter(session: Session, *columns: Sequence) -> list[bool | None]:
-    return [None if s is None else s >= 0.5 for s in llm_filter_score(session, *columns)]
+    return [passes(s) for s in llm_filter_score(session, *columns)]
 
 
 # ---- llm_classify --------------------------------------------------------------------------

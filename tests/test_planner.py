@@ -79,6 +79,17 @@ def test_top_rows_of_an_arrow_table_cost_k_calls(env):
     con.unregister("arrow_t")
 
 
+def test_a_filter_and_its_score_share_one_call_per_row(env):
+    """llm_filter is llm_filter_score >= 0.5: the WHERE's filter computes the scores the
+    SELECT reads (without the result cache too), and the answers are plain DuckDB's."""
+    con, plain, plain_session, data = env
+    q = ("SELECT id, llm_filter_score(x) AS s FROM t WHERE id < 40 AND llm_filter(x) "
+         "ORDER BY id")
+    got, calls = calls_of(con.session, lambda: con.execute(q).fetchall())
+    assert got == plain.execute(q).fetchall()
+    assert calls == len({r["x"] for r in data.t if r["id"] < 40})
+
+
 def test_create_table_as(env):
     con, plain, plain_session, data = env
     sql = "CREATE OR REPLACE TABLE r AS SELECT id FROM t WHERE id % 9 = 0 AND llm_filter(x)"

@@ -26,12 +26,14 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from llmdb.functions import PRIORITY, RT_MAX_CALLS, SqlFunction
+from llmdb.functions import FUNCTIONS, PRIORITY, RT_MAX_CALLS, SqlFunction, passes
 from llmdb.session import Session, Stats
 
 from .callsites import SIGNATURES, Site
 from .guards import MAIN, lookup_name, parse_tag
 from .learned import LEARNED, PRIOR_WEIGHT, Learned, stable_hash
+
+_FILTER, _SCORE = "llm_filter", "llm_filter_score"
 
 ARROW_TYPES = {"BOOLEAN": pa.bool_(), "DOUBLE": pa.float64(), "VARCHAR": pa.string(),
                "INTEGER": pa.int32()}
@@ -94,6 +96,16 @@ class QueryRun:
     def _memo_key(self, site: Site, key: tuple) -> tuple:
         return (site.function, key)
 
+    def _known(self, site: Site, key: tuple) -> tuple[bool, Any]:
+        """(whether the memo answers this tuple, the answer); the lock is held. llm_filter
+        is llm_filter_score >= 0.5 over the same arguments: a score answers a filter."""
+        mk = self._memo_key(site, key)
+        if mk in self.memo:
+            return True, self.memo[mk]
+        if site.function == _FILTER and (_SCORE, key) in self.memo:
+            return True, passes(self.memo[(_SCORE, key)])
+        return False, None
+
     def lookup(self, site_id: int, role: str, keys: list[tuple]) -> list[Any]:
         """Values for a vector of rows (the UDF path)."""
         site = self.sites[site_id]
@@ -103,9 +115,9 @@ class QueryRun:
             if role == MAIN and site_id not in self.prefetched:  # else its driver counted
                 self._count_rows(site, keys)
             for i, k in enumerate(keys):
-                mk = self._memo_key(site, k)
-                if mk in self.memo:
-                    out[i] = self.memo[mk]
+                known, value = self._known(site, k)
+                if known:
+                    out[i] = value
                 else:
                     missing.setdefault(k, []).append(i)
         if missing and self.modes[site_id] != "strict":  # a dry run as a real one would
@@ -121,7 +133,7 @@ class QueryRun:
         with self._lock:
             self.prefetched.add(site.id)
             self._count(site, rows, count_rows)
-            missing = [k for k, _ in rows if self._memo_key(site, k) not in self.memo]
+            missing = [k for k, _ in rows if not self._known(site, k)[0]]
         if missing:
             self.compute(site, missing)
 
@@ -191,7 +203,9 @@ class QueryRun:
 
     def _call(self, site: Site, keys: list[tuple], counts: SiteCounts, priority: str
               ) -> list[Any]:
-        fn = site.signature.rows
+        # A filter asks for the scores (the same model call) and keeps them: a score site
+        # over the same rows (SELECT llm_filter_score(p) ... WHERE llm_filter(p)) reuses them.
+        fn = FUNCTIONS[_SCORE].rows if site.function == _FILTER else site.signature.rows
         columns = [list(col) for col in zip(*(thaw(site.signature, k) for k in keys),
                                             strict=True)]
         before = self.session.stats()["total"]
@@ -210,6 +224,10 @@ class QueryRun:
                 counts.cached_tokens += after["cached_tokens"] - before["cached_tokens"]
                 counts.errors += after["errors"] - before["errors"]
                 counts.model_s += after["engine_s"] - before["engine_s"]
+        if site.function == _FILTER:
+            with self._lock:
+                self.memo.update(((_SCORE, k), v) for k, v in zip(keys, values, strict=True))
+            values = [passes(v) for v in values]
         key = self.learn_key(site)
         self.learned.observe_values(key, [v for v in values if v is not None])
         if site.function == "llm_complete":
