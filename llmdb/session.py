@@ -258,7 +258,7 @@ class Session:
             self._bar_total += rows
             show = self.options.progress
             if show is None:
-                show = sys.stderr.isatty()
+                show = sys.stderr.isatty() or _in_notebook()
             if self._bar is None and show and self._bar_total - self._bar_done > \
                     PROGRESS_MIN_ROWS:
                 self._bar = tqdm(total=self._bar_total, initial=self._bar_done, unit="row",
@@ -281,3 +281,10 @@ class Session:
         with self._lock:
             if self._bar is not None:
                 self._bar.update(max(0.0, self._bar_done + rows - self._bar.n))
+
+
+def _in_notebook() -> bool:
+    """Run by a Jupyter kernel, whose stderr is not a terminal but shows a bar's updates."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return type(shell).__name__ == "ZMQInteractiveShell"

@@ -59,3 +59,25 @@ def test_one_big_batch_moves_the_bar_before_its_rows_finish(monkeypatch):
     # The position reported never goes back: a finishing row's share becomes a whole row.
     positions = [done + partial for done, partial, _ in seen]
     assert all(b >= a - 1e-9 for a, b in zip(positions, positions[1:], strict=False)), seen
+
+
+def test_a_jupyter_kernel_shows_the_bar_by_default(monkeypatch):
+    """A notebook's stderr is not a terminal, yet it shows the bar's updates: the default
+    (progress=None) shows it there, as in a terminal."""
+    import sys
+    import types
+
+    from llmdb.session import Options, Session
+
+    class ZMQInteractiveShell:  # what IPython's get_ipython() returns in a Jupyter kernel
+        pass
+
+    session = Session(Options(cache=False))
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    session.progress_add(100)
+    assert session._bar is None  # a plain pipe: no bar
+    fake = types.SimpleNamespace(get_ipython=lambda: ZMQInteractiveShell())
+    monkeypatch.setitem(sys.modules, "IPython", fake)
+    session.progress_add(1)
+    assert session._bar is not None
+    session.progress_done(101)
