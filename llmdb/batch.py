@@ -100,7 +100,7 @@ class _Batch:
                 continue
             if c.key in hits:
                 self.outcomes[i] = Outcome(hits[c.key])
-                self.stats.cache_hits += 1
+                self.stats.cache_hits += self.as_rows
                 continue
             if c.key is not None:
                 with _inflight_lock:

@@ -191,8 +191,8 @@ def _template_priors(session: Session, function: str, templates: dict[str, tuple
         calls = [c for _, c in items]
         for call in calls:
             call.on_error = "null"  # (its rows carry the error)
-            # Kept in this process only: the result cache holds rows' answers, one per row.
-            call.key = None
+        # (Keyed like rows, so the result cache keeps priors for later processes too: a rerun
+        # over cached rows would otherwise pay a classify's labels x 2 x labels scorings.)
         outcomes = run_calls(session, session.backend(model), function, calls, combine,
                              as_rows=False)
         if len(_priors) + len(items) > _PRIORS_MAX:

@@ -143,20 +143,38 @@ def test_key_changes_with_whatever_changes_the_answer(con, tmp_path):
     assert last_query(con)["cache_hits"] == 0
     con.execute(f"SELECT {BASE}").fetchall()
     assert last_query(con)["cache_hits"] == 1 and last_query(con)["calls"] == 0
-    for n, variant in enumerate(VARIANTS, start=2):
+    entries = _entries(tmp_path)
+    for variant in VARIANTS:
         con.execute(f"SELECT {variant}").fetchall()
         stats = last_query(con)
         assert stats["cache_hits"] == 0 and stats["calls"] > 0, variant
-        assert _entries(tmp_path) == n, variant
+        # A new entry (and a filter's or classify's calibration prior, where this process
+        # has not computed it before).
+        assert _entries(tmp_path) > entries, variant
+        entries = _entries(tmp_path)
         con.execute(f"SELECT {variant}").fetchall()
         assert last_query(con)["cache_hits"] == 1, variant
 
 
 def test_filter_and_filter_score_share_their_entry(con, tmp_path):
     score = con.execute("SELECT llm_filter_score('Say yes.')").fetchall()[0][0]
+    entries = _entries(tmp_path)
     keep = con.execute("SELECT llm_filter('Say yes.')").fetchall()[0][0]
     assert last_query(con)["cache_hits"] == 1 and keep == (score >= 0.5)
-    assert _entries(tmp_path) == 1
+    assert _entries(tmp_path) == entries
+
+
+def test_a_rerun_over_cached_rows_pays_no_calibration(con):
+    """A classify's calibration (labels x 2 x labels scorings) is cached with its rows: a
+    new process (its in-memory priors empty) answering from the cache calls no model."""
+    from llmdb import functions
+
+    query = ("SELECT llm_classify(p, ['red', 'green', 'blue']) "
+             "FROM (VALUES ('the sky'), ('grass')) v(p)")
+    first = con.execute(query).fetchall()
+    functions._priors.clear()  # as in a new process
+    assert con.execute(query).fetchall() == first
+    assert last_query(con)["calls"] == 0 and last_query(con)["cache_hits"] == 2
 
 
 def test_unseeded_sampling_is_not_cached(con, tmp_path):
