@@ -90,6 +90,16 @@ def test_a_filter_and_its_score_share_one_call_per_row(env):
     assert calls == len({r["x"] for r in data.t if r["id"] < 40})
 
 
+@pytest.mark.parametrize("draw", ["WHERE random() < 0.02", "USING SAMPLE 5 ROWS"])
+def test_a_query_drawing_rows_computes_only_the_rows_it_returns(env, draw):
+    """A driver run before the query would draw other rows than the query does: such
+    queries compute their calls lazily, one evaluation of the draw."""
+    con, _, _, _ = env
+    q = f"SELECT id, x, llm_complete(x, max_tokens := 2) AS a FROM t {draw}"
+    got, calls = calls_of(con.session, lambda: con.execute(q).fetchall())
+    assert got and calls == len({r[1] for r in got})
+
+
 def test_create_table_as(env):
     con, plain, plain_session, data = env
     sql = "CREATE OR REPLACE TABLE r AS SELECT id FROM t WHERE id % 9 = 0 AND llm_filter(x)"

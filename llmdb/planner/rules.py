@@ -30,9 +30,10 @@ def number_parameters(tree: exp.Expression) -> exp.Expression:
     return tree
 
 
-def _volatile(e: exp.Expression) -> bool:
+def volatile(e: exp.Expression) -> bool:
+    """Draws random values (or a sample), so two evaluations see different rows."""
     for node in e.walk():
-        if isinstance(node, exp.Rand):
+        if isinstance(node, exp.Rand | exp.TableSample):
             return True
         if isinstance(node, exp.Func) and node.sql_name().lower() in VOLATILE:
             return True
@@ -53,7 +54,7 @@ def inline_llm_ctes(tree: exp.Expression) -> exp.Expression:
         if with_.args.get("recursive"):
             continue
         for cte in with_.expressions:
-            if has_call(cte.this) and not _volatile(cte.this):
+            if has_call(cte.this) and not volatile(cte.this):
                 cte.set("materialized", False)
     return tree
 
@@ -207,7 +208,7 @@ def push_filters_into_llm_subqueries(tree: exp.Expression) -> exp.Expression:
 def _pushed(c: exp.Expression, name: str, named: dict[str, exp.Expression], star: bool,
             alone: bool) -> exp.Expression | None:
     """The conjunct in the subquery's own terms, or None when it cannot be pushed."""
-    if has_call(c) or _volatile(c) or any(isinstance(n, exp.Query | exp.Subquery)
+    if has_call(c) or volatile(c) or any(isinstance(n, exp.Query | exp.Subquery)
                                           for n in c.walk()):
         return None
     cols = list(c.find_all(exp.Column))
@@ -220,7 +221,7 @@ def _pushed(c: exp.Expression, name: str, named: dict[str, exp.Expression], star
         inner = named.get(col.name)
         if inner is None and star:
             inner = exp.column(col.name)
-        if inner is None or has_call(inner) or _volatile(inner):
+        if inner is None or has_call(inner) or volatile(inner):
             return None
         col.replace(exp.Paren(this=inner.copy()))
     return out

@@ -37,6 +37,7 @@ from .rules import (
     root_query,
     top_level_selects,
     top_rows_before_calls,
+    volatile,
 )
 
 KEPT_HISTORY = 64
@@ -142,6 +143,7 @@ def _plan(sql: str, qid: int, namespace: int, model: str, parameters: Any,
         for e in written.expressions)
     if parameters:
         number_parameters(tree)
+    draws = volatile(tree)
     inline_llm_ctes(tree)
     push_filters_into_llm_subqueries(tree)
     llm_conjuncts_to_where(tree)
@@ -152,12 +154,15 @@ def _plan(sql: str, qid: int, namespace: int, model: str, parameters: Any,
                                             ranker(sites, model, learned))
     top_rows_before_calls(tree)
     root = root_query(tree)
-    # With bound parameters a driver would need them too: every site stays lazy then.
-    tops = [] if parameters else top_level_selects(root)
+    # Drivers read the query's rows before it runs: with bound parameters they would need
+    # them too, and where the query draws random values (or a sample) they would draw other
+    # rows, computing calls for rows the query then leaves out. Every site stays lazy then.
+    lazy = ("the query has bound parameters" if parameters else
+            "the query draws random values or a sample" if draws else None)
+    tops = [] if lazy else top_level_selects(root)
     steps, placements = drivers.plan_steps(tree, root, tops, sites, predicates)
-    if parameters:
-        placements = {i: replace(p, why="the query has bound parameters")
-                      for i, p in placements.items()}
+    if lazy:
+        placements = {i: replace(p, why=lazy) for i, p in placements.items()}
     sql = tree.sql("duckdb")
     dry_sql = sql if root is tree else root.sql("duckdb")  # a query: its one text
     return Plan(qid, sql, dry_sql, written_sql, names_kept, sites, predicates, steps,
