@@ -100,6 +100,18 @@ def test_a_query_drawing_rows_computes_only_the_rows_it_returns(env, draw):
     assert got and calls == len({r[1] for r in got})
 
 
+@pytest.mark.parametrize("query,most", [  # (at most LIMIT + OFFSET calls a branch)
+    ("SELECT llm_complete(x, max_tokens := 2) FROM t UNION ALL SELECT 'z' LIMIT 2", 2),
+    ("SELECT 'z' UNION ALL (SELECT llm_complete(x, max_tokens := 2) FROM t WHERE id > 5 "
+     "UNION ALL SELECT llm_complete(x, max_tokens := 3) FROM t) LIMIT 2 OFFSET 1", 6),
+])
+def test_a_union_all_under_a_limit_computes_at_most_limit_rows_a_branch(env, query, most):
+    con, plain, _, _ = env
+    got, calls = calls_of(con.session, lambda: con.execute(query).fetchall())
+    assert len(got) == len(plain.execute(query).fetchall()) == 2
+    assert 0 < calls <= most
+
+
 def test_create_table_as(env):
     con, plain, plain_session, data = env
     sql = "CREATE OR REPLACE TABLE r AS SELECT id FROM t WHERE id % 9 = 0 AND llm_filter(x)"

@@ -269,6 +269,39 @@ def _order_key(o: exp.Ordered, s: exp.Select) -> exp.Expression:
     return e
 
 
+def limits_into_union_branches(tree: exp.Expression) -> exp.Expression:
+    """`q1 UNION ALL q2 ... LIMIT k [OFFSET s]` with no ORDER BY: every branch holding LLM
+    calls gets LIMIT k + s too. The union may return any k rows, and DuckDB computes a
+    branch's calls on all of its rows before the union's LIMIT (300 calls for LIMIT 1),
+    but on k rows under the branch's own LIMIT."""
+    for union in list(tree.find_all(exp.Union)):
+        k = int_literal(union.args.get("limit"))
+        offset = union.args.get("offset")
+        skip = 0 if offset is None else int_literal(offset)
+        if k is None or skip is None or union.args.get("distinct") or union.args.get("order"):
+            continue
+        for branch in _union_branches(union):
+            if isinstance(branch, exp.Select) and branch.args.get("limit") is None \
+                    and has_call(branch):
+                branch.set("limit", exp.Limit(expression=exp.Literal.number(k + skip)))
+    return tree
+
+
+def _union_branches(union: exp.Union) -> list[exp.Expression]:
+    """The queries a UNION ALL chain combines (through parentheses and nested UNION ALLs
+    without a LIMIT or ORDER BY of their own)."""
+    out = []
+    for side in (union.this, union.expression):
+        while isinstance(side, exp.Subquery):
+            side = side.this
+        if isinstance(side, exp.Union) and not side.args.get("distinct") and not any(
+                side.args.get(a) for a in ("limit", "offset", "order")):
+            out += _union_branches(side)
+        else:
+            out.append(side)
+    return out
+
+
 def top_rows_before_calls(tree: exp.Expression) -> exp.Expression:
     """`SELECT <LLM calls> ... ORDER BY <expressions> LIMIT k` also gets
     `QUALIFY row_number() OVER (ORDER BY <the same>) <= k`.
