@@ -112,6 +112,21 @@ def test_a_union_all_under_a_limit_computes_at_most_limit_rows_a_branch(env, que
     assert 0 < calls <= most
 
 
+@pytest.mark.parametrize("query", [
+    "SELECT DISTINCT ON (id % 3) id, x, llm_complete(x, max_tokens := 2) AS a FROM t "
+    "ORDER BY id % 3, id",
+    "SELECT DISTINCT ON (k) id % 4 AS k, id, x, llm_complete(x, max_tokens := 2) AS a "
+    "FROM t ORDER BY k, id DESC",
+])
+def test_distinct_on_computes_the_rows_it_keeps(env, query):
+    """DuckDB computed a projection's calls on every row before DISTINCT ON kept one a key
+    (200 calls for 3 rows); the planner's QUALIFY keeps them to the rows kept."""
+    con, plain, _, _ = env
+    got, calls = calls_of(con.session, lambda: con.execute(query).fetchall())
+    assert got == plain.execute(query).fetchall()
+    assert calls == len({r[-2] for r in got})
+
+
 def test_create_table_as(env):
     con, plain, plain_session, data = env
     sql = "CREATE OR REPLACE TABLE r AS SELECT id FROM t WHERE id % 9 = 0 AND llm_filter(x)"

@@ -269,6 +269,39 @@ def _order_key(o: exp.Ordered, s: exp.Select) -> exp.Expression:
     return e
 
 
+def first_rows_before_calls(tree: exp.Expression) -> exp.Expression:
+    """`SELECT DISTINCT ON (<keys>) <LLM calls> ... [ORDER BY <o>]` also gets
+    `QUALIFY row_number() OVER (PARTITION BY <keys> ORDER BY <o>) = 1`. DuckDB computes a
+    projection's calls on every row before DISTINCT ON keeps one a key (200 calls for 3
+    rows), and after a QUALIFY only on the rows it keeps. The rows are the same: DISTINCT ON
+    keeps each key's first row in the ORDER BY's order (any one without it)."""
+    for s in list(tree.find_all(exp.Select)):
+        distinct = s.args.get("distinct")
+        on = distinct.args.get("on") if distinct is not None else None
+        if on is None or s.args.get("qualify") or aggregated(s) or has_window(s):
+            continue
+        if not any(any(is_lookup(n) for n in p.walk()) for p in s.expressions):
+            continue
+        keys = [as_copy(_order_key(exp.Ordered(this=k), s)) for k in on.expressions]
+        window = exp.Window(this=exp.RowNumber(), partition_by=keys)
+        order = s.args.get("order")
+        if order is not None:
+            window.set("order", _resolved_order(order, s))
+        s.set("qualify", exp.Qualify(this=exp.EQ(this=window,
+                                                 expression=exp.Literal.number(1))))
+    return tree
+
+
+def _resolved_order(order: exp.Order, s: exp.Select) -> exp.Order:
+    """The ORDER BY in terms of the FROM's columns, for a window over them."""
+    keys = []
+    for o in order.expressions:
+        key = o.copy()
+        key.set("this", as_copy(_order_key(o, s)))
+        keys.append(key)
+    return exp.Order(expressions=keys)
+
+
 def limits_into_union_branches(tree: exp.Expression) -> exp.Expression:
     """`q1 UNION ALL q2 ... LIMIT k [OFFSET s]` with no ORDER BY: every branch holding LLM
     calls gets LIMIT k + s too. The union may return any k rows, and DuckDB computes a
@@ -321,12 +354,7 @@ def top_rows_before_calls(tree: exp.Expression) -> exp.Expression:
             continue
         if not any(any(is_lookup(n) for n in p.walk()) for p in s.expressions):
             continue
-        keys = []
-        for o in order.expressions:
-            key = o.copy()
-            key.set("this", as_copy(_order_key(o, s)))
-            keys.append(key)
-        window = exp.Window(this=exp.RowNumber(), order=exp.Order(expressions=keys))
+        window = exp.Window(this=exp.RowNumber(), order=_resolved_order(order, s))
         qualify = exp.Qualify(this=exp.LTE(this=window,
                                            expression=exp.Literal.number(k + skip)))
         qualify.meta[TOP_ROWS] = True  # the planner's own: drivers know to see through it

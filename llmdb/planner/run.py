@@ -30,6 +30,7 @@ from .guards import Predicate, rewrite_sites
 from .learned import DEFAULT_PASS_RATE, LEARNED, Learned
 from .memo import QueryRun, Runs, SiteCounts, freeze
 from .rules import (
+    first_rows_before_calls,
     inline_llm_ctes,
     limits_into_union_branches,
     llm_conjuncts_to_where,
@@ -155,6 +156,7 @@ def _plan(sql: str, qid: int, namespace: int, model: str, parameters: Any,
     tree, sites, predicates = rewrite_sites(tree, sites, qid, namespace,
                                             ranker(sites, model, learned))
     top_rows_before_calls(tree)
+    first_rows_before_calls(tree)
     root = root_query(tree)
     # Drivers read the query's rows before it runs: with bound parameters they would need
     # them too, and where the query draws random values (or a sample) they would draw other
