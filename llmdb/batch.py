@@ -94,7 +94,7 @@ class _Batch:
             failed = self.session.failed_before(c.key)
             if failed is not None:  # a copy of that call (its error was counted there)
                 self.outcomes[i] = Outcome(error=failed)
-                self.stats.dedup_hits += 1
+                self.stats.dedup_hits += self.as_rows
                 if c.on_error == "raise":
                     raise LLMError(failed)
                 continue
@@ -125,7 +125,7 @@ class _Batch:
             except ValueError as e:
                 self.fail(i, str(e))
                 return
-            except Exception as e:  # noqa: BLE001 - any row's failure is that row's alone
+            except (TypeError, UnicodeError) as e:  # the row's text (a lone surrogate)
                 self.fail(i, f"{type(e).__name__}: {e}")
                 return
             self.handles[i].append(h)
@@ -189,7 +189,7 @@ class _Batch:
                 self.settle(i, pending.outcome)
             else:
                 self.outcomes[i] = pending.outcome
-                self.stats.dedup_hits += 1
+                self.stats.dedup_hits += self.as_rows
 
     def report_progress(self) -> None:
         """Rows in flight count for the share of their max_tokens generated so far, so that

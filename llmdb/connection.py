@@ -104,7 +104,8 @@ class Connection:
         names = samples.referenced(query)
         if names:
             samples.attach(self._con, names, self.session.options.sample_rows)
-        self._con.tables = tables_named(query, frame)
+        # (A query without LLM calls runs as written, once: a stream is left to DuckDB.)
+        self._con.tables = tables_named(query, frame, read_streams="llm_" in query.lower())
         try:
             yield
         finally:

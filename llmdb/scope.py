@@ -43,10 +43,12 @@ def _in_llmdb(frame: FrameType) -> bool:
     return module == "llmdb" or module.startswith("llmdb.")
 
 
-def tables_named(sql: str, frame: FrameType | None) -> dict[str, Any]:
+def tables_named(sql: str, frame: FrameType | None, read_streams: bool = True
+                 ) -> dict[str, Any]:
     """The objects of `frame` (its locals before its globals, as DuckDB looks) that DuckDB
     can scan and whose names are words of `sql`. A word that is a column or a string is
-    harmless: DuckDB only looks up names it reads as tables and cannot find."""
+    harmless: DuckDB only looks up names it reads as tables and cannot find. read_streams:
+    readers are read into tables (the planner will read them before the query does)."""
     if frame is None:
         return {}
     scopes = (frame.f_locals, frame.f_globals)  # f_locals is a copy: taken once
@@ -56,7 +58,7 @@ def tables_named(sql: str, frame: FrameType | None) -> dict[str, Any]:
         for scope in scopes:
             if name in scope:
                 if _scannable(scope[name]):
-                    found[name] = _readable_twice(scope[name])
+                    found[name] = _readable_twice(scope[name]) if read_streams else scope[name]
                 break
     return found
 

@@ -127,6 +127,33 @@ def test_distinct_on_computes_the_rows_it_keeps(env, query):
     assert calls == len({r[-2] for r in got})
 
 
+@pytest.mark.parametrize("query", [
+    # A parenthesized union's own ORDER BY / LIMIT / OFFSET is not the outer LIMIT's.
+    "SELECT 'a' AS v UNION ALL ((SELECT llm_complete(x, max_tokens := 2) FROM t UNION ALL "
+    "SELECT 'z') ORDER BY 1 DESC LIMIT 3) LIMIT 5",
+    "SELECT 'a' AS v UNION ALL ((SELECT llm_complete(x, max_tokens := 2) FROM t UNION ALL "
+    "SELECT 'z') ORDER BY 1 LIMIT 2 OFFSET 20) LIMIT 5",
+    # LIMIT n PERCENT is not n rows.
+    "SELECT id, llm_complete(x, max_tokens := 2) AS a FROM t ORDER BY id LIMIT 1 PERCENT",
+    "SELECT llm_complete(x, max_tokens := 2) AS a FROM t UNION ALL SELECT 'z' "
+    "LIMIT 1 PERCENT",
+    # UNNEST yields rows after a QUALIFY would run: no QUALIFY there.
+    "SELECT id, unnest(CASE WHEN id < 3 THEN []::INT[] ELSE [id] END) AS n, "
+    "llm_complete(x, max_tokens := 2) AS a FROM t ORDER BY id LIMIT 3",
+    "SELECT DISTINCT ON (cat) cat, id, unnest(CASE WHEN id < 10 THEN []::INT[] ELSE [id] END)"
+    " AS n, llm_complete(x, max_tokens := 2) AS a FROM t ORDER BY cat, id",
+    # An ordinal into a `*` is not the projection list's.
+    "SELECT DISTINCT ON (cat) *, llm_complete(x, max_tokens := 2) AS a FROM t "
+    "ORDER BY cat, 1 DESC",
+    "SELECT *, llm_complete(x, max_tokens := 2) AS a FROM t ORDER BY 2, id LIMIT 3",
+])
+def test_top_rows_rules_keep_the_querys_rows(env, query):
+    """Shapes a helper's review found the QUALIFY and UNION ALL rules got wrong."""
+    con, plain, _, _ = env
+    assert sorted(con.execute(query).fetchall(), key=repr) == \
+        sorted(plain.execute(query).fetchall(), key=repr)
+
+
 def test_create_table_as(env):
     con, plain, plain_session, data = env
     sql = "CREATE OR REPLACE TABLE r AS SELECT id FROM t WHERE id % 9 = 0 AND llm_filter(x)"

@@ -149,3 +149,11 @@ def test_a_record_batch_reader_in_scope_gives_every_row_once(con):
     stream = pa.RecordBatchReader.from_batches(  # noqa: F841 - read by the query, by name
         MODULE_TABLE.schema, MODULE_TABLE.to_batches())
     assert con.execute(QUESTION.format("stream")).fetchall() == want
+
+
+def test_a_reader_named_by_a_query_without_llm_calls_is_left_to_duckdb(con):
+    """Only a planned query reads a stream twice: another one (or one that merely names
+    it) leaves the reader to DuckDB, which streams it."""
+    stream = pa.RecordBatchReader.from_batches(MODULE_TABLE.schema, MODULE_TABLE.to_batches())
+    assert con.execute("SELECT 'stream' AS s").fetchall() == [("stream",)]
+    assert stream.read_all().num_rows == 2

@@ -280,11 +280,14 @@ def first_rows_before_calls(tree: exp.Expression) -> exp.Expression:
         on = distinct.args.get("on") if distinct is not None else None
         if on is None or s.args.get("qualify") or aggregated(s) or has_window(s):
             continue
-        if not any(any(is_lookup(n) for n in p.walk()) for p in s.expressions):
+        order = s.args.get("order")
+        written = [*on.expressions, *(o.this for o in order.expressions)] if order else \
+            list(on.expressions)
+        if not any(any(is_lookup(n) for n in p.walk()) for p in s.expressions) or \
+                not _qualify_keeps_the_rows(s, written):
             continue
         keys = [as_copy(_order_key(exp.Ordered(this=k), s)) for k in on.expressions]
         window = exp.Window(this=exp.RowNumber(), partition_by=keys)
-        order = s.args.get("order")
         if order is not None:
             window.set("order", _resolved_order(order, s))
         s.set("qualify", exp.Qualify(this=exp.EQ(this=window,
@@ -325,14 +328,31 @@ def _union_branches(union: exp.Union) -> list[exp.Expression]:
     without a LIMIT or ORDER BY of their own)."""
     out = []
     for side in (union.this, union.expression):
-        while isinstance(side, exp.Subquery):
+        while isinstance(side, exp.Subquery) and not _own_clauses(side):
             side = side.this
-        if isinstance(side, exp.Union) and not side.args.get("distinct") and not any(
-                side.args.get(a) for a in ("limit", "offset", "order")):
+        if isinstance(side, exp.Union) and not side.args.get("distinct") \
+                and not _own_clauses(side):
             out += _union_branches(side)
         else:
             out.append(side)
     return out
+
+
+def _own_clauses(q: exp.Expression) -> bool:
+    """Its own ORDER BY, LIMIT or OFFSET (a parenthesized query's are on its Subquery)."""
+    return any(q.args.get(a) for a in ("order", "limit", "offset"))
+
+
+def _qualify_keeps_the_rows(s: exp.Select, keys: list[exp.Expression]) -> bool:
+    """Whether a QUALIFY over `keys` (ORDER BY or DISTINCT ON keys) keeps the rows the query
+    keeps: not where a projection yields several rows per input row (UNNEST; the QUALIFY
+    would run before it), nor where a key is an ordinal into a `*` not yet expanded."""
+    if any(isinstance(n, exp.Unnest | exp.Explode) or (isinstance(n, exp.Anonymous)
+           and n.name.lower() in ("unnest", "generate_subscripts"))
+           for p in s.expressions for n in p.walk()):
+        return False
+    star = any(p.is_star or isinstance(p, exp.Columns) for p in s.expressions)
+    return not (star and any(int_literal(k) is not None for k in keys))
 
 
 def top_rows_before_calls(tree: exp.Expression) -> exp.Expression:
@@ -352,7 +372,8 @@ def top_rows_before_calls(tree: exp.Expression) -> exp.Expression:
         if k is None or skip is None or order is None or aggregated(s) or has_window(s) \
                 or s.args.get("distinct") or s.args.get("qualify"):
             continue
-        if not any(any(is_lookup(n) for n in p.walk()) for p in s.expressions):
+        if not any(any(is_lookup(n) for n in p.walk()) for p in s.expressions) or \
+                not _qualify_keeps_the_rows(s, [o.this for o in order.expressions]):
             continue
         window = exp.Window(this=exp.RowNumber(), order=_resolved_order(order, s))
         qualify = exp.Qualify(this=exp.LTE(this=window,

@@ -7,6 +7,9 @@ from sqlglot import exp
 
 def int_literal(e: exp.Expression | None) -> int | None:
     if isinstance(e, exp.Limit | exp.Offset):
+        options = e.args.get("limit_options")
+        if options is not None and any(options.args.values()):  # PERCENT, WITH TIES
+            return None
         e = e.expression
     if isinstance(e, exp.Literal) and not e.is_string and e.this.isdigit():
         return int(e.this)
