@@ -55,8 +55,10 @@ _inflight_lock = threading.Lock()
 
 
 def describe_row(function: str, row: str, cause: str) -> str:
-    prefix = row if len(row) <= 60 else row[:57] + "..."
-    return f"{function} failed on the row with prompt {prefix!r}: {cause}"
+    """The error naming the row by its prompt: a long one by its start and its end, where a
+    template's shared instruction comes first and the row's own value usually last."""
+    shown = row if len(row) <= 100 else f"{row[:40]}...{row[-57:]}"
+    return f"{function} failed on the row with prompt {shown!r}: {cause}"
 
 
 class _Batch:

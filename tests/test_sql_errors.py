@@ -42,6 +42,19 @@ def test_raise_names_the_row_the_cause_and_the_numbers(con, eng):
     _assert_engine_clean(eng)
 
 
+def test_a_long_prompt_is_named_by_its_start_and_its_end():
+    """A shared instruction first, the row's own value last: both show in the error."""
+    from llmdb.batch import describe_row
+
+    prompt = "Summarize this customer review in exactly ten words, no more: " + "x" * 80 + \
+        " (order 4711)"
+    message = describe_row("llm_complete", prompt, "the cause")
+    assert "'Summarize this customer review in exactl..." in message
+    assert "(order 4711)': the cause" in message
+    assert describe_row("llm_complete", "short", "c") == \
+        "llm_complete failed on the row with prompt 'short': c"
+
+
 def test_an_ill_formed_row_is_counted_once():
     con = llmdb.connect(cache=False)
     con.execute("CREATE TABLE m AS SELECT 'Say ' || i AS p, CASE WHEN i = 2 THEN -1 ELSE 2 END "
