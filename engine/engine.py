@@ -262,9 +262,12 @@ class LLMEngine:
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
         on_token: Callable[[int | None], None] | None = None,
         on_finish: Callable[[str], None] | None = None, priority: str = "BE",
+        on_logprobs: Callable[[tuple[float, dict[int, float]]], None] | None = None,
     ) -> str:
         """Queue a generation; `on_token(token_id | None)` streams tokens, None at the end;
-        `on_finish(request_id)` is called once its result can be collected with wait()."""
+        `on_logprobs((logprob, top logprobs))` each token's, just before on_token gets it
+        (with params.logprobs set); `on_finish(request_id)` is called once its result can be
+        collected with wait()."""
         params = params or SamplingParams()
         params.validate()
         ids = self.encode_prompt(prompt)
@@ -280,7 +283,7 @@ class LLMEngine:
         req = Request(
             request_id if request_id is not None else f"req-{next(self._ids)}",
             ids, params, seed=seed, callbacks=[on_token] if on_token else [],
-            on_finish=on_finish,
+            on_finish=on_finish, on_logprobs=on_logprobs,
         )
         return self._submit(req, priority)
 
@@ -434,6 +437,8 @@ class LLMEngine:
         p = req.params
         if p.logprobs is not None:
             req.logprobs.append(result.logprobs[req.request_id])
+            if req.on_logprobs is not None:
+                req.on_logprobs(req.logprobs[-1])
         for cb in req.callbacks:
             cb(token)
         if token in p.stop_token_ids or (not p.ignore_eos and token in self._eos):

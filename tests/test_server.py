@@ -296,9 +296,8 @@ def test_options_not_implemented_are_refused_not_ignored(server, field, value):
 
 
 def test_option_rules(server):
-    """Defaults of unimplemented options pass; top_logprobs needs logprobs; logprobs are
-    not dropped from streams silently; an unknown path answers in OpenAI's shape; the
-    Authorization scheme is Bearer, in any case."""
+    """Defaults of unimplemented options pass; top_logprobs needs logprobs; an unknown path
+    answers in OpenAI's shape; the Authorization scheme is Bearer, in any case."""
     url, auth = server.url, {"Authorization": f"Bearer {KEY}"}
     ok = httpx.post(url + "/v1/completions", headers=auth, json={
         "prompt": "x", "max_tokens": 1, "presence_penalty": 0, "logit_bias": {}, "echo": False})
@@ -306,9 +305,6 @@ def test_option_rules(server):
     chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
     r = httpx.post(url + "/v1/chat/completions", headers=auth, json={**chat, "top_logprobs": 2})
     assert r.status_code == 400 and "logprobs" in r.json()["error"]["message"]
-    r = httpx.post(url + "/v1/chat/completions", headers=auth,
-                   json={**chat, "logprobs": True, "stream": True})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
     r = httpx.post(url + "/v1/chat/completions", headers=auth, json={**chat, "prompt_logprobs": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
     r = httpx.get(url + "/v1/nothing", headers=auth)
@@ -336,3 +332,28 @@ def test_default_max_tokens_stays_within_the_limit(engine):
     finally:
         srv.stop()
     _idle(engine)
+
+
+def test_streams_carry_the_logprobs_of_their_tokens(client):
+    """Each chunk carries its tokens' log-probabilities; together they are the answer's."""
+    kw = {"model": MODEL, "max_tokens": 12, "temperature": 0,
+          "extra_body": {"ignore_eos": True}}
+    whole = client.completions.create(prompt="The capital of France is", logprobs=2, **kw)
+    chunks = list(client.completions.create(prompt="The capital of France is", logprobs=2,
+                                            stream=True, **kw))
+    parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    want = whole.choices[0].logprobs
+    assert [t for p in parts for t in p.tokens] == want.tokens
+    assert [x for p in parts for x in p.token_logprobs] == pytest.approx(want.token_logprobs)
+    assert [x for p in parts for x in p.text_offset] == want.text_offset
+    assert [x for p in parts for x in p.top_logprobs] == [
+        pytest.approx(x) for x in want.top_logprobs]
+    messages = [{"role": "user", "content": "Name a colour."}]
+    whole = client.chat.completions.create(messages=messages, logprobs=True, top_logprobs=2,
+                                           **kw)
+    chunks = list(client.chat.completions.create(messages=messages, logprobs=True,
+                                                 top_logprobs=2, stream=True, **kw))
+    got = [e for c in chunks if c.choices and c.choices[0].logprobs
+           for e in c.choices[0].logprobs.content]
+    assert [e.token for e in got] == [e.token for e in whole.choices[0].logprobs.content]
+    assert [len(e.top_logprobs) for e in got] == [2] * len(got)

@@ -66,6 +66,8 @@ class Request:
     target_logprobs: list[float] = field(default_factory=list)
     logit_rows: list[torch.Tensor] = field(default_factory=list)
     callbacks: list = field(default_factory=list)  # called with each new token id
+    # Called with each new token's (logprob, top logprobs) before its token, when asked for.
+    on_logprobs: Callable[[tuple[float, dict[int, float]]], None] | None = None
     # Called with the request id once the result is ready (any finish reason).
     on_finish: Callable[[str], None] | None = None
     # Choice requests: next-token log-probabilities of these ids after the prompt.

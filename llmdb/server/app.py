@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -51,6 +51,8 @@ class _Call:
 
     request_id: str
     tokens: asyncio.Queue  # token ids, then None at the end
+    # Each token's (logprob, top logprobs), where asked for: in place before its token.
+    logprobs: list = field(default_factory=list)
     closed: bool = False
 
 
@@ -139,6 +141,7 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
                               f"{limits.max_tokens} here", "max_tokens")
         loop = asyncio.get_running_loop()
         tokens: asyncio.Queue = asyncio.Queue()
+        logprobs: list = []
         try:
             ids = engine.encode_prompt(prompt)
             cap = limits.max_prompt_tokens or engine.config.max_context
@@ -148,10 +151,12 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
             rid = engine.add_request(
                 ids, params, request_id=f"srv-{uuid.uuid4().hex}",
                 on_token=lambda tok: loop.call_soon_threadsafe(tokens.put_nowait, tok),
+                on_logprobs=(lambda lp: loop.call_soon_threadsafe(logprobs.append, lp))
+                if body.stream and params.logprobs is not None else None,
                 priority=body.scheduling_class())
         except ValueError as e:
             raise ServerError(400, str(e)) from e
-        call = _Call(rid, tokens)
+        call = _Call(rid, tokens, logprobs)
         inflight[rid] = call
         return call
 
@@ -213,15 +218,17 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
 
     async def stream(call: _Call, params: SamplingParams, render) -> AsyncIterator[str]:
         text = IncrementalText(engine.tokenizer, params.stop)
+        unsent: list[int] = []  # tokens whose log-probabilities are not sent yet
         try:
             yield _sse(render.first_chunk())
             while (tok := await call.tokens.get()) is not None:
+                unsent.append(tok)
                 piece = text.push(tok)
                 if piece:
-                    yield _sse(render.chunk(piece))
+                    yield _sse(render.chunk(piece, tokens=sent(call, unsent)))
             result = await asyncio.to_thread(engine.wait, call.request_id)
             try:
-                yield _sse(render.chunk(text.flush(result), result))
+                yield _sse(render.chunk(text.flush(result), result, sent(call, unsent)))
             except ServerError as e:  # headers are sent: the error goes in the stream
                 yield _sse(e.body())
             yield "data: [DONE]\n\n"
@@ -229,11 +236,17 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
             close(call)
 
     def sampling(body, logprobs: int | None) -> SamplingParams:
-        if logprobs is not None and body.stream:
-            raise ServerError(400, "logprobs are not sent in streams here; ask without stream",
-                              "logprobs", code="unsupported_parameter")
         # A request that names no max_tokens gets the default, within this server's limit.
         return body.sampling(min(limits.default_max_tokens, limits.max_tokens), logprobs)
+
+    def sent(call: _Call, unsent: list[int]) -> list[tuple[int, tuple]] | None:
+        """The unsent tokens with their log-probabilities, for a chunk (None unless asked)."""
+        if not call.logprobs:
+            return None
+        first = len(call.logprobs) - len(unsent)  # (each token's came before it)
+        out = list(zip(unsent, call.logprobs[first:], strict=True))
+        unsent.clear()
+        return out
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
@@ -396,6 +409,7 @@ class _Render:
 
 class _CompletionRender(_Render):
     prompt_logprobs: list | None = None
+    streamed_chars = 0  # text_offset of the next token streamed
 
     def final(self, r: RequestResult) -> dict:
         choice = {"index": 0, "text": r.text, "finish_reason": _finish_reason(r),
@@ -407,20 +421,31 @@ class _CompletionRender(_Render):
     def _logprobs(self, r: RequestResult) -> dict | None:
         if self.logprobs is None or r.logprobs is None:
             return None
+        return self._logprobs_of(list(zip(r.token_ids, r.logprobs, strict=True)), 0)
+
+    def _logprobs_of(self, tokens: list[tuple[int, tuple]], start: int) -> dict:
+        """OpenAI's completion logprobs of (token, (logprob, top)) pairs, the first at
+        text offset `start`."""
         dec = self.engine.tokenizer.decode
-        tokens = [dec([t], skip_special=False) for t in r.token_ids]
-        return {"tokens": tokens, "token_logprobs": [lp for lp, _ in r.logprobs],
+        texts = [dec([t], skip_special=False) for t, _ in tokens]
+        return {"tokens": texts, "token_logprobs": [lp for _, (lp, _) in tokens],
                 "top_logprobs": [{dec([t], skip_special=False): v for t, v in top.items()}
-                                 for _, top in r.logprobs],
-                "text_offset": _offsets(tokens)}
+                                 for _, (_, top) in tokens],
+                "text_offset": [start + o for o in _offsets(texts)]}
 
     def first_chunk(self) -> dict:
         return {**self._base("text_completion"),
                 "choices": [{"index": 0, "text": "", "finish_reason": None, "logprobs": None}]}
 
-    def chunk(self, text: str, result: RequestResult | None = None) -> dict:
+    def chunk(self, text: str, result: RequestResult | None = None,
+              tokens: list[tuple[int, tuple]] | None = None) -> dict:
+        """tokens: those of this chunk, with their log-probabilities (where asked for)."""
+        logprobs = None
+        if tokens is not None:
+            logprobs = self._logprobs_of(tokens, self.streamed_chars)
+            self.streamed_chars += sum(len(t) for t in logprobs["tokens"])
         out = {**self._base("text_completion"), "choices": [{
-            "index": 0, "text": text, "logprobs": None,
+            "index": 0, "text": text, "logprobs": logprobs,
             "finish_reason": _finish_reason(result) if result else None}]}
         if result is not None and self.stream_usage:
             out["usage"] = _usage(result)
@@ -439,21 +464,28 @@ class _ChatRender(_Render):
     def _logprobs(self, r: RequestResult) -> dict | None:
         if self.logprobs is None or r.logprobs is None:
             return None
+        return self._logprobs_of(list(zip(r.token_ids, r.logprobs, strict=True)))
+
+    def _logprobs_of(self, tokens: list[tuple[int, tuple]]) -> dict:
         dec = self.engine.tokenizer.decode
         return {"content": [{
             "token": dec([t], skip_special=False), "logprob": lp,
             "top_logprobs": [{"token": dec([i], skip_special=False), "logprob": v}
                              for i, v in top.items()]}
-            for t, (lp, top) in zip(r.token_ids, r.logprobs, strict=True)]}
+            for t, (lp, top) in tokens]}
 
     def first_chunk(self) -> dict:
         return {**self._base("chat.completion.chunk"), "choices": [{
             "index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
 
-    def chunk(self, text: str, result: RequestResult | None = None) -> dict:
-        out = {**self._base("chat.completion.chunk"), "choices": [{
-            "index": 0, "delta": {"content": text} if text else {},
-            "finish_reason": _finish_reason(result) if result else None}]}
+    def chunk(self, text: str, result: RequestResult | None = None,
+              tokens: list[tuple[int, tuple]] | None = None) -> dict:
+        """tokens: those of this chunk, with their log-probabilities (where asked for)."""
+        choice = {"index": 0, "delta": {"content": text} if text else {},
+                  "finish_reason": _finish_reason(result) if result else None}
+        if tokens is not None:
+            choice["logprobs"] = self._logprobs_of(tokens)
+        out = {**self._base("chat.completion.chunk"), "choices": [choice]}
         if result is not None and self.stream_usage:
             out["usage"] = _usage(result)
         return out
