@@ -78,7 +78,10 @@ class BROSPolicy(Policy):
 
     def victim_for(self, s: Scheduler, r: Request, chosen: list[tuple[Request, int]],
                    rt_order: list[Request]) -> Request | None:
-        """A running BE request (newest first), else a less urgent running RT one."""
+        """A running BE request (newest first), else a less urgent running RT one that is
+        not further along than r. (A prefill's urgency counts its chunks left, so a victim
+        comes back more urgent than the request that evicted it: without the second rule
+        two prompts that do not fit together evict each other for ever.)"""
         busy = {c.request_id for c, _ in chosen} | {r.request_id}
         for b in reversed(s.running):
             if b.priority != "RT" and b.request_id not in busy:
@@ -86,7 +89,8 @@ class BROSPolicy(Policy):
         if r.status is Status.WAITING:  # admitting never evicts running RT work
             return None
         for b in reversed(rt_order[rt_order.index(r) + 1:]):
-            if b.status is Status.RUNNING and b.request_id not in busy:
+            if b.status is Status.RUNNING and b.request_id not in busy \
+                    and b.num_computed <= r.num_computed:
                 return b
         return None
 
@@ -114,6 +118,15 @@ class BROSPolicy(Policy):
             n = s.tokens_left(r)
             return n if r.is_decode else min(n, state["c"], state["p"])
 
+        def admissible(r: Request) -> bool:
+            """A waiting request can start now: a sequence slot is free and no other request
+            is computing its prefix. (Checked while choosing: a request chosen and then left
+            out would hold the step's budget, and every step would come out empty.)"""
+            if r.status is not Status.WAITING:
+                return True
+            starting = sum(c.status is Status.WAITING for c, _ in chosen)
+            return len(s.running) + starting < s.max_num_seqs and not s.waits_for_prefix(r)
+
         def in_time(extra: list[tuple[Request, int]]) -> bool:
             return cm.step_time(s.costs(chosen + extra)) <= budget_s
 
@@ -140,7 +153,7 @@ class BROSPolicy(Policy):
             if len(chosen) >= self.batch_size:
                 break
             n = tokens(r)
-            if n <= 0:
+            if n <= 0 or not admissible(r):
                 continue
             blocks = s.blocks_to_run(r, n)
             while blocks > s.pool.num_free - state["blocks"]:  # FindPreemptBlock
@@ -165,7 +178,7 @@ class BROSPolicy(Policy):
             if b in out.preempted:
                 continue
             n = tokens(b)
-            if n <= 0:
+            if n <= 0 or not admissible(b):
                 continue
             blocks = s.blocks_to_run(b, n)
             if blocks > s.pool.num_free - state["blocks"]:  # FindBlock
@@ -197,8 +210,5 @@ class BROSPolicy(Policy):
         self.batch_size = BASE_BATCH if stopped_on_time else min(
             2 * self.batch_size, s.max_num_seqs)
         for r, n in chosen:
-            if r.status is Status.WAITING and (len(s.running) >= s.max_num_seqs
-                                               or s.waits_for_prefix(r)):
-                continue
             s.run(out, r, n)
         return out
