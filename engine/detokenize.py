@@ -31,6 +31,13 @@ class TextStream:
         new = self._decode(self._context + self._pending)[len(self._context_text):]
         whole = not new.endswith("\ufffd")
         if whole:
-            self._context, self._context_text = self._pending, self._decode(self._pending)
+            text = self._decode(self._pending)
+            if text or not self._context_text:
+                self._context, self._context_text = self._pending, text
+            else:  # no text of their own (a special token, skipped; a lone "▁"): the
+                # text before them stays the anchor, or the next token would be decoded as a
+                # text's first
+                self._context = self._context + self._pending
+                self._context_text = self._decode(self._context)
             self._pending = []
         return new, whole

@@ -82,6 +82,30 @@ def test_matches_the_full_decode_with_a_sentencepiece_decoder():
         assert first_stop_by_watch(tok.decode, ids, stops) == want, (ids, stops)
 
 
+def test_matches_the_full_decode_across_skipped_special_tokens():
+    """A special token (skipped in the text) between two words: the word after it is not a
+    text's first, so its leading space stays (a stop string spanning it was missed)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+
+    pieces = ["<unk>", "</s>", "▁the", "▁cat", "▁sat"]
+    tok = Tokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, [], unk_token="<unk>"))
+    tok.add_special_tokens([AddedToken("</s>", special=True)])
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+
+    def decode(ids):
+        return tok.decode(ids, skip_special_tokens=True)
+
+    assert decode([2, 3, 1, 4]) == "the cat sat"
+    rng = random.Random(3)
+    for ids in [[2, 3, 1, 4], [1, 3, 1, 1, 4], *([rng.randrange(1, 5) for _ in range(10)]
+                                               for _ in range(200))]:
+        text = decode(ids)
+        for start in range(len(text)):
+            stops = [text[start : start + 7]]
+            want = first_stop_by_full_decode(decode, ids, stops)
+            assert first_stop_by_watch(decode, ids, stops) == want, (ids, stops)
+
+
 def test_streamed_text_is_a_prefix_of_the_answer_and_adds_up_to_it(tokenizer):
     """llmdb serve's stream (server/text.py), decoding each token once: what it has sent is
     always a prefix of the final answer (the whole output's decode, cut at the first stop
