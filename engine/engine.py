@@ -363,7 +363,9 @@ class LLMEngine:
             self._in_flight = _InFlight(out.scheduled, caught_up, launched,
                                         [r.num_preemptions for r, _ in out.scheduled]
                                         if plan.score or plan.choice or plan.keep else [])
-            if not self.launch_ahead:
+            if not self.launch_ahead or all(r.is_finished for r, _ in out.scheduled):
+                # (Launching ahead, every request of this step may have finished on the read
+                # before it, on a stop token say: nothing would come back to read it.)
                 finished += self._read(self._in_flight)
                 wait, self._in_flight = wait + self.runner.last_wait_s, None
         if launched is None and read is None:

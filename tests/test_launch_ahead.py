@@ -194,3 +194,15 @@ def test_apt_with_hidden_cache(tmp_path, shape):
         assert eng.pool.num_free == eng.pool.num_blocks
     for p, a, b in zip(prompts, got[False], got[True], strict=True):
         assert_same_tokens(eng, p, a, b)
+
+
+def test_a_last_request_stopping_on_a_token_leaves_no_step_unread(ahead):
+    """Its stop token is read after the next step was launched for it: that step, of
+    finished requests only, is read at once, not left in flight with the engine idle."""
+    ahead.launch_ahead = True
+    prompt = _prompt(ahead, 0)
+    first = ahead.generate([prompt], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    r = ahead.generate([prompt], SamplingParams(max_tokens=3,
+                                                stop_token_ids=[first.token_ids[1]]))[0]
+    assert r.finish_reason == "stop" and r.token_ids == first.token_ids[:2]
+    assert not ahead.has_unfinished and ahead._in_flight is None
