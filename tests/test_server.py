@@ -14,6 +14,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 openai = pytest.importorskip("openai", reason="the openai client is not installed")
 uvicorn = pytest.importorskip("uvicorn", reason="uvicorn is not installed")
@@ -357,3 +358,20 @@ def test_streams_carry_the_logprobs_of_their_tokens(client):
            for e in c.choices[0].logprobs.content]
     assert [e.token for e in got] == [e.token for e in whole.choices[0].logprobs.content]
     assert [len(e.top_logprobs) for e in got] == [2] * len(got)
+
+
+def test_prompt_logprob_ranks_equal_a_row_by_row_count():
+    """_ranked's vectorized ranks against counting each row's larger values, ties included."""
+    from llmdb.server.app import _ranked
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 6, (7, 12), generator=g).float()  # many ties
+    own = torch.randint(0, 12, (7,), generator=g).tolist()
+    for k in (0, 1, 3):
+        rows = _ranked(logits, own, k)
+        lp = logits.log_softmax(-1)
+        for row, r, tok in zip(rows, lp, own, strict=True):
+            assert row[0][0] == tok and len(row) == len({tok, *r.topk(k).indices.tolist()})
+            for t, value, rank in row:
+                assert value == pytest.approx(float(r[t]))
+                assert rank == int((r > r[t]).sum()) + 1

@@ -19,12 +19,14 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from llmdb.engine.compute import run_on_compute_thread
 from llmdb.engine.engine import LLMEngine
 from llmdb.engine.outputs import RequestResult
 from llmdb.engine.params import SamplingParams
@@ -279,11 +281,10 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
         dec = engine.tokenizer.decode
         out: list = [None]
         for i in range(0, len(logits), _LOGPROB_ROWS):  # ([rows, vocab] fp32 copies: bounded)
-            lp = logits[i : i + _LOGPROB_ROWS].log_softmax(-1)
-            for row, tok in zip(lp, ids[i + 1 : i + 1 + len(lp)], strict=True):
-                ranks = {tok, *(row.topk(k).indices.tolist() if k else [])}
-                out.append({t: {"logprob": float(row[t]), "rank": int((row > row[t]).sum()) + 1,
-                                "decoded_token": dec([t], skip_special=False)} for t in ranks})
+            own = ids[i + 1 : i + 1 + _LOGPROB_ROWS]
+            rows = run_on_compute_thread(_ranked, logits[i : i + len(own)], own, k)
+            out += [{t: {"logprob": lp, "rank": rank, "decoded_token": dec([t], skip_special=False)}
+                     for t, lp, rank in row} for row in rows]
         return out
 
     def usage(body) -> bool:
@@ -370,6 +371,24 @@ async def _reject(send, err: ServerError) -> None:
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(payload)).encode())]})
     await send({"type": "http.response.body", "body": payload})
+
+
+def _ranked(logits: torch.Tensor, own: list[int], k: int) -> list[list[tuple[int, float, int]]]:
+    """Per row of logits: (id, log-probability, rank) of its own next token, then of the k
+    most likely ones. On the compute thread (engine/compute.py: torch work on another thread
+    gives it an OpenMP team of its own, which slows every engine step after it)."""
+    lp = logits.log_softmax(-1)
+    own_lp = lp.gather(1, torch.tensor(own)[:, None])[:, 0]
+    own_rank = (lp > own_lp[:, None]).sum(-1) + 1
+    rows = [[(t, v, r)] for t, v, r in zip(own, own_lp.tolist(), own_rank.tolist(), strict=True)]
+    if k:
+        top = lp.topk(k, dim=-1)
+        # Every value above a top-k value is in the top k: its rank counts those.
+        top_rank = (top.values[:, None, :] > top.values[:, :, None]).sum(-1) + 1
+        for row, ids, values, ranks in zip(rows, top.indices.tolist(), top.values.tolist(),
+                                           top_rank.tolist(), strict=True):
+            row += [e for e in zip(ids, values, ranks, strict=True) if e[0] != row[0][0]]
+    return rows
 
 
 def _sse(obj: dict) -> str:
