@@ -196,7 +196,7 @@ class StepBuffers:
         them out (the runner adds their HiddenBatch). pending = (sampled, packed rows,
         indices): the ids at those rows are sampled[indices], tokens the host has not read
         yet, copied on the device."""
-        if len(self._host_sets) > 1:
+        if self._copied:  # (two pinned sets taking turns: on a GPU)
             self._turn ^= 1
             self._use_host_set(self._turn)
             self._copied[self._turn].synchronize()  # this set's last copies have run

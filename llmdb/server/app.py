@@ -243,10 +243,8 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
 
     def sent(call: _Call, unsent: list[int]) -> list[tuple[int, tuple]] | None:
         """The unsent tokens with their log-probabilities, for a chunk (None unless asked)."""
-        if not call.logprobs:
-            return None
         first = len(call.logprobs) - len(unsent)  # (each token's came before it)
-        out = list(zip(unsent, call.logprobs[first:], strict=True))
+        out = list(zip(unsent, call.logprobs[first:], strict=True)) if call.logprobs else None
         unsent.clear()
         return out
 
