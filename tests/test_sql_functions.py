@@ -11,7 +11,13 @@ import pytest
 
 from llmdb import functions
 from llmdb.engine.params import SamplingParams
-from llmdb.functions import CLASSIFY_INSTRUCTION, CONTENT_FREE, FILTER_SUFFIXES
+from llmdb.functions import (
+    CLASSIFY_DATA,
+    CLASSIFY_DATA_READ,
+    CLASSIFY_INSTRUCTION,
+    CONTENT_FREE,
+    FILTER_SUFFIXES,
+)
 
 from .sql_support import chat, column, last_query, register_rows, rendered
 
@@ -175,7 +181,10 @@ def _label_probs(eng, text: str, labels: list[str]) -> list[float]:
     for k in range(len(labels)):
         order = labels[k:] + labels[:k]
         head = CLASSIFY_INSTRUCTION.format(labels=", ".join(order))
-        scores = eng.score(chat(f"{head}\n\nText: {text}"),
+        messages = [{"role": "user", "content": CLASSIFY_DATA.format(text=text)},
+                    {"role": "assistant", "content": CLASSIFY_DATA_READ},
+                    {"role": "user", "content": head}]
+        scores = eng.score(messages,
                            [tok.encode_plain(label) + [end_of_turn] for label in labels])
         weights = [math.exp(x - max(scores)) for x in scores]
         rows.append([w / sum(weights) for w in weights])

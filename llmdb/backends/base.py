@@ -27,12 +27,20 @@ if TYPE_CHECKING:  # the simulator's types; loading them is the engine's busines
 Prompt = list[dict[str, str]] | str
 
 
-def chat_messages(user: str, system: str | None) -> list[dict[str, str]]:
-    """A row's prompt as chat messages (a system turn first when given): what a backend with
-    a chat template sends, so that the model's side encodes row text as text."""
-    messages = [{"role": "user", "content": user}]
-    if system is not None:
-        messages.insert(0, {"role": "system", "content": system})
+# An earlier exchange of a conversation, before the row's question: (user text, assistant text).
+Exchange = tuple[str, str]
+
+
+def chat_messages(user: str, system: str | None,
+                  before: Sequence[Exchange] = ()) -> list[dict[str, str]]:
+    """A row's prompt as chat messages (a system turn first when given, then the earlier
+    exchanges): what a backend with a chat template sends, so that the model's side encodes
+    row text as text."""
+    messages = [] if system is None else [{"role": "system", "content": system}]
+    for asked, answered in before:
+        messages += [{"role": "user", "content": asked},
+                     {"role": "assistant", "content": answered}]
+    messages.append({"role": "user", "content": user})
     return messages
 
 
@@ -102,7 +110,8 @@ class Backend(Protocol):
         """Everything about the model that changes answers (weights hash, dtype, version,
         chat template); part of every result-cache key."""
 
-    def render_chat(self, user: str, system: str | None) -> Prompt: ...
+    def render_chat(self, user: str, system: str | None,
+                    before: Sequence[Exchange] = ()) -> Prompt: ...
 
     def count_tokens(self, text: str) -> int: ...
 

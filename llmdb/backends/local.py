@@ -16,6 +16,7 @@ from llmdb.engine.research.sim import SimConfig
 from .base import (
     BackendResult,
     ChoiceRequest,
+    Exchange,
     GenerationRequest,
     ModelRequest,
     RequestTokens,
@@ -50,9 +51,10 @@ class LocalBackend:
     def identity(self) -> dict[str, Any]:
         return dict(self._identity)
 
-    def render_chat(self, user: str, system: str | None) -> list[dict[str, str]]:
+    def render_chat(self, user: str, system: str | None,
+                    before: Sequence[Exchange] = ()) -> list[dict[str, str]]:
         """The chat messages; the engine encodes them with the template, row text as text."""
-        return chat_messages(user, system)
+        return chat_messages(user, system, before)
 
     def count_tokens(self, text: str) -> int:
         return len(self.engine.tokenizer.encode_plain(text))

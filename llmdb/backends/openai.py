@@ -34,6 +34,7 @@ from typing import Any
 from .base import (
     BackendResult,
     ChoiceRequest,
+    Exchange,
     GenerationRequest,
     ModelRequest,
     Prompt,
@@ -105,8 +106,9 @@ class OpenAIBackend:
         return {"backend": "openai", "model": self.served_model,
                 "endpoints": sorted(self.endpoints)}
 
-    def render_chat(self, user: str, system: str | None) -> list[dict[str, str]]:
-        return chat_messages(user, system)
+    def render_chat(self, user: str, system: str | None,
+                    before: Sequence[Exchange] = ()) -> list[dict[str, str]]:
+        return chat_messages(user, system, before)
 
     def count_tokens(self, text: str) -> int:
         """Exact where the endpoints have /tokenize (vLLM, llmdb serve); else, or while they

@@ -17,6 +17,7 @@ from typing import Any
 from .base import (
     BackendResult,
     ChoiceRequest,
+    Exchange,
     GenerationRequest,
     ModelRequest,
     RequestTokens,
@@ -43,8 +44,9 @@ class StandinBackend:
     def identity(self) -> dict[str, Any]:
         return {"model": STANDIN_MODEL, "fingerprint": "sha256-of-prompt", "version": 1}
 
-    def render_chat(self, user: str, system: str | None) -> str:
-        return user if system is None else f"[{system}] {user}"
+    def render_chat(self, user: str, system: str | None, before: Sequence[Exchange] = ()) -> str:
+        turns = "".join(f"{asked} || {answered} || " for asked, answered in before)
+        return turns + user if system is None else f"[{system}] {turns}{user}"
 
     def count_tokens(self, text: str) -> int:
         return len(text.split())

@@ -29,6 +29,7 @@ from typing import Any
 from .base import (
     BackendResult,
     ChoiceRequest,
+    Exchange,
     GenerationRequest,
     ModelRequest,
     RequestTokens,
@@ -83,8 +84,9 @@ class VLLMBackend:
     def identity(self) -> dict[str, Any]:
         return dict(self._identity)
 
-    def render_chat(self, user: str, system: str | None) -> list[dict[str, str]]:
-        return chat_messages(user, system)
+    def render_chat(self, user: str, system: str | None,
+                    before: Sequence[Exchange] = ()) -> list[dict[str, str]]:
+        return chat_messages(user, system, before)
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode_plain(text))
