@@ -3,6 +3,8 @@ policy."""
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 
@@ -13,12 +15,13 @@ from llmdb.engine.research.sim import SimConfig, simulate
 from llmdb.engine.research.workloads import (
     LONGBENCH_DOC_WORDS,
     TOKENS_PER_WORD,
+    RequestSpec,
     arrivals,
     dataset,
     humaneval_lengths,
 )
 from llmdb.engine.sched.policies import make_policy
-from llmdb.engine.sched.request import Request
+from llmdb.engine.sched.request import Request, Status
 from llmdb.engine.sched.scheduler import Scheduler
 
 
@@ -82,3 +85,54 @@ def test_fcfs_hybrid_is_plain_fcfs_without_a_hidden_cache():
     a = simulate(specs, "fcfs", preset("opt13b-a100"), cfg)
     b = simulate(specs, "fcfs-hybrid", preset("opt13b-a100"), cfg)
     assert [m.token_times for m in a.requests] == [m.token_times for m in b.requests]
+
+
+@pytest.mark.parametrize("priority", ["RT", "BE"])  # with SLOs (the fallback on) and without
+@pytest.mark.parametrize("budget", [1, 2, 7])
+def test_apt_at_tiny_step_budgets_does_not_thrash(priority, budget):
+    """30 requests at once on 40 blocks of 4 tokens with C = P of a few tokens, hidden cache
+    on: apt finishes within a small factor of sarathi's steps (which evicts nothing here)
+    and evicts each request at most a few times (it has no growth headroom: it admits up
+    to the pool, so decodes evict when they grow). It once evicted every running request its
+    knapsack left out of a decode iteration, and admitted against blocks its started
+    prefills still needed: 2.5-10.5 times sarathi's steps, 7-66 evictions a request."""
+    rng = random.Random(0)
+    specs = [RequestSpec(0.0, rng.randrange(2, 40), rng.randrange(4, 20), priority,
+                         f"r{i}") for i in range(30)]
+    cfg = SimConfig(num_blocks=40, block_size=4, max_num_batched_tokens=budget,
+                    max_prefill_tokens=budget, hidden_ratio=0.5, max_time_s=1e4)
+    apt = simulate(specs, "apt", preset("opt13b-a100"), cfg)
+    sarathi = simulate(specs, "sarathi", preset("opt13b-a100"), cfg)
+    assert all(m.finished for m in apt.requests)
+    assert apt.steps <= 4 * sarathi.steps  # now 1.0-1.7 times with SLOs, 1.7-3 without
+    assert apt.evictions <= 3 * len(specs)
+
+
+def _running(sched: Scheduler, rid: str, prompt_len: int, last_token_time: float) -> Request:
+    """A KV-cache decode with one token pending, its prompt's blocks held."""
+    r = Request(rid, list(range(prompt_len)), SamplingParams(max_tokens=4), arrival=0.0)
+    r.output_ids, r.num_computed, r.last_token_time = [7], prompt_len, last_token_time
+    r.block_ids = sched.pool.allocate(sched.pool.blocks_for(prompt_len))
+    r.status = Status.RUNNING
+    sched.running.append(r)
+    return r
+
+
+@pytest.mark.parametrize("a_waited_longer", [False, True])
+def test_apt_discards_a_kv_cache_for_a_hidden_one_only_when_memory_is_short(a_waited_longer):
+    """A full pool (16 blocks of 4): a needs a 9th block for its next token, c (30 tokens)
+    fits its next one in the 8 it holds. Their KV caches (9 + 8 blocks) exceed the pool,
+    so the knapsack keeps a in KV and picks the hidden cache for c, which means discarding
+    c's KV cache to recompute it. With one token a step, the one that waited longer runs:
+    c is discarded only when that is a, which needs its blocks; when it is c itself, no
+    one needs them and c runs on its KV cache."""
+    sched = Scheduler(BlockPool(16, 4, enable_prefix_caching=False), 1, 8, make_policy("apt"),
+                      hidden_ratio=0.5)
+    a = _running(sched, "a", 32, last_token_time=5.0 if a_waited_longer else 9.0)
+    c = _running(sched, "c", 30, last_token_time=9.0 if a_waited_longer else 5.0)
+    out = sched.schedule(10.0)
+    if a_waited_longer:
+        assert [r for r, _ in out.scheduled] == [a] and out.preempted == [c]
+    else:
+        assert [r for r, _ in out.scheduled] == [c] and not out.preempted
+        assert c.cache_type == "kv"

@@ -6,10 +6,17 @@ token, since the last token after). Its requests are candidates for a knapsack o
 a request is worth p in KV form (memory m) or p - N rho m in hidden form (memory h), with
 N = |W| + |R| and rho the cost model's re-projection time per unit of memory (here: seconds
 per KV block's worth of tokens). The repaired greedy of apt_knapsack picks. In a decode
-iteration the budget is the whole pool and running requests not picked are preempted; in a
-prefill iteration it is what the running requests leave. A request whose cache type changes
-is recomputed in the new type, except hidden -> KV, which projects the cached hidden states
-to K/V once (Scheduler.convert_to_kv) where the KV blocks fit.
+iteration the budget is the whole pool; in a prefill iteration it is what the running
+requests leave, a started prefill counted whole. A request whose cache type changes is
+recomputed in the new type, except hidden -> KV, which projects the cached hidden states to
+K/V once (Scheduler.convert_to_kv) where the KV blocks fit.
+
+A running request the knapsack does not pick is not run, and keeps its cache until a request
+that runs needs the memory (the paper is silent here; evicting it at once threw away, at a
+small C where few of the picked fit the step, work nobody needed the memory for, and made
+apt thrash). Likewise a KV cache is discarded for the hidden one only when memory is short,
+and a conversion to KV, which the request does not need to run, evicts others only where C
+lets the knapsack's whole plan run.
 
 SLO-aware fallback: a waiting request past its TTFT SLO or a running one past its TBT SLO
 has p set near zero (fallback="zero"), or multiplied by 0.4 (fallback="decay", the paper's
@@ -79,7 +86,7 @@ class AptPolicy(Policy):
         budget = pool.num_blocks - sum(map(s.memory_held, s.held.values()))
         if prefill_iter:
             queue = list(s.waiting)[: s.max_num_seqs - len(s.running)]
-            budget -= sum(map(s.memory_held, s.running))
+            budget -= sum(_memory_claimed(s, r) for r in s.running)
         else:
             queue = list(s.running)
         bs = pool.block_size
@@ -102,43 +109,98 @@ class AptPolicy(Policy):
     def iteration(self, s: Scheduler, now: float, prefill_iter: bool) -> SchedulerOutput:
         out = SchedulerOutput()
         queue, values, picked = self.decide(s, now, prefill_iter)
-        if not prefill_iter:
-            to_kv = []
-            for k, r in enumerate(queue):
-                if k not in picked:
-                    s.preempt(out, r)
-                elif picked[k] == "kv" and r.cache_type == "hidden":
-                    to_kv.append(r)
-                elif picked[k] != r.cache_type:  # KV -> hidden: discard and recompute
-                    s.preempt(out, r)
-                    r.cache_type = picked[k]
-            # Hidden -> KV by projecting the cached hidden states once (beyond the paper),
-            # after the evictions above freed their blocks; recomputed where it cannot fit.
-            for r in to_kv:
-                if not s.convert_to_kv(out, r):
-                    s.preempt(out, r)
-                    r.cache_type = "kv"
-        else:
+        if prefill_iter:
             for k, choice in picked.items():
                 queue[k].cache_type = choice
+            victims: list[Request] = []  # the budget already leaves the running ones out
+        else:
+            victims = _victims(queue, values, picked)
+        # The knapsack's plan, which the victims make room for, has every picked request
+        # run. A conversion only speeds one up (it runs on its hidden cache anyway), so it
+        # evicts for the plan only where C gives each picked request a token: at a small C
+        # the request left out is the one that just ran (its pending time is near zero),
+        # and evicting it for each step's conversion threw away each step's work. (The same
+        # list where it may: a request evicted for one is gone for the other.)
+        for_conversions = victims if len(picked) <= s.max_num_batched_tokens else []
         c_left, p_left = s.max_num_batched_tokens, s.max_prefill_tokens
         for k in sorted(picked, key=lambda k: (-values[k], k)):
             if c_left <= 0:
                 break
-            r = queue[k]
+            r, choice = queue[k], picked[k]
             if r.status is Status.WAITING and (not prefill_iter or s.waits_for_prefix(r)):
-                continue  # recomputed later (a new cache type, or its prefix is in flight)
+                continue  # evicted for another this step, or its prefix is in flight
+            if choice == "kv" and r.cache_type == "hidden":
+                _convert_to_kv(s, out, r, for_conversions)
             n = s.tokens_left(r)
             decode = n == 1 and bool(r.output_ids)
             if not decode:
                 n = min(n, c_left, p_left)
-            if n <= 0 or not s.fits(r, n):
+            if n <= 0 or not _fits(s, out, r, choice, n, victims):
                 continue
             n = s.run(out, r, n)
             c_left -= n
             if not decode:
                 p_left -= n
         return out
+
+
+def _memory_claimed(s: Scheduler, r: Request) -> float:
+    """A running request's memory as a prefill iteration counts it (halves count half): what
+    it holds, and for a started prefill what it holds once the prefill is done. It was
+    admitted on that whole size; counting only its chunks so far let each prefill iteration
+    of a small C start another request against memory already promised, until the running
+    requests no longer fit the pool together and decode iterations evicted them."""
+    if r.is_decode:
+        return s.memory_held(r)
+    blocks = s.pool.blocks_for(r.num_tokens)
+    return blocks * s.hidden_ratio if r.cache_type == "hidden" else blocks
+
+
+def _victims(queue: list[Request], values: list[float], picked: dict[int, str]
+             ) -> list[Request]:
+    """The running requests that may be evicted for one that runs this step and needs their
+    memory, in the order pop() takes them: those the knapsack did not pick, then KV ones it
+    picked for the hidden cache (its plan recomputes them as hidden states), each least
+    valuable and then least work to redo first."""
+    to_hidden = [k for k, c in picked.items() if c == "hidden" and queue[k].cache_type == "kv"]
+    # Every request picked is the common case, on a hot path: no sweep for the others.
+    left = [k for k in range(len(queue)) if k not in picked] if len(picked) < len(queue) else []
+    return [queue[k] for k in _last_least(to_hidden, queue, values)
+            + _last_least(left, queue, values)]
+
+
+def _last_least(ks: list[int], queue: list[Request], values: list[float]) -> list[int]:
+    """ks by value, then work done, the least last (where pop() takes it)."""
+    return sorted(ks, key=lambda k: (values[k], queue[k].num_computed), reverse=True)
+
+
+def _convert_to_kv(s: Scheduler, out: SchedulerOutput, r: Request,
+                   victims: list[Request]) -> None:
+    """Hidden -> KV by projecting its hidden states once (beyond the paper, which recomputes),
+    making room from `victims` (none at a small C); where it cannot fit, it stays hidden
+    this step."""
+    while not s.convert_to_kv(out, r) and victims:
+        s.preempt(out, victims.pop())
+
+
+def _fits(s: Scheduler, out: SchedulerOutput, r: Request, choice: str, n: int,
+          victims: list[Request]) -> bool:
+    """Can `r` compute n more tokens this step, on the cache type picked for it where it
+    can have it? A running KV request picked for the hidden cache is discarded to be
+    recomputed as hidden states (Apt-Serve's switch; the prefill iteration that readmits it
+    gives it the type) only when memory is short: evicted for another that needs its
+    blocks, or when its own next tokens do not fit. Otherwise it runs on its KV cache."""
+    if choice == "hidden" and r.cache_type == "kv":  # (running: a decode iteration)
+        victims.remove(r)  # it runs or goes now: no later request may evict it
+        if s.fits(r, n):
+            return True
+        s.preempt(out, r)
+        return False
+    while not s.fits(r, n):  # evict as few of the left-out requests as it takes
+        if not victims:
+            return False
+        s.preempt(out, victims.pop())
+    return True
 
 
 class FCFSHybridPolicy(FCFSPolicy):
