@@ -4,8 +4,9 @@
 every call. Packing once at load time (the op torch's own CPU compiler uses after freezing)
 skips that: measured here with SmolLM2's shapes, 5-10% faster at 1,024 rows and 20-50% at
 1-64 rows (decode steps), including the 49k-row vocabulary projection. The results are
-bitwise those of `F.linear` (the same oneDNN kernels). fp32 weights stay with `F.linear`:
-it goes to MKL's sgemm there, and oneDNN's fp32 kernels differ in the last bits.
+bitwise those of `F.linear` (the same oneDNN kernels, on rows padded to a multiple of 4: see
+SAME_BITS). fp32 weights stay with `F.linear`: it goes to MKL's sgemm there, and
+oneDNN's fp32 kernels differ in the last bits.
 """
 
 from __future__ import annotations
@@ -17,7 +18,16 @@ import torch.nn.functional as F
 
 # The row count oneDNN picks its blocking for; any row count works with the packed weight.
 _ROWS_HINT = 1024
-
+# SAME_BITS: the CPU libraries compute a few rows with other kernels than a full tile of
+# rows, and those sum in another order. oneDNN (packed bf16) takes another for one row: for
+# SmolLM2's 1,536-wide down projection about one row in ten then differs in its last bits
+# from the same row computed among others. MKL (fp32) computes the rows past a multiple of 4
+# so: every one of them differs. Measured on this VM's EPYC (AVX-512), 1 to 1,024 rows; any
+# multiple of 4 agrees. A request decoding alone (the last of a query, or a query of one
+# row) then drifted to other tokens than in a batch: 8 of 24 greedy bf16 answers differed.
+# Rows are computed in multiples of 4 (the extra ones copies of the last), so a row's
+# answer does not depend on the rows beside it. One row as four is no slower here.
+_ROW_MULTIPLE = 4
 
 def _can_pack(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
@@ -36,6 +46,11 @@ class Linear:
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """out: a [rows, out_features] tensor to write into (a CUDA graph's shared buffer)."""
+        rows = x.shape[0]
+        if x.device.type == "cpu" and rows % _ROW_MULTIPLE:  # (see SAME_BITS)
+            extra = _ROW_MULTIPLE - rows % _ROW_MULTIPLE
+            y = self(torch.cat([x, x[-1:].expand(extra, -1)]))[:rows]
+            return y if out is None else out.copy_(y)
         if self.packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             return y if out is None else out.copy_(y)

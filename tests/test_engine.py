@@ -280,3 +280,16 @@ def test_attention_fast_is_a_deprecated_name_for_auto():
 
     with pytest.warns(DeprecationWarning, match="attention='fast' is deprecated"):
         assert _kernel_set("fast", torch.device("cpu")) == _kernel_set("auto", torch.device("cpu"))
+
+
+def test_a_request_alone_gets_the_tokens_it_gets_in_a_batch_bf16():
+    """bf16, the default: a request decoding alone (one row per matmul) computes exactly the
+    bits it computes among others, so a row's answer does not depend on the rows beside it
+    (kernels/linear.py, SAME_BITS); chunked prefill does not change them either. Exact, with
+    no near-tie allowance."""
+    eng = LLMEngine("smollm2-135m", dtype="bf16", kv_cache_bytes=64 << 20)
+    prompts = _mixed_prompts(eng, 8)
+    alone = [eng.generate([p], GREEDY)[0].token_ids for p in prompts]
+    for budget in (1024, 37):
+        eng.scheduler.max_num_batched_tokens = budget
+        assert [r.token_ids for r in eng.generate(prompts, GREEDY)] == alone, budget

@@ -1,9 +1,11 @@
 """kernels/linear.py: the prepacked bf16 Linear is bitwise F.linear; fp32 stays unpacked.
 
 Proved: for bf16 weights of SmolLM2-like shapes, with and without bias, at row counts 0 to
-300, `linear(w, b)(x)` equals `F.linear(x, w, b)` exactly (`torch.equal`) and the weight is
-held only in oneDNN's packed layout; for fp32 weights nothing is packed and the result is
-exactly F.linear's; `out_features` is the weight's row count either way.
+300, `linear(w, b)(x)` equals `F.linear(x, w, b)` on x's rows padded to a multiple of 4
+exactly (`torch.equal`) and the weight is held only in oneDNN's packed layout; for fp32
+weights nothing is packed and the result is exactly F.linear's on the same padded rows; in
+both, a row's result is the same alone as among others (kernels/linear.py, SAME_BITS);
+`out_features` is the weight's row count either way.
 """
 
 from __future__ import annotations
@@ -17,6 +19,12 @@ from llmdb.kernels.linear import linear
 SHAPES = [(960, 576), (3072, 576), (576, 1536)]  # [out, in]: qkv-, up- and down-like
 ROWS = [0, 1, 7, 64, 300]
 MKLDNN = torch.backends.mkldnn.is_available()
+
+
+def _f_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """F.linear on x's rows padded to a multiple of 4 with copies of the last."""
+    pad = -len(x) % 4
+    return F.linear(torch.cat([x, x[-1:].expand(pad, -1)]), w, b)[:len(x)]
 
 
 def _operands(out_f: int, in_f: int, dtype: torch.dtype, with_bias: bool, seed: int):
@@ -37,10 +45,26 @@ def test_bf16_packed_is_bitwise_f_linear(shape, with_bias):
         assert lin.packed is not None and lin.weight is None
     for rows in ROWS:
         x = torch.randn(rows, in_f, generator=g).to(torch.bfloat16)
-        got, ref = lin(x), F.linear(x, w, b)
+        got, ref = lin(x), _f_linear(x, w, b)
         assert got.dtype == ref.dtype == torch.bfloat16
         assert got.shape == ref.shape == (rows, out_f)
         assert torch.equal(got, ref), f"{shape} bias={with_bias} rows={rows}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_row_alone_equals_the_row_among_others(shape, dtype):
+    """oneDNN and MKL compute a few rows with kernels that sum in another order; a request
+    decoding alone must get the bits it gets in a batch (kernels/linear.py, SAME_BITS)."""
+    out_f, in_f = shape
+    w, b, g = _operands(out_f, in_f, dtype, True, seed=3)
+    lin = linear(w, b)
+    x = torch.randn(300, in_f, generator=g).to(dtype)
+    together = lin(x)
+    for i in range(len(x)):
+        assert torch.equal(lin(x[i:i + 1])[0], together[i]), f"{shape} row {i}"
+    for start, rows in ((0, 7), (100, 13), (290, 10)):
+        assert torch.equal(lin(x[start:start + rows]), together[start:start + rows])
 
 
 def test_bf16_packed_takes_non_contiguous_weight():
@@ -50,7 +74,7 @@ def test_bf16_packed_takes_non_contiguous_weight():
     lin = linear(w)
     x = torch.randn(7, 576, generator=g).to(torch.bfloat16)
     assert lin.out_features == 960
-    assert torch.equal(lin(x), F.linear(x, w))
+    assert torch.equal(lin(x), _f_linear(x, w, None))
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -66,7 +90,7 @@ def test_fp32_is_not_packed_and_is_exactly_f_linear(shape, with_bias):
         x = torch.randn(rows, in_f, generator=g)
         got = lin(x)
         assert got.shape == (rows, out_f)
-        assert torch.equal(got, F.linear(x, w, b))
+        assert torch.equal(got, _f_linear(x, w, b))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
