@@ -4,9 +4,9 @@
 every call. Packing once at load time (the op torch's own CPU compiler uses after freezing)
 skips that: measured here with SmolLM2's shapes, 5-10% faster at 1,024 rows and 20-50% at
 1-64 rows (decode steps), including the 49k-row vocabulary projection. The results are
-bitwise those of `F.linear` (the same oneDNN kernels, on rows padded to a multiple of 4: see
-SAME_BITS). fp32 weights stay with `F.linear`: it goes to MKL's sgemm there, and
-oneDNN's fp32 kernels differ in the last bits.
+bitwise those of `F.linear` (the same oneDNN kernels; one row padded to two, see SAME_BITS).
+fp32 weights stay with `F.linear` (rows padded to a multiple of 4): it goes to MKL's sgemm
+there, and oneDNN's fp32 kernels differ in the last bits.
 """
 
 from __future__ import annotations
@@ -18,16 +18,18 @@ import torch.nn.functional as F
 
 # The row count oneDNN picks its blocking for; any row count works with the packed weight.
 _ROWS_HINT = 1024
-# SAME_BITS: the CPU libraries compute a few rows with other kernels than a full tile of
-# rows, and those sum in another order. oneDNN (packed bf16) takes another for one row: for
-# SmolLM2's 1,536-wide down projection about one row in ten then differs in its last bits
-# from the same row computed among others. MKL (fp32) computes the rows past a multiple of 4
-# so: every one of them differs. Measured on this VM's EPYC (AVX-512), 1 to 1,024 rows; any
-# multiple of 4 agrees. A request decoding alone (the last of a query, or a query of one
-# row) then drifted to other tokens than in a batch: 8 of 24 greedy bf16 answers differed.
-# Rows are computed in multiples of 4 (the extra ones copies of the last), so a row's
-# answer does not depend on the rows beside it. One row as four is no slower here.
-_ROW_MULTIPLE = 4
+# SAME_BITS: the CPU libraries compute a few rows with other kernels than the rest, and those
+# sum in another order. oneDNN (packed bf16) takes another kernel for one row: for SmolLM2's
+# 1,536-wide down projection about one row in ten then differs in its last bits from the
+# same row computed among others. MKL (fp32) computes the rows past a multiple of 4 so, and
+# every one of them differs. Measured on this VM's EPYC (AVX-512) at 1 to 1,024 rows. A
+# request decoding alone (the last of a query, or a query of one row) then drifted to other
+# tokens than in a batch: 8 of 24 greedy bf16 answers differed. So one bf16 row is computed
+# as two, and fp32 rows in multiples of 4 (the extra rows copies of the last): a row's
+# answer does not depend on the rows beside it. (bf16 pads only the one row: padding every
+# step's rows would copy each matmul's input, ~5% of a 400-row decode step here.)
+_FP32_ROW_MULTIPLE = 4
+
 
 def _can_pack(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
@@ -47,8 +49,8 @@ class Linear:
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """out: a [rows, out_features] tensor to write into (a CUDA graph's shared buffer)."""
         rows = x.shape[0]
-        if x.device.type == "cpu" and rows % _ROW_MULTIPLE:  # (see SAME_BITS)
-            extra = _ROW_MULTIPLE - rows % _ROW_MULTIPLE
+        extra = self._padding(rows) if x.device.type == "cpu" else 0
+        if extra:  # (see SAME_BITS)
             y = self(torch.cat([x, x[-1:].expand(extra, -1)]))[:rows]
             return y if out is None else out.copy_(y)
         if self.packed is not None:
@@ -59,6 +61,13 @@ class Linear:
         if self.bias is None:
             return torch.mm(x, self.weight.t(), out=out)
         return torch.addmm(self.bias, x, self.weight.t(), out=out)
+
+
+    def _padding(self, rows: int) -> int:
+        """Rows to add so that the CPU library computes these rows as it does among others."""
+        if self.packed is not None:
+            return 1 if rows == 1 else 0
+        return -rows % _FP32_ROW_MULTIPLE
 
 
 def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:

@@ -1,10 +1,10 @@
 """kernels/linear.py: the prepacked bf16 Linear is bitwise F.linear; fp32 stays unpacked.
 
 Proved: for bf16 weights of SmolLM2-like shapes, with and without bias, at row counts 0 to
-300, `linear(w, b)(x)` equals `F.linear(x, w, b)` on x's rows padded to a multiple of 4
-exactly (`torch.equal`) and the weight is held only in oneDNN's packed layout; for fp32
-weights nothing is packed and the result is exactly F.linear's on the same padded rows; in
-both, a row's result is the same alone as among others (kernels/linear.py, SAME_BITS);
+300, `linear(w, b)(x)` equals `F.linear(x, w, b)` exactly (`torch.equal`; one row padded to
+two) and the weight is held only in oneDNN's packed layout; for fp32 weights nothing is
+packed and the result is exactly F.linear's on rows padded to a multiple of 4; in both, a
+row's result is the same alone as among others (kernels/linear.py, SAME_BITS);
 `out_features` is the weight's row count either way.
 """
 
@@ -22,8 +22,9 @@ MKLDNN = torch.backends.mkldnn.is_available()
 
 
 def _f_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """F.linear on x's rows padded to a multiple of 4 with copies of the last."""
-    pad = -len(x) % 4
+    """F.linear on x's rows padded with copies of the last: bf16 one row to two, fp32 to a
+    multiple of 4."""
+    pad = int(len(x) == 1) if w.dtype == torch.bfloat16 else -len(x) % 4
     return F.linear(torch.cat([x, x[-1:].expand(pad, -1)]), w, b)[:len(x)]
 
 
