@@ -28,8 +28,13 @@ def sql(tree: exp.Expression) -> str:
 
 
 def test_number_parameters_in_text_order():
-    tree = number_parameters(parse("SELECT ? FROM t WHERE a = ? AND (b = ? OR c = ?)"))
-    assert sql(tree) == "SELECT $1 FROM t WHERE a = $2 AND (b = $3 OR c = $4)"
+    assert number_parameters("SELECT ? FROM t WHERE a = ? AND (b = ? OR c = ?)") == \
+        "SELECT $1 FROM t WHERE a = $2 AND (b = $3 OR c = $4)"
+    # A CTE's and a LIMIT's in their places too (sqlglot's tree has them after the WHERE),
+    # and not a `?` in a string or a comment.
+    assert number_parameters("WITH c AS (SELECT ? AS x) SELECT '?' /* ? */, x FROM c "
+                             "WHERE x = ? LIMIT ?") == \
+        "WITH c AS (SELECT $1 AS x) SELECT '?' /* ? */, x FROM c WHERE x = $2 LIMIT $3"
 
 
 def test_only_ctes_with_calls_are_inlined():

@@ -6,6 +6,8 @@ Each rule takes the planner's copy of the tree, changes it in place and returns 
 from __future__ import annotations
 
 from sqlglot import exp
+from sqlglot.dialects.duckdb import DuckDB
+from sqlglot.tokens import TokenType
 
 from .callsites import call_name
 from .guards import as_copy, is_lookup
@@ -16,18 +18,25 @@ VOLATILE = {"random", "rand", "gen_random_uuid", "uuid", "uuidv4", "uuidv7", "ne
             "setseed", "currval"}
 
 
+_DUCKDB = DuckDB()
+
+
 def has_call(e: exp.Expression) -> bool:
     return any(call_name(n) is not None for n in e.walk())
 
 
-def number_parameters(tree: exp.Expression) -> exp.Expression:
-    """`?` -> `$1`, `$2`, ...: reordering AND operands must not reorder bound values."""
-    n = 0
-    for node in list(tree.walk(bfs=False)):  # depth-first: the order of the text
-        if isinstance(node, exp.Placeholder) and not node.this:
+def number_parameters(sql: str) -> str:
+    """`?` -> `$1`, `$2`, ... in the order of the text, as DuckDB binds them: reordering AND
+    operands must not reorder bound values. Numbered on the text's tokens, not on the tree:
+    sqlglot keeps a SELECT's clauses in an order of its own (its WITH and LIMIT after its
+    WHERE), so numbering the tree bound a CTE's `?` to a later value."""
+    out, end, n = [], 0, 0
+    for token in _DUCKDB.tokenize(sql):
+        if token.token_type == TokenType.PLACEHOLDER and token.text == "?":
             n += 1
-            node.replace(exp.Parameter(this=exp.Literal.number(n)))
-    return tree
+            out += [sql[end:token.start], f"${n}"]
+            end = token.end + 1
+    return "".join(out) + sql[end:]
 
 
 def volatile(e: exp.Expression) -> bool:

@@ -130,7 +130,8 @@ def plan_or_reason(sql: str, qid: int, model: str, *, namespace: int = 0,
 def _plan(sql: str, qid: int, namespace: int, model: str, parameters: Any,
           learned: Learned) -> Plan:
     try:
-        statements = sqlglot.parse(sql, read="duckdb")
+        statements = sqlglot.parse(number_parameters(sql) if parameters else sql,
+                                   read="duckdb")
     except SqlglotError as e:
         raise Unsupported(f"sqlglot cannot parse it ({str(e).splitlines()[0]})") from None
     if len(statements) != 1 or statements[0] is None:
@@ -143,8 +144,6 @@ def _plan(sql: str, qid: int, namespace: int, model: str, parameters: Any,
     names_kept = isinstance(written, exp.Select) and all(  # (t.* is a Column of a Star)
         isinstance(e, exp.Alias) or (isinstance(e, exp.Column) and not e.is_star)
         for e in written.expressions)
-    if parameters:
-        number_parameters(tree)
     draws = volatile(tree)
     inline_llm_ctes(tree)
     push_filters_into_llm_subqueries(tree)
