@@ -815,6 +815,13 @@ REGRESSIONS: dict[str, Query] = {
     "params_limit_in_text_order": Query(
         "SELECT id, llm_filter(s) AS f FROM t WHERE id > ? ORDER BY id LIMIT ?", "ordered",
         [30, 3]),
+    # Under LIMIT 0 (how tools learn a query's columns) DuckDB computes nothing; the
+    # planner's drivers computed the WHERE's calls on every row (7 calls here, not 0).
+    "limit_0": Query("SELECT s, count(*) AS n FROM t WHERE llm_filter(s) GROUP BY s LIMIT 0",
+                     "ordered"),
+    "limit_0_distinct_on": Query(
+        "SELECT DISTINCT ON (g) g, llm_complete(s, max_tokens := 1) AS c FROM t "
+        "WHERE llm_filter_score(s) > 0.2 ORDER BY g, id LIMIT 0", "ordered"),
 }
 
 

@@ -118,6 +118,10 @@ def placement(node: exp.Expression, tops: list[exp.Select], root: exp.Expression
         return Placement("lazy", s, "in a nested query: DuckDB decides which rows reach it")
     if "lambda" in flags:
         return Placement("lazy", s, "inside a lambda")
+    if int_literal(s.args.get("limit")) == 0:
+        # DuckDB runs no part of a query under LIMIT 0 (tools send one to learn a query's
+        # columns): a driver would compute the calls of rows it never returns.
+        return Placement("lazy", s, "LIMIT 0: no rows are computed")
     agg = aggregated(s)
     if clause == "where":
         limited = s.args.get("limit") is not None or s.args.get("offset") is not None
