@@ -822,6 +822,14 @@ REGRESSIONS: dict[str, Query] = {
     "limit_0_distinct_on": Query(
         "SELECT DISTINCT ON (g) g, llm_complete(s, max_tokens := 1) AS c FROM t "
         "WHERE llm_filter_score(s) > 0.2 ORDER BY g, id LIMIT 0", "ordered"),
+    # A driver filtered by a site's guard (f(x) is in f(y)'s): DuckDB merged it into the
+    # query's WHERE and evaluated it first, so f(x) ran on rows the WHERE drops.
+    "guard_after_where": Query(
+        "SELECT id, (llm_filter(s) OR llm_filter(s || '!')) AS f FROM t WHERE id % 10 = 0",
+        "multiset"),
+    "guard_after_where_in_aggregate": Query(
+        "SELECT g, count(*) FILTER (WHERE llm_filter(s) OR llm_filter(s || '!')) AS n FROM t "
+        "WHERE id % 10 = 0 GROUP BY g", "multiset"),
 }
 
 

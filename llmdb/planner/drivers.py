@@ -110,14 +110,24 @@ def _arg_columns(site: Site) -> list[exp.Expression]:
 
 
 def _rows_of(site: Site, inner: exp.Select, guarded: bool) -> exp.Select:
-    """SELECT args..., count(*) FROM (inner) [WHERE guard] GROUP BY ALL."""
+    """SELECT args..., count(*) [FILTER (WHERE guard)] FROM (inner) GROUP BY ALL
+    [HAVING count(*) FILTER (WHERE guard) > 0].
+
+    The guard is counted, not filtered by a WHERE: DuckDB pushes an outer WHERE into the
+    inner query's and evaluates the conjuncts in an order of its own, so the lookups in the
+    guard (SELECT f(x) OR f(y) ... WHERE id % 10 = 0: f(x)'s, in f(y)'s guard) ran on rows
+    the inner WHERE drops, computing calls the query never makes."""
     cols = [exp.column(ARG.format(i)) for i in range(len(site.args))]
-    out = exp.Select(expressions=[*cols, exp.alias_(exp.Count(this=exp.Star()), ROWS)])
+    rows: exp.Expression = exp.Count(this=exp.Star())
+    if guarded:
+        rows = exp.Filter(this=rows, expression=exp.Where(this=exp.column(GUARD)))
+    out = exp.Select(expressions=[*cols, exp.alias_(rows, ROWS)])
     out = out.from_(exp.Subquery(this=inner, alias=exp.TableAlias(this=exp.to_identifier(
         "__llmdb_s"))))
-    if guarded:
-        out = out.where(exp.column(GUARD))
     out.set("group", exp.Group(all=True))
+    if guarded:
+        out.set("having", exp.Having(this=exp.GT(this=rows.copy(),
+                                                  expression=exp.Literal.number(0))))
     return out
 
 
@@ -134,11 +144,16 @@ def _source(s: exp.Select) -> exp.Select:
 def where_driver(s: exp.Select, site: Site, with_where: bool) -> exp.Select:
     inner = _source(s)
     inner.set("expressions", _arg_columns(site))
-    conds = []
-    if with_where and s.args.get("where") is not None:
-        conds.append(as_copy(s.args["where"].this))
-    conds += [c.copy() for c in site.guard]
-    cond = conjunction(conds)
+    where = as_copy(s.args["where"].this) if with_where and s.args.get("where") else None
+    guard = conjunction([c.copy() for c in site.guard])
+    if where is not None and guard is not None and any(is_lookup(n) for n in guard.walk()):
+        # Not one WHERE of both: DuckDB orders a WHERE's conjuncts as it sees fit, and the
+        # lookups in the guard would run on rows the query's WHERE drops (see _rows_of).
+        inner.set("where", exp.Where(this=where))
+        inner.set("expressions", [*inner.expressions, exp.alias_(guard, GUARD)])
+        return _with(_rows_of(site, inner, guarded=True), _ctes_above(s),
+                     s.args.get("with_"))
+    cond = conjunction([c for c in (where, guard) if c is not None])
     if cond is not None:
         inner.set("where", exp.Where(this=cond))
     outer = _rows_of(site, inner, guarded=False)
