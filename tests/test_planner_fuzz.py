@@ -830,6 +830,11 @@ REGRESSIONS: dict[str, Query] = {
     "guard_after_where_in_aggregate": Query(
         "SELECT g, count(*) FILTER (WHERE llm_filter(s) OR llm_filter(s || '!')) AS n FROM t "
         "WHERE id % 10 = 0 GROUP BY g", "multiset"),
+    # DuckDB runs no INTERSECT branch beside an empty one; the planner's drivers computed
+    # the other branch's calls first (7 calls, not 0).
+    "intersect_branch_not_ahead": Query(
+        "SELECT s FROM t WHERE llm_filter(s) INTERSECT SELECT w FROM u WHERE w = 'nothing'",
+        "multiset"),
 }
 
 

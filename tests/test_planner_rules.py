@@ -120,6 +120,9 @@ def test_placements():
     assert _placements("SELECT a FROM t WHERE llm_filter(x) UNION ALL "
                        "SELECT b FROM u WHERE llm_filter(z)") == {
         "LLM_FILTER(x)": "where", "LLM_FILTER(z)": "where"}
+    assert _placements("SELECT a FROM t WHERE llm_filter(x) INTERSECT "
+                       "SELECT b FROM u WHERE llm_filter(z)") == {
+        "LLM_FILTER(x)": "lazy", "LLM_FILTER(z)": "lazy"}
 
 
 def test_unsupported_calls():

@@ -252,10 +252,13 @@ def root_query(tree: exp.Expression) -> exp.Query | None:
 
 def top_level_selects(root: exp.Query) -> list[exp.Select]:
     """SELECTs every row of which reaches the result: the root, or the branches of a root
-    set operation without ORDER BY / LIMIT of its own (those can stop a branch early)."""
+    UNION [ALL] without ORDER BY / LIMIT of its own (those can stop a branch early). Not
+    an INTERSECT's or EXCEPT's: their rows reach the result only as the other branch
+    decides, and DuckDB does not run a branch that cannot (one beside an empty INTERSECT
+    branch): computed ahead, its calls were made for nothing."""
     if isinstance(root, exp.Select):
         return [root]
-    if isinstance(root, exp.SetOperation) and not root.args.get("limit") \
+    if isinstance(root, exp.Union) and not root.args.get("limit") \
             and not root.args.get("order") and not root.args.get("offset"):
         return top_level_selects(root.this) + top_level_selects(root.expression)
     if isinstance(root, exp.Subquery) and isinstance(root.this, exp.Query):
