@@ -90,7 +90,9 @@ def test_top_rows_before_calls_adds_a_qualify_for_expression_keys():
     tree = top_rows_before_calls(_rewritten(
         "SELECT id, llm_complete(x) AS c FROM t ORDER BY length(x) DESC, id LIMIT 3 OFFSET 1"))
     q = tree.args["qualify"]
-    assert sql(q) == "QUALIFY ROW_NUMBER() OVER (ORDER BY LENGTH(x) DESC, id) <= 4"
+    # In place of the OFFSET: the rows it skips are not computed either.
+    assert sql(q) == "QUALIFY ROW_NUMBER() OVER (ORDER BY LENGTH(x) DESC, id) BETWEEN 2 AND 4"
+    assert tree.args.get("offset") is None and sql(tree.args["limit"]) == "LIMIT 3"
     # Plain keys too: DuckDB takes the top rows first from its own tables only.
     plain = top_rows_before_calls(_rewritten(
         "SELECT id, llm_complete(x) AS c FROM t ORDER BY id LIMIT 3"))

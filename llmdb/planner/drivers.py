@@ -34,7 +34,7 @@ from .guards import (
     operands,
 )
 from .placement import Placement, main_lookups, placement, projection_index, reads_site
-from .shapes import int_literal, own_qualify
+from .shapes import int_literal, offset_of, own_qualify
 
 # A driver's tree is built from copies, for its text alone: it is written out without the
 # deep copy sqlglot otherwise makes first.
@@ -204,7 +204,7 @@ def _prefix(s: exp.Select, extra: list[exp.Expression]) -> exp.Select:
 
 def incremental_step(s: exp.Select, sites: list[Site]) -> Incremental:
     limit = int_literal(s.args.get("limit")) or 0
-    offset = int_literal(s.args.get("offset")) or 0
+    offset = offset_of(s) or 0
     step = Incremental(s, sites, limit + offset)
     for site in sites:
         guard = conjunction([c.copy() for c in site.guard]) or exp.true()
