@@ -9,6 +9,7 @@ from llmdb.planner.callsites import Unsupported, find_sites
 from llmdb.planner.guards import rewrite_sites
 from llmdb.planner.placement import main_lookups, placement
 from llmdb.planner.rules import (
+    having_on_keys_to_where,
     inline_llm_ctes,
     llm_conjuncts_to_where,
     number_parameters,
@@ -69,6 +70,27 @@ def test_a_cte_used_twice_is_not_pushed_into():
         "WITH s AS (SELECT id, llm_filter(x) AS f FROM t) "
         "SELECT * FROM s WHERE id < 3 UNION ALL SELECT * FROM s WHERE id > 7"))
     assert tree.find(exp.CTE).this.args.get("where") is None
+
+
+def test_having_on_grouping_keys_moves_to_where():
+    def moved(q: str) -> str:
+        return sql(having_on_keys_to_where(parse(q)))
+
+    assert moved("SELECT cat, avg(llm_filter_score(x)) FROM t GROUP BY cat "
+                 "HAVING llm_filter(cat) AND count(*) > 1") == \
+        "SELECT cat, AVG(LLM_FILTER_SCORE(x)) FROM t WHERE (LLM_FILTER(cat)) GROUP BY cat " \
+        "HAVING (COUNT(*) > 1)"
+    # An alias no key reads is its expression; a name bare in GROUP BY stays as it is.
+    assert moved("SELECT s AS k, count(*) FROM t GROUP BY ALL HAVING llm_filter(k)") == \
+        "SELECT s AS k, COUNT(*) FROM t WHERE (LLM_FILTER((s))) GROUP BY ALL"
+    assert moved("SELECT s AS k, count(*) FROM t GROUP BY k HAVING llm_filter(k)") == \
+        "SELECT s AS k, COUNT(*) FROM t WHERE (LLM_FILTER(k)) GROUP BY k"
+    for q in ["SELECT s AS g, g, count(*) FROM t GROUP BY ALL HAVING llm_filter(g)",  # column
+              "SELECT g, sum(a) AS m FROM t GROUP BY g HAVING m > 1 OR llm_filter(g)",
+              "SELECT g, count(*) FROM t GROUP BY ROLLUP (g) HAVING llm_filter(g)",
+              "SELECT count(*) FROM t HAVING llm_filter('x')",  # one row even of no rows
+              "SELECT g FROM t GROUP BY g HAVING my_udf(g)"]:  # perhaps an aggregate
+        assert moved(q) == sql(parse(q)), q
 
 
 def test_llm_conjuncts_move_from_inner_joins_only():

@@ -113,6 +113,83 @@ def _and(parts: list[exp.Expression]) -> exp.Expression:
     return out
 
 
+def having_on_keys_to_where(tree: exp.Expression) -> exp.Expression:
+    """In a SELECT with GROUP BY, HAVING conjuncts that read the grouping keys alone (no
+    aggregate) move to WHERE.
+
+    Such a conjunct has one value on all rows of a group, so it drops the same groups from
+    WHERE, and DuckDB moves it there itself when it runs the query as written. Left in
+    HAVING, the drivers computed the calls inside the aggregates on the rows of every group
+    (SELECT cat, avg(llm_filter_score(x)) ... GROUP BY cat HAVING llm_filter(cat): the
+    scores of every category, for the few that pass). Not under ROLLUP, CUBE or GROUPING
+    SETS (their subtotal rows read NULL keys), nor without GROUP BY (an aggregate over no
+    rows still returns its row)."""
+    for s in list(tree.find_all(exp.Select)):
+        having, group = s.args.get("having"), s.args.get("group")
+        if having is None or group is None or any(
+                group.args.get(k) for k in ("rollup", "cube", "grouping_sets", "totals")) \
+                or any(isinstance(g, exp.Rollup | exp.Cube | exp.GroupingSets)
+                       for g in group.expressions):
+            continue
+        if not group.args.get("all") and not group.expressions:
+            continue
+        keep, moved = [], []
+        for c in _conjuncts(having.this):
+            on_keys = _on_keys(c, s, group)
+            if on_keys is None:
+                keep.append(c)
+            else:
+                moved.append(on_keys)
+        if not moved:
+            continue
+        where = s.args.get("where")
+        s.set("where", exp.Where(this=_and(([where.this] if where is not None else []) + moved)))
+        s.set("having", exp.Having(this=_and(keep)) if keep else None)
+    return tree
+
+
+def _row_level(e: exp.Expression) -> bool:
+    """Evaluates the same on a row as on its group, given its columns: no aggregate, window,
+    subquery, volatile function, or function unknown to sqlglot (it may aggregate)."""
+    return not volatile(e) and not any(
+        isinstance(n, exp.AggFunc | exp.Window | exp.Query | exp.Subquery | exp.Star)
+        or (isinstance(n, exp.Anonymous) and call_name(n) is None) for n in e.walk())
+
+
+def _on_keys(c: exp.Expression, s: exp.Select, group: exp.Group) -> exp.Expression | None:
+    """A HAVING conjunct as a WHERE conjunct of the same rows, or None where it reads an
+    aggregate or where its names may bind otherwise in WHERE.
+
+    In HAVING, DuckDB binds a name to the FROM's column where that column is a grouping
+    key and to the select list's alias otherwise; in WHERE, to the column where there is
+    one. A name bare in GROUP BY means the same in both (the column, or where there is none
+    the alias); an alias of a name no key reads is replaced by its expression."""
+    if not _row_level(c):
+        return None
+    aliases = {p.alias: p.this for p in s.expressions if isinstance(p, exp.Alias)}
+    if group.args.get("all"):
+        keys = [p.unalias() for p in s.expressions if _row_level(p)]
+        bare: set[str] = set()
+    else:
+        keys = []
+        for g in group.expressions:
+            i = int_literal(g)
+            keys.append(s.expressions[i - 1].unalias() if i is not None and
+                        1 <= i <= len(s.expressions) else g)
+        bare = {g.name for g in group.expressions if isinstance(g, exp.Column) and not g.table}
+    keyed = {n.name for k in keys for n in k.walk() if isinstance(n, exp.Column)}
+    out = c.copy()
+    for col in list(out.find_all(exp.Column)):
+        name, expr = col.name, aliases.get(col.name)
+        if col.table or expr is None or name in bare or (
+                isinstance(expr, exp.Column) and expr.name == name):
+            continue
+        if name in keyed or not _row_level(expr):
+            return None  # (the grouping key of that name, or an alias of an aggregate)
+        col.replace(exp.Paren(this=expr.copy()))
+    return out
+
+
 # ---- predicate pushdown into subqueries with LLM calls ------------------------------------
 
 def _plain(s: exp.Expression) -> bool:

@@ -31,6 +31,7 @@ from .learned import DEFAULT_PASS_RATE, LEARNED, Learned
 from .memo import QueryRun, Runs, SiteCounts, freeze
 from .rules import (
     first_rows_before_calls,
+    having_on_keys_to_where,
     inline_llm_ctes,
     limits_into_union_branches,
     llm_conjuncts_to_where,
@@ -148,6 +149,7 @@ def _plan(sql: str, qid: int, namespace: int, model: str, parameters: Any,
     inline_llm_ctes(tree)
     push_filters_into_llm_subqueries(tree)
     llm_conjuncts_to_where(tree)
+    having_on_keys_to_where(tree)
     limits_into_union_branches(tree)
     sites = find_sites(tree)
     if not sites:
