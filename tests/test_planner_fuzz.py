@@ -850,6 +850,15 @@ REGRESSIONS: dict[str, Query] = {
     "having_on_keys": Query(
         "SELECT g, round(avg(llm_filter_score(s || id)), 6) AS m FROM t GROUP BY g "
         "HAVING llm_filter('group ' || g) AND count(*) > 1", "multiset"),
+    # ORDER BY plain columns LIMIT k over a subquery (or CTE) with calls: DuckDB takes the
+    # top rows first, but the planner's top-rows QUALIFY (a window) made it compute the
+    # subquery's calls on every row (36 calls where the query as written made 2).
+    "top_rows_over_a_subquery": Query(
+        "SELECT id, llm_filter(c) AS f FROM (SELECT id, llm_complete(s || id, "
+        "max_tokens := 1) AS c FROM t) d ORDER BY id DESC LIMIT 1", "ordered"),
+    "top_rows_over_a_cte": Query(
+        "WITH c AS (SELECT id, llm_complete(s || id, max_tokens := 1) AS c FROM t) "
+        "SELECT id, llm_filter(c) AS f FROM c ORDER BY id LIMIT 2", "ordered"),
     "having_on_key_aliases": Query(
         "SELECT s AS k, count(*) FILTER (WHERE llm_filter(s || id)) AS n FROM t "
         "GROUP BY ALL HAVING llm_filter('group ' || k)", "multiset"),

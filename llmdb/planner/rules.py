@@ -444,6 +444,21 @@ def _qualify_keeps_the_rows(s: exp.Select, keys: list[exp.Expression]) -> bool:
     return not (star and any(int_literal(k) is not None for k in keys))
 
 
+def _top_rows_first(s: exp.Select, order: exp.Order) -> bool:
+    """Whether DuckDB takes the top rows by plain columns before a subquery (or CTE) with
+    calls computes them, which a window would undo: it needs the subquery's every row
+    (SELECT f(d.c) FROM (SELECT id, g(x) AS c FROM t) d ORDER BY id LIMIT 1 computed g on
+    every row under the QUALIFY, on one without)."""
+    if s.args.get("joins") or s.args.get("from_") is None or not all(
+            isinstance(_order_key(o, s), exp.Column) for o in order.expressions):
+        return False
+    item = s.args["from_"].this
+    if isinstance(item, exp.Table) and not item.args.get("db"):
+        cte = _ctes_in_scope(s).get(item.name)
+        item = cte.this if cte is not None else item
+    return isinstance(item, exp.Query | exp.Subquery) and any(is_lookup(n) for n in item.walk())
+
+
 def top_rows_before_calls(tree: exp.Expression) -> exp.Expression:
     """`SELECT <LLM calls> ... ORDER BY <expressions> LIMIT k` also gets
     `QUALIFY row_number() OVER (ORDER BY <the same>) <= k`; with OFFSET s, `BETWEEN s + 1
@@ -464,7 +479,8 @@ def top_rows_before_calls(tree: exp.Expression) -> exp.Expression:
                 or s.args.get("distinct") or s.args.get("qualify"):
             continue
         if not any(any(is_lookup(n) for n in p.walk()) for p in s.expressions) or \
-                not _qualify_keeps_the_rows(s, [o.this for o in order.expressions]):
+                not _qualify_keeps_the_rows(s, [o.this for o in order.expressions]) or \
+                _top_rows_first(s, order):
             continue
         window = exp.Window(this=exp.RowNumber(), order=_resolved_order(order, s))
         if skip:  # the LIMIT k then keeps the k rows the QUALIFY keeps
