@@ -859,6 +859,11 @@ REGRESSIONS: dict[str, Query] = {
     "top_rows_over_a_cte": Query(
         "WITH c AS (SELECT id, llm_complete(s || id, max_tokens := 1) AS c FROM t) "
         "SELECT id, llm_filter(c) AS f FROM c ORDER BY id LIMIT 2", "ordered"),
+    # A call on a NULL prompt is NULL: DuckDB folds it and drops the rows it decides, but
+    # the planner computed the calls beside it first (35 calls where the query as written
+    # made none).
+    "null_prompt_folds": Query(
+        "SELECT id FROM t WHERE llm_filter(s || id) AND llm_filter(NULL)", "multiset"),
     "having_on_key_aliases": Query(
         "SELECT s AS k, count(*) FILTER (WHERE llm_filter(s || id)) AS n FROM t "
         "GROUP BY ALL HAVING llm_filter('group ' || k)", "multiset"),

@@ -12,6 +12,7 @@ from llmdb.planner.rules import (
     having_on_keys_to_where,
     inline_llm_ctes,
     llm_conjuncts_to_where,
+    null_calls_to_nulls,
     number_parameters,
     push_filters_into_llm_subqueries,
     root_query,
@@ -70,6 +71,18 @@ def test_a_cte_used_twice_is_not_pushed_into():
         "WITH s AS (SELECT id, llm_filter(x) AS f FROM t) "
         "SELECT * FROM s WHERE id < 3 UNION ALL SELECT * FROM s WHERE id > 7"))
     assert tree.find(exp.CTE).this.args.get("where") is None
+
+
+def test_calls_on_a_null_prompt_are_null():
+    tree = null_calls_to_nulls(parse(
+        "SELECT llm_filter(NULL), llm_classify(NULL, ['a', 'b']), llm_complete(llm_complete("
+        "NULL::VARCHAR), max_tokens := 2), llm_classify(x, NULL), llm_filter(x), "
+        "llm_complete(NULL, max_tokens := 'two'), llm_filter(NULL, system := x) FROM t"))
+    # Not where another argument is not a literal that passes its check: that may raise.
+    assert sql(tree) == (
+        "SELECT CAST(NULL AS BOOLEAN), CAST(NULL AS TEXT), CAST(NULL AS TEXT), "
+        "LLM_CLASSIFY(x, NULL), LLM_FILTER(x), LLM_COMPLETE(NULL, max_tokens := 'two'), "
+        "LLM_FILTER(NULL, system := x) FROM t")
 
 
 def test_having_on_grouping_keys_moves_to_where():

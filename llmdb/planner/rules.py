@@ -9,7 +9,7 @@ from sqlglot import exp
 from sqlglot.dialects.duckdb import DuckDB
 from sqlglot.tokens import TokenType
 
-from .callsites import call_name
+from .callsites import Unsupported, call_name, null_call, resolve
 from .guards import as_copy, is_lookup
 from .shapes import SKIPPED, TOP_ROWS, aggregated, has_window, int_literal
 
@@ -49,6 +49,25 @@ def volatile(e: exp.Expression) -> bool:
         if isinstance(node, exp.Anonymous) and node.name.lower() in VOLATILE:
             return True
     return False
+
+
+def null_calls_to_nulls(tree: exp.Expression) -> exp.Expression:
+    """A call with a NULL literal for its prompt (text, labels) becomes a typed NULL.
+
+    It is NULL without a model call, and DuckDB folds it so when it plans the query as
+    written, and drops what it decides: WHERE x AND llm_filter(NULL) reads no rows. As a
+    site, the calls beside it were computed first (8 calls where the query as written made
+    none)."""
+    for node in reversed(list(tree.find_all(exp.Anonymous))):  # (inner calls first)
+        if call_name(node) is None:
+            continue
+        try:
+            site = resolve(node, 0)
+        except (Unsupported, ValueError):
+            continue  # (find_sites says why)
+        if null_call(site):
+            node.replace(exp.cast(exp.null(), site.signature.returns, dialect="duckdb"))
+    return tree
 
 
 def inline_llm_ctes(tree: exp.Expression) -> exp.Expression:

@@ -35,6 +35,7 @@ from .rules import (
     inline_llm_ctes,
     limits_into_union_branches,
     llm_conjuncts_to_where,
+    null_calls_to_nulls,
     number_parameters,
     push_filters_into_llm_subqueries,
     root_query,
@@ -146,6 +147,7 @@ def _plan(sql: str, qid: int, namespace: int, model: str, parameters: Any,
         isinstance(e, exp.Alias) or (isinstance(e, exp.Column) and not e.is_star)
         for e in written.expressions)
     draws = volatile(tree)
+    null_calls_to_nulls(tree)
     inline_llm_ctes(tree)
     push_filters_into_llm_subqueries(tree)
     llm_conjuncts_to_where(tree)
