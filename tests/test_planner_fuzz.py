@@ -889,6 +889,11 @@ REGRESSIONS: dict[str, Query] = {
     "guard_after_where": Query(
         "SELECT id, (llm_filter(s) OR llm_filter(s || '!')) AS f FROM t WHERE id % 10 = 0",
         "multiset"),
+    # ... or pushed a guard's condition on one table below the join, computing it on rows
+    # the join drops (38 calls where the query as written made 28).
+    "guard_after_join": Query(
+        "SELECT count(*) AS n FROM t JOIN u ON t.id = u.tid WHERE CASE WHEN "
+        "llm_filter(t.s || t.id) THEN llm_filter(u.w || u.uid) END", "multiset"),
     "guard_after_where_in_aggregate": Query(
         "SELECT g, count(*) FILTER (WHERE llm_filter(s) OR llm_filter(s || '!')) AS n FROM t "
         "WHERE id % 10 = 0 GROUP BY g", "multiset"),

@@ -144,19 +144,19 @@ def _source(s: exp.Select) -> exp.Select:
 def where_driver(s: exp.Select, site: Site, with_where: bool) -> exp.Select:
     inner = _source(s)
     inner.set("expressions", _arg_columns(site))
-    where = as_copy(s.args["where"].this) if with_where and s.args.get("where") else None
-    guard = conjunction([c.copy() for c in site.guard])
-    if where is not None and guard is not None and any(is_lookup(n) for n in guard.walk()):
-        # Not one WHERE of both: DuckDB orders a WHERE's conjuncts as it sees fit, and the
-        # lookups in the guard would run on rows the query's WHERE drops (see _rows_of).
-        inner.set("where", exp.Where(this=where))
-        inner.set("expressions", [*inner.expressions, exp.alias_(guard, GUARD)])
-        return _with(_rows_of(site, inner, guarded=True), _ctes_above(s),
-                     s.args.get("with_"))
-    cond = conjunction([c for c in (where, guard) if c is not None])
+    conds = [as_copy(s.args["where"].this)] if with_where and s.args.get("where") else []
+    # The guard's conditions that hold calls are a column counted above the WHERE, not its
+    # conjuncts: DuckDB evaluates a WHERE's conjuncts in an order of its own, and pushes one
+    # that reads one table below the joins, so their lookups ran on rows that the query's
+    # WHERE or its joins drop (see _rows_of).
+    called = [c.copy() for c in site.guard if any(is_lookup(n) for n in c.walk())]
+    conds += [c.copy() for c in site.guard if not any(is_lookup(n) for n in c.walk())]
+    cond = conjunction(conds)
     if cond is not None:
         inner.set("where", exp.Where(this=cond))
-    outer = _rows_of(site, inner, guarded=False)
+    if called:
+        inner.set("expressions", [*inner.expressions, exp.alias_(conjunction(called), GUARD)])
+    outer = _rows_of(site, inner, guarded=bool(called))
     return _with(outer, _ctes_above(s), s.args.get("with_"))
 
 
