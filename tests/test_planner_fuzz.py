@@ -990,6 +990,21 @@ def test_regression(pair, name):
     assert not problems, f"{name}: {q.sql} params={q.params}\n" + "\n".join(problems)
 
 
+def test_a_having_driver_prefetches_every_group_it_filters(pair):
+    """HAVING with a call under ORDER BY ... LIMIT: the driver left the HAVING out (it
+    reads the call) but kept the LIMIT, so it fetched the first 2 groups of all, not the
+    groups the HAVING filters; the others were computed as DuckDB reached them (batches
+    [2, 4, 2], not [8]). Found reading the drivers after the fuzz test's HAVING cases."""
+    from llmdb.planner.run import normalized
+
+    pair.load(fixed_tables())
+    q = ("SELECT s, count(*) AS n FROM t GROUP BY s HAVING llm_filter(s || count(*)) "
+         "ORDER BY s LIMIT 2")
+    assert pair.check(Query(q, "ordered")) == []
+    batches = [c.batches for c in pair.on.planner.history[normalized(q)].values()]
+    assert batches == [[8]]
+
+
 @pytest.mark.parametrize("seed", CI_SEEDS)
 def test_random_query(pair, seed):
     tables, q = generate(seed)

@@ -168,8 +168,11 @@ def output_driver(s: exp.Select, site: Site, node: exp.Expression) -> exp.Select
         c = s.args.get(clause)
         if c is not None and reads_site(c, s, index, site.id, ordinals=clause == "order"):
             inner.set(clause, None)
-    # LIMIT picks rows by ORDER BY, or among DISTINCT rows, which needs every row's value.
-    if s.args.get("distinct") or (s.args.get("order") and inner.args.get("order") is None):
+    # LIMIT picks rows by ORDER BY, or among DISTINCT rows, which needs every row's value;
+    # and it picks among the rows HAVING and QUALIFY keep: without them, other rows.
+    dropped = any(s.args.get(c) is not None and inner.args.get(c) is None
+                  for c in ("having", "qualify", "order"))
+    if s.args.get("distinct") or dropped:
         inner.set("order", None)
         inner.set("limit", None)
         inner.set("offset", None)
