@@ -1014,6 +1014,42 @@ def test_a_having_driver_prefetches_every_group_it_filters(pair):
     assert batches == [[8]]
 
 
+def test_concurrent_lookups_compute_a_tuple_once(monkeypatch):
+    """DuckDB runs a query's pipelines on several threads: a scalar subquery that is also
+    the ORDER BY key of the top-rows QUALIFY was evaluated twice at once, and both
+    evaluations missed the memo and called the model (180 calls where the query as
+    written made 90; the fuzz test's seed 135, now and then). A lookup that misses a tuple
+    another thread is computing waits for it."""
+    import threading
+    import time
+
+    from llmdb.planner import plan
+    from llmdb.planner.guards import MAIN
+    from llmdb.planner.memo import QueryRun
+    from llmdb.session import Options, Session
+
+    p = plan("SELECT llm_filter(x) FROM t", 1, STANDIN)
+    run_ = QueryRun(1, p.sites, Session(Options(model=STANDIN, cache=False)))
+    computed = []
+
+    def slow(site, keys, counts, priority):
+        computed.extend(keys)
+        time.sleep(0.2)  # the other thread asks meanwhile
+        return [True] * len(keys)
+
+    monkeypatch.setattr(run_, "_call", slow)
+    keys = [("a", None, None, None), ("b", None, None, None)]
+    out = []
+    threads = [threading.Thread(target=lambda: out.append(run_.lookup(0, MAIN, keys)))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join()
+    assert out == [[True, True]] * 2 and sorted(computed) == sorted(keys)
+
+
 @pytest.mark.parametrize("seed", CI_SEEDS)
 def test_random_query(pair, seed):
     tables, q = generate(seed)
