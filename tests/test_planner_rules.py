@@ -157,6 +157,10 @@ def test_placements():
     assert _placements("SELECT a FROM t WHERE llm_filter(x) UNION ALL "
                        "SELECT b FROM u WHERE llm_filter(z)") == {
         "LLM_FILTER(x)": "where", "LLM_FILTER(z)": "where"}
+    # LIMIT without ORDER BY keeps a table's first rows, but a join's come in any order.
+    assert _placements("SELECT llm_complete(x) FROM t LIMIT 3") == {"LLM_COMPLETE(x)": "output"}
+    assert _placements("SELECT llm_complete(x) FROM t JOIN u ON t.id = u.id LIMIT 3") == {
+        "LLM_COMPLETE(x)": "lazy"}
     assert _placements("SELECT a FROM t WHERE llm_filter(x) INTERSECT "
                        "SELECT b FROM u WHERE llm_filter(z)") == {
         "LLM_FILTER(x)": "lazy", "LLM_FILTER(z)": "lazy"}
