@@ -997,6 +997,13 @@ REGRESSIONS: dict[str, Query] = {
             "AS s FROM range(200)",
             "CREATE OR REPLACE TABLE u AS SELECT range::INTEGER AS uid, (range * 7 % 203)"
             "::INTEGER AS tid, 'w' || (range % 5) AS w FROM range(90)"]),
+    # Evaluating a WHERE call in order under LIMIT, the prefix queries carried the select
+    # list, whose correlated subquery DuckDB joined (and called the model in) on every row
+    # of the prefix, though no prefix reads it (22 calls where the query as written made 7).
+    "ordered_where_prefix_without_select_list_calls": Query(
+        "SELECT t.id, (SELECT max(u.w) FROM u WHERE NOT llm_filter('n' || u.uid) AND "
+        "u.tid = t.id) AS m FROM t WHERE t.s < 'm' AND llm_filter('n' || t.a) "
+        "LIMIT 1 OFFSET 2", "ordered"),
     "having_on_key_aliases": Query(
         "SELECT s AS k, count(*) FILTER (WHERE llm_filter(s || id)) AS n FROM t "
         "GROUP BY ALL HAVING llm_filter('group ' || k)", "multiset"),
