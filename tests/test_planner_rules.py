@@ -102,7 +102,9 @@ def test_having_on_grouping_keys_moves_to_where():
               "SELECT g, sum(a) AS m FROM t GROUP BY g HAVING m > 1 OR llm_filter(g)",
               "SELECT g, count(*) FROM t GROUP BY ROLLUP (g) HAVING llm_filter(g)",
               "SELECT count(*) FROM t HAVING llm_filter('x')",  # one row even of no rows
-              "SELECT g FROM t GROUP BY g HAVING my_udf(g)"]:  # perhaps an aggregate
+              "SELECT g FROM t GROUP BY g HAVING my_udf(g)",  # perhaps an aggregate
+              # GROUP BY ALL also groups by the columns HAVING reads (a group per g, a).
+              "SELECT nullif(g, a) AS k, count(*) FROM t GROUP BY ALL HAVING llm_filter(k)"]:
         assert moved(q) == sql(parse(q)), q
 
 

@@ -206,6 +206,13 @@ def _on_keys(c: exp.Expression, s: exp.Select, group: exp.Group) -> exp.Expressi
         if name in keyed or not _row_level(expr):
             return None  # (the grouping key of that name, or an alias of an aggregate)
         col.replace(exp.Paren(this=expr.copy()))
+    if group.args.get("all"):
+        # DuckDB's GROUP BY ALL also groups by the columns HAVING reads outside aggregates
+        # (SELECT nullif(g, a) AS k ... GROUP BY ALL HAVING f(k) has a group per g and a):
+        # out of HAVING, the groups would merge, unless each is a select column already.
+        own = {p.unalias().name for p in s.expressions if isinstance(p.unalias(), exp.Column)}
+        if any(col.name not in own for col in out.find_all(exp.Column)):
+            return None
     return out
 
 
