@@ -1058,6 +1058,19 @@ def test_a_limit_without_order_over_a_join_computes_the_rows_it_returns(pair):
     assert pair.check(Query(q, "count")) == []
 
 
+def test_no_top_rows_qualify_where_every_select_call_is_a_key(pair):
+    """ORDER BY a select column's call LIMIT k, over a CTE with calls: the call is computed
+    on every row for the ORDER BY anyway, and the top-rows QUALIFY (a window) made DuckDB
+    compute the CTE's calls on every row first too (23 calls where the query as written
+    made 14). The tables are the fuzz test's for seed 40245."""
+    pair.load(world(random.Random(40245)))
+    q = ("WITH c AS (SELECT id, s, g, CASE WHEN llm_filter(upper(s)) THEN llm_filter_score("
+         "'Q: ' || s) ELSE llm_filter_score('n' || g) END AS c1 FROM t) "
+         "SELECT *, upper(llm_classify(s, ['x', 'y'])) AS o0 FROM c ORDER BY o0 DESC, id "
+         "LIMIT 2")
+    assert pair.check(Query(q, "ordered")) == []
+
+
 def test_a_having_driver_prefetches_every_group_it_filters(pair):
     """HAVING with a call under ORDER BY ... LIMIT: the driver left the HAVING out (it
     reads the call) but kept the LIMIT, so it fetched the first 2 groups of all, not the

@@ -11,6 +11,7 @@ from sqlglot.tokens import TokenType
 
 from .callsites import Unsupported, call_name, null_call, resolve
 from .guards import as_copy, is_lookup
+from .placement import reads_projection
 from .shapes import SKIPPED, TOP_ROWS, aggregated, has_window, int_literal
 
 # Functions whose value changes between evaluations: a CTE holding one must stay materialized.
@@ -504,7 +505,12 @@ def top_rows_before_calls(tree: exp.Expression) -> exp.Expression:
         if k is None or skip is None or order is None or aggregated(s) or has_window(s) \
                 or s.args.get("distinct") or s.args.get("qualify"):
             continue
-        if not any(any(is_lookup(n) for n in p.walk()) for p in s.expressions) or \
+        # Only where a select column's calls are no ORDER BY key: the keys are computed on
+        # every row anyway, and the window would make DuckDB compute a subquery's columns
+        # first too (SELECT *, f(x) AS k FROM <subquery with calls> ORDER BY k LIMIT 2: 23
+        # calls where the query as written made 14).
+        calls = [i for i, p in enumerate(s.expressions) if any(is_lookup(n) for n in p.walk())]
+        if all(reads_projection(order, s, i) for i in calls) or \
                 not _qualify_keeps_the_rows(s, [o.this for o in order.expressions]) or \
                 _top_rows_first(s, order):
             continue
