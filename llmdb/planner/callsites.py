@@ -171,6 +171,27 @@ def deterministic(site: Site) -> bool:
     return _literal_number(site.arg("seed")) is not None  # -3 too (a Neg of a literal)
 
 
+def null_call(site: Site) -> bool:
+    """Whether the call is NULL without a model call whatever the row: a NULL literal for a
+    required argument (the function's NULL row), and every other argument a literal that
+    passes its type check (a wrong one raises, NULL prompt or not)."""
+    def literal(p, a: exp.Expression) -> bool:
+        if _null(a):
+            return True
+        if p.sql_type.endswith("[]") and isinstance(a, exp.Array):
+            return all(isinstance(x, exp.Literal) and x.is_string for x in a.expressions)
+        return _passes(p.sql_type, a)
+
+    params = site.signature.params
+    return any(p.default is None and _null(a) for p, a in zip(params, site.args, strict=True)) \
+        and all(literal(p, a) for p, a in zip(params, site.args, strict=True))
+
+
+def _null(e: exp.Expression) -> bool:
+    """NULL, or NULL cast to a type."""
+    return isinstance(e, exp.Null) or isinstance(e, exp.Cast) and isinstance(e.this, exp.Null)
+
+
 def find_sites(tree: exp.Expression) -> list[Site]:
     """Every call site in source order; raises Unsupported when one cannot be planned."""
     sites = []

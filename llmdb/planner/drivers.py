@@ -34,7 +34,7 @@ from .guards import (
     operands,
 )
 from .placement import Placement, main_lookups, placement, projection_index, reads_site
-from .shapes import int_literal, own_qualify
+from .shapes import int_literal, offset_of, own_qualify
 
 # A driver's tree is built from copies, for its text alone: it is written out without the
 # deep copy sqlglot otherwise makes first.
@@ -110,14 +110,24 @@ def _arg_columns(site: Site) -> list[exp.Expression]:
 
 
 def _rows_of(site: Site, inner: exp.Select, guarded: bool) -> exp.Select:
-    """SELECT args..., count(*) FROM (inner) [WHERE guard] GROUP BY ALL."""
+    """SELECT args..., count(*) [FILTER (WHERE guard)] FROM (inner) GROUP BY ALL
+    [HAVING count(*) FILTER (WHERE guard) > 0].
+
+    The guard is counted, not filtered by a WHERE: DuckDB pushes an outer WHERE into the
+    inner query's and evaluates the conjuncts in an order of its own, so the lookups in the
+    guard (SELECT f(x) OR f(y) ... WHERE id % 10 = 0: f(x)'s, in f(y)'s guard) ran on rows
+    the inner WHERE drops, computing calls the query never makes."""
     cols = [exp.column(ARG.format(i)) for i in range(len(site.args))]
-    out = exp.Select(expressions=[*cols, exp.alias_(exp.Count(this=exp.Star()), ROWS)])
+    rows: exp.Expression = exp.Count(this=exp.Star())
+    if guarded:
+        rows = exp.Filter(this=rows, expression=exp.Where(this=exp.column(GUARD)))
+    out = exp.Select(expressions=[*cols, exp.alias_(rows, ROWS)])
     out = out.from_(exp.Subquery(this=inner, alias=exp.TableAlias(this=exp.to_identifier(
         "__llmdb_s"))))
-    if guarded:
-        out = out.where(exp.column(GUARD))
     out.set("group", exp.Group(all=True))
+    if guarded:
+        out.set("having", exp.Having(this=exp.GT(this=rows.copy(),
+                                                  expression=exp.Literal.number(0))))
     return out
 
 
@@ -134,14 +144,19 @@ def _source(s: exp.Select) -> exp.Select:
 def where_driver(s: exp.Select, site: Site, with_where: bool) -> exp.Select:
     inner = _source(s)
     inner.set("expressions", _arg_columns(site))
-    conds = []
-    if with_where and s.args.get("where") is not None:
-        conds.append(as_copy(s.args["where"].this))
-    conds += [c.copy() for c in site.guard]
+    conds = [as_copy(s.args["where"].this)] if with_where and s.args.get("where") else []
+    # The guard's conditions that hold calls are a column counted above the WHERE, not its
+    # conjuncts: DuckDB evaluates a WHERE's conjuncts in an order of its own, and pushes one
+    # that reads one table below the joins, so their lookups ran on rows that the query's
+    # WHERE or its joins drop (see _rows_of).
+    called = [c.copy() for c in site.guard if any(is_lookup(n) for n in c.walk())]
+    conds += [c.copy() for c in site.guard if not any(is_lookup(n) for n in c.walk())]
     cond = conjunction(conds)
     if cond is not None:
         inner.set("where", exp.Where(this=cond))
-    outer = _rows_of(site, inner, guarded=False)
+    if called:
+        inner.set("expressions", [*inner.expressions, exp.alias_(conjunction(called), GUARD)])
+    outer = _rows_of(site, inner, guarded=bool(called))
     return _with(outer, _ctes_above(s), s.args.get("with_"))
 
 
@@ -153,8 +168,11 @@ def output_driver(s: exp.Select, site: Site, node: exp.Expression) -> exp.Select
         c = s.args.get(clause)
         if c is not None and reads_site(c, s, index, site.id, ordinals=clause == "order"):
             inner.set(clause, None)
-    # LIMIT picks rows by ORDER BY, or among DISTINCT rows, which needs every row's value.
-    if s.args.get("distinct") or (s.args.get("order") and inner.args.get("order") is None):
+    # LIMIT picks rows by ORDER BY, or among DISTINCT rows, which needs every row's value;
+    # and it picks among the rows HAVING and QUALIFY keep: without them, other rows.
+    dropped = any(s.args.get(c) is not None and inner.args.get(c) is None
+                  for c in ("having", "qualify", "order"))
+    if s.args.get("distinct") or dropped:
         inner.set("order", None)
         inner.set("limit", None)
         inner.set("offset", None)
@@ -183,13 +201,20 @@ def _prefix(s: exp.Select, extra: list[exp.Expression]) -> exp.Select:
     inner.set("offset", None)
     if own_qualify(s):  # it keeps the top k: a prefix must keep its n rows
         inner.set("qualify", None)
-    inner.set("expressions", [*inner.expressions, *extra])
+    # Columns with calls are NULL here (the ORDER BY reads none, see incremental_ok): the
+    # prefix only orders the rows, and DuckDB keeps a correlated subquery's join even where
+    # its column goes unread, so its calls ran on every row of the prefix (22 calls where
+    # the query as written made 7).
+    kept = [p if not any(is_lookup(n) for n in p.walk()) else
+            exp.alias_(exp.null(), p.alias) if p.alias else exp.null()
+            for p in inner.expressions]
+    inner.set("expressions", [*kept, *extra])
     return inner
 
 
 def incremental_step(s: exp.Select, sites: list[Site]) -> Incremental:
     limit = int_literal(s.args.get("limit")) or 0
-    offset = int_literal(s.args.get("offset")) or 0
+    offset = offset_of(s) or 0
     step = Incremental(s, sites, limit + offset)
     for site in sites:
         guard = conjunction([c.copy() for c in site.guard]) or exp.true()

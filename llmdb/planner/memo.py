@@ -89,6 +89,11 @@ class QueryRun:
         self.counts = {s.id: SiteCounts() for s in sites}
         self._seen: dict[int, set[tuple]] = {s.id: set() for s in sites}
         self._lock = threading.Lock()
+        # Tuples being computed, by memo key: DuckDB evaluates a query's pipelines on
+        # several threads, and a lookup that misses a tuple another thread is computing
+        # waits for it rather than computing it again (a scalar subquery that is also the
+        # ORDER BY key of a top-rows QUALIFY ran twice at once: 180 calls for 90).
+        self._pending: dict[tuple, threading.Event] = {}
         self.prefetched: set[int] = set()  # sites a driver computed (it counts their rows)
 
     # ---- the memo ------------------------------------------------------------------------
@@ -121,11 +126,42 @@ class QueryRun:
                 else:
                     missing.setdefault(k, []).append(i)
         if missing and self.modes[site_id] != "strict":  # a dry run as a real one would
-            values = self.compute(site, list(missing))
-            for k, v in zip(missing, values, strict=True):
+            for k, v in self._compute_once(site, list(missing)).items():
                 for i in missing[k]:
                     out[i] = v
         return out
+
+    def _compute_once(self, site: Site, keys: list[tuple]) -> dict[tuple, Any]:
+        """Values for tuples the memo lacked: those no other thread is computing are
+        computed here; the others are waited for (and computed here after all where that
+        thread failed)."""
+        with self._lock:
+            known = {k: v for k in keys for ok, v in [self._known(site, k)] if ok}
+            mine = [k for k in keys if k not in known and
+                    self._memo_key(site, k) not in self._pending]
+            theirs = [self._pending[self._memo_key(site, k)] for k in keys
+                      if k not in known and k not in mine]
+            for k in mine:
+                self._pending[self._memo_key(site, k)] = threading.Event()
+        try:
+            if mine:
+                known.update(zip(mine, self.compute(site, mine), strict=True))
+        finally:
+            with self._lock:
+                for k in mine:
+                    self._pending.pop(self._memo_key(site, k)).set()
+        for event in theirs:
+            event.wait()
+        with self._lock:
+            for k in keys:
+                if k not in known:
+                    ok, v = self._known(site, k)
+                    if ok:
+                        known[k] = v
+        rest = [k for k in keys if k not in known]
+        if rest:  # (the thread computing them failed: this one meets its error too)
+            known.update(zip(rest, self.compute(site, rest), strict=True))
+        return known
 
     def fill(self, site: Site, rows: Sequence[tuple[tuple, int]], count_rows: bool = True
              ) -> None:

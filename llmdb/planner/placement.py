@@ -112,12 +112,29 @@ def incremental_ok(s: exp.Select, root: exp.Expression) -> bool:
                    if any(is_lookup(n) for n in p.walk()))
 
 
+def _streamed(s: exp.Select, agg: bool) -> bool:
+    """LIMIT without ORDER BY where the rows it keeps are not a table's first rows (a
+    join's, a grouping's come in an order of the threads'): a driver, a run of its own,
+    would keep other rows than the query, and the query compute its own again (8 calls
+    where the query as written made 4)."""
+    if s.args.get("order") is not None or (s.args.get("limit") is None and
+                                           s.args.get("offset") is None):
+        return False
+    source = s.args.get("from_")
+    return agg or bool(s.args.get("distinct")) or bool(s.args.get("joins")) or \
+        source is None or not isinstance(source.this, exp.Table)
+
+
 def placement(node: exp.Expression, tops: list[exp.Select], root: exp.Expression) -> Placement:
     s, clause, flags = _locate(node)
     if s is None or not any(s is t for t in tops) or "nested" in flags:
         return Placement("lazy", s, "in a nested query: DuckDB decides which rows reach it")
     if "lambda" in flags:
         return Placement("lazy", s, "inside a lambda")
+    if int_literal(s.args.get("limit")) == 0:
+        # DuckDB runs no part of a query under LIMIT 0 (tools send one to learn a query's
+        # columns): a driver would compute the calls of rows it never returns.
+        return Placement("lazy", s, "LIMIT 0: no rows are computed")
     agg = aggregated(s)
     if clause == "where":
         limited = s.args.get("limit") is not None or s.args.get("offset") is not None
@@ -142,5 +159,8 @@ def placement(node: exp.Expression, tops: list[exp.Select], root: exp.Expression
             i = projection_index(s, node)
             if i is not None and _group_key(s, i):
                 return Placement("pre_agg", s)
+        if _streamed(s, agg):
+            return Placement("lazy", s, "LIMIT without ORDER BY over joins or groups: "
+                                        "streamed")
         return Placement("output", s)
     return Placement("lazy", s, f"in {clause}: evaluated where DuckDB puts it")

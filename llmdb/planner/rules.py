@@ -6,28 +6,38 @@ Each rule takes the planner's copy of the tree, changes it in place and returns 
 from __future__ import annotations
 
 from sqlglot import exp
+from sqlglot.dialects.duckdb import DuckDB
+from sqlglot.tokens import TokenType
 
-from .callsites import call_name
+from .callsites import Unsupported, call_name, null_call, resolve
 from .guards import as_copy, is_lookup
-from .shapes import TOP_ROWS, aggregated, has_window, int_literal
+from .placement import reads_projection
+from .shapes import SKIPPED, TOP_ROWS, aggregated, has_window, int_literal
 
 # Functions whose value changes between evaluations: a CTE holding one must stay materialized.
 VOLATILE = {"random", "rand", "gen_random_uuid", "uuid", "uuidv4", "uuidv7", "nextval",
             "setseed", "currval"}
 
 
+_DUCKDB = DuckDB()
+
+
 def has_call(e: exp.Expression) -> bool:
     return any(call_name(n) is not None for n in e.walk())
 
 
-def number_parameters(tree: exp.Expression) -> exp.Expression:
-    """`?` -> `$1`, `$2`, ...: reordering AND operands must not reorder bound values."""
-    n = 0
-    for node in list(tree.walk(bfs=False)):  # depth-first: the order of the text
-        if isinstance(node, exp.Placeholder) and not node.this:
+def number_parameters(sql: str) -> str:
+    """`?` -> `$1`, `$2`, ... in the order of the text, as DuckDB binds them: reordering AND
+    operands must not reorder bound values. Numbered on the text's tokens, not on the tree:
+    sqlglot keeps a SELECT's clauses in an order of its own (its WITH and LIMIT after its
+    WHERE), so numbering the tree bound a CTE's `?` to a later value."""
+    out, end, n = [], 0, 0
+    for token in _DUCKDB.tokenize(sql):
+        if token.token_type == TokenType.PLACEHOLDER and token.text == "?":
             n += 1
-            node.replace(exp.Parameter(this=exp.Literal.number(n)))
-    return tree
+            out += [sql[end:token.start], f"${n}"]
+            end = token.end + 1
+    return "".join(out) + sql[end:]
 
 
 def volatile(e: exp.Expression) -> bool:
@@ -40,6 +50,25 @@ def volatile(e: exp.Expression) -> bool:
         if isinstance(node, exp.Anonymous) and node.name.lower() in VOLATILE:
             return True
     return False
+
+
+def null_calls_to_nulls(tree: exp.Expression) -> exp.Expression:
+    """A call with a NULL literal for its prompt (text, labels) becomes a typed NULL.
+
+    It is NULL without a model call, and DuckDB folds it so when it plans the query as
+    written, and drops what it decides: WHERE x AND llm_filter(NULL) reads no rows. As a
+    site, the calls beside it were computed first (8 calls where the query as written made
+    none)."""
+    for node in reversed(list(tree.find_all(exp.Anonymous))):  # (inner calls first)
+        if call_name(node) is None:
+            continue
+        try:
+            site = resolve(node, 0)
+        except (Unsupported, ValueError):
+            continue  # (find_sites says why)
+        if null_call(site):
+            node.replace(exp.cast(exp.null(), site.signature.returns, dialect="duckdb"))
+    return tree
 
 
 def inline_llm_ctes(tree: exp.Expression) -> exp.Expression:
@@ -101,6 +130,90 @@ def _and(parts: list[exp.Expression]) -> exp.Expression:
     out = exp.Paren(this=parts[0])
     for p in parts[1:]:
         out = exp.And(this=out, expression=exp.Paren(this=p))
+    return out
+
+
+def having_on_keys_to_where(tree: exp.Expression) -> exp.Expression:
+    """In a SELECT with GROUP BY, HAVING conjuncts that read the grouping keys alone (no
+    aggregate) move to WHERE.
+
+    Such a conjunct has one value on all rows of a group, so it drops the same groups from
+    WHERE, and DuckDB moves it there itself when it runs the query as written. Left in
+    HAVING, the drivers computed the calls inside the aggregates on the rows of every group
+    (SELECT cat, avg(llm_filter_score(x)) ... GROUP BY cat HAVING llm_filter(cat): the
+    scores of every category, for the few that pass). Not under ROLLUP, CUBE or GROUPING
+    SETS (their subtotal rows read NULL keys), nor without GROUP BY (an aggregate over no
+    rows still returns its row)."""
+    for s in list(tree.find_all(exp.Select)):
+        having, group = s.args.get("having"), s.args.get("group")
+        if having is None or group is None or any(
+                group.args.get(k) for k in ("rollup", "cube", "grouping_sets", "totals")) \
+                or any(isinstance(g, exp.Rollup | exp.Cube | exp.GroupingSets)
+                       for g in group.expressions):
+            continue
+        if not group.args.get("all") and not group.expressions:
+            continue
+        keep, moved = [], []
+        for c in _conjuncts(having.this):
+            on_keys = _on_keys(c, s, group)
+            if on_keys is None:
+                keep.append(c)
+            else:
+                moved.append(on_keys)
+        if not moved:
+            continue
+        where = s.args.get("where")
+        s.set("where", exp.Where(this=_and(([where.this] if where is not None else []) + moved)))
+        s.set("having", exp.Having(this=_and(keep)) if keep else None)
+    return tree
+
+
+def _row_level(e: exp.Expression) -> bool:
+    """Evaluates the same on a row as on its group, given its columns: no aggregate, window,
+    subquery, volatile function, or function unknown to sqlglot (it may aggregate)."""
+    return not volatile(e) and not any(
+        isinstance(n, exp.AggFunc | exp.Window | exp.Query | exp.Subquery | exp.Star)
+        or (isinstance(n, exp.Anonymous) and call_name(n) is None) for n in e.walk())
+
+
+def _on_keys(c: exp.Expression, s: exp.Select, group: exp.Group) -> exp.Expression | None:
+    """A HAVING conjunct as a WHERE conjunct of the same rows, or None where it reads an
+    aggregate or where its names may bind otherwise in WHERE.
+
+    In HAVING, DuckDB binds a name to the FROM's column where that column is a grouping
+    key and to the select list's alias otherwise; in WHERE, to the column where there is
+    one. A name bare in GROUP BY means the same in both (the column, or where there is none
+    the alias); an alias of a name no key reads is replaced by its expression."""
+    if not _row_level(c):
+        return None
+    aliases = {p.alias: p.this for p in s.expressions if isinstance(p, exp.Alias)}
+    if group.args.get("all"):
+        keys = [p.unalias() for p in s.expressions if _row_level(p)]
+        bare: set[str] = set()
+    else:
+        keys = []
+        for g in group.expressions:
+            i = int_literal(g)
+            keys.append(s.expressions[i - 1].unalias() if i is not None and
+                        1 <= i <= len(s.expressions) else g)
+        bare = {g.name for g in group.expressions if isinstance(g, exp.Column) and not g.table}
+    keyed = {n.name for k in keys for n in k.walk() if isinstance(n, exp.Column)}
+    out = c.copy()
+    for col in list(out.find_all(exp.Column)):
+        name, expr = col.name, aliases.get(col.name)
+        if col.table or expr is None or name in bare or (
+                isinstance(expr, exp.Column) and expr.name == name):
+            continue
+        if name in keyed or not _row_level(expr):
+            return None  # (the grouping key of that name, or an alias of an aggregate)
+        col.replace(exp.Paren(this=expr.copy()))
+    if group.args.get("all"):
+        # DuckDB's GROUP BY ALL also groups by the columns HAVING reads outside aggregates
+        # (SELECT nullif(g, a) AS k ... GROUP BY ALL HAVING f(k) has a group per g and a):
+        # out of HAVING, the groups would merge, unless each is a select column already.
+        own = {p.unalias().name for p in s.expressions if isinstance(p.unalias(), exp.Column)}
+        if any(col.name not in own for col in out.find_all(exp.Column)):
+            return None
     return out
 
 
@@ -243,10 +356,13 @@ def root_query(tree: exp.Expression) -> exp.Query | None:
 
 def top_level_selects(root: exp.Query) -> list[exp.Select]:
     """SELECTs every row of which reaches the result: the root, or the branches of a root
-    set operation without ORDER BY / LIMIT of its own (those can stop a branch early)."""
+    UNION [ALL] without ORDER BY / LIMIT of its own (those can stop a branch early). Not
+    an INTERSECT's or EXCEPT's: their rows reach the result only as the other branch
+    decides, and DuckDB does not run a branch that cannot (one beside an empty INTERSECT
+    branch): computed ahead, its calls were made for nothing."""
     if isinstance(root, exp.Select):
         return [root]
-    if isinstance(root, exp.SetOperation) and not root.args.get("limit") \
+    if isinstance(root, exp.Union) and not root.args.get("limit") \
             and not root.args.get("order") and not root.args.get("offset"):
         return top_level_selects(root.this) + top_level_selects(root.expression)
     if isinstance(root, exp.Subquery) and isinstance(root.this, exp.Query):
@@ -355,9 +471,26 @@ def _qualify_keeps_the_rows(s: exp.Select, keys: list[exp.Expression]) -> bool:
     return not (star and any(int_literal(k) is not None for k in keys))
 
 
+def _top_rows_first(s: exp.Select, order: exp.Order) -> bool:
+    """Whether DuckDB takes the top rows by plain columns before a subquery (or CTE) with
+    calls computes them, which a window would undo: it needs the subquery's every row
+    (SELECT f(d.c) FROM (SELECT id, g(x) AS c FROM t) d ORDER BY id LIMIT 1 computed g on
+    every row under the QUALIFY, on one without)."""
+    if s.args.get("joins") or s.args.get("from_") is None or not all(
+            isinstance(_order_key(o, s), exp.Column) for o in order.expressions):
+        return False
+    item = s.args["from_"].this
+    if isinstance(item, exp.Table) and not item.args.get("db"):
+        cte = _ctes_in_scope(s).get(item.name)
+        item = cte.this if cte is not None else item
+    return isinstance(item, exp.Query | exp.Subquery) and any(is_lookup(n) for n in item.walk())
+
+
 def top_rows_before_calls(tree: exp.Expression) -> exp.Expression:
     """`SELECT <LLM calls> ... ORDER BY <expressions> LIMIT k` also gets
-    `QUALIFY row_number() OVER (ORDER BY <the same>) <= k`.
+    `QUALIFY row_number() OVER (ORDER BY <the same>) <= k`; with OFFSET s, `BETWEEN s + 1
+    AND s + k` in place of the OFFSET, so that the rows skipped are not computed either
+    (with the OFFSET kept, DuckDB computed the calls of the s rows before the k).
 
     DuckDB 2.0 computes a projection's UDF on every row before a top-k by an expression, but
     only on the k rows after a QUALIFY (measured: 200 rows against 3). The result is the
@@ -372,12 +505,24 @@ def top_rows_before_calls(tree: exp.Expression) -> exp.Expression:
         if k is None or skip is None or order is None or aggregated(s) or has_window(s) \
                 or s.args.get("distinct") or s.args.get("qualify"):
             continue
-        if not any(any(is_lookup(n) for n in p.walk()) for p in s.expressions) or \
-                not _qualify_keeps_the_rows(s, [o.this for o in order.expressions]):
+        # Only where a select column's calls are no ORDER BY key: the keys are computed on
+        # every row anyway, and the window would make DuckDB compute a subquery's columns
+        # first too (SELECT *, f(x) AS k FROM <subquery with calls> ORDER BY k LIMIT 2: 23
+        # calls where the query as written made 14).
+        calls = [i for i, p in enumerate(s.expressions) if any(is_lookup(n) for n in p.walk())]
+        if all(reads_projection(order, s, i) for i in calls) or \
+                not _qualify_keeps_the_rows(s, [o.this for o in order.expressions]) or \
+                _top_rows_first(s, order):
             continue
         window = exp.Window(this=exp.RowNumber(), order=_resolved_order(order, s))
-        qualify = exp.Qualify(this=exp.LTE(this=window,
-                                           expression=exp.Literal.number(k + skip)))
+        if skip:  # the LIMIT k then keeps the k rows the QUALIFY keeps
+            kept = exp.Between(this=window, low=exp.Literal.number(skip + 1),
+                               high=exp.Literal.number(k + skip))
+            s.set("offset", None)
+        else:
+            kept = exp.LTE(this=window, expression=exp.Literal.number(k))
+        qualify = exp.Qualify(this=kept)
         qualify.meta[TOP_ROWS] = True  # the planner's own: drivers know to see through it
+        qualify.meta[SKIPPED] = skip  # the OFFSET it took over (an incremental step's)
         s.set("qualify", qualify)
     return tree

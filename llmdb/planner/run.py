@@ -31,9 +31,11 @@ from .learned import DEFAULT_PASS_RATE, LEARNED, Learned
 from .memo import QueryRun, Runs, SiteCounts, freeze
 from .rules import (
     first_rows_before_calls,
+    having_on_keys_to_where,
     inline_llm_ctes,
     limits_into_union_branches,
     llm_conjuncts_to_where,
+    null_calls_to_nulls,
     number_parameters,
     push_filters_into_llm_subqueries,
     root_query,
@@ -130,7 +132,8 @@ def plan_or_reason(sql: str, qid: int, model: str, *, namespace: int = 0,
 def _plan(sql: str, qid: int, namespace: int, model: str, parameters: Any,
           learned: Learned) -> Plan:
     try:
-        statements = sqlglot.parse(sql, read="duckdb")
+        statements = sqlglot.parse(number_parameters(sql) if parameters else sql,
+                                   read="duckdb")
     except SqlglotError as e:
         raise Unsupported(f"sqlglot cannot parse it ({str(e).splitlines()[0]})") from None
     if len(statements) != 1 or statements[0] is None:
@@ -143,12 +146,12 @@ def _plan(sql: str, qid: int, namespace: int, model: str, parameters: Any,
     names_kept = isinstance(written, exp.Select) and all(  # (t.* is a Column of a Star)
         isinstance(e, exp.Alias) or (isinstance(e, exp.Column) and not e.is_star)
         for e in written.expressions)
-    if parameters:
-        number_parameters(tree)
     draws = volatile(tree)
+    null_calls_to_nulls(tree)
     inline_llm_ctes(tree)
     push_filters_into_llm_subqueries(tree)
     llm_conjuncts_to_where(tree)
+    having_on_keys_to_where(tree)
     limits_into_union_branches(tree)
     sites = find_sites(tree)
     if not sites:

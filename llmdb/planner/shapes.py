@@ -44,10 +44,20 @@ def has_window(s: exp.Select) -> bool:
 
 
 
-# The QUALIFY that rules.top_rows_before_calls adds carries this mark.
+# The QUALIFY that rules.top_rows_before_calls adds carries this mark, and the OFFSET it
+# replaced.
 TOP_ROWS = "llmdb_top_rows"
+SKIPPED = "llmdb_skipped"
 
 
 def own_qualify(s: exp.Select) -> bool:
     q = s.args.get("qualify")
     return q is not None and bool(q.meta.get(TOP_ROWS))
+
+
+def offset_of(s: exp.Select) -> int | None:
+    """The rows s skips: its OFFSET, or the one its own QUALIFY took over."""
+    q = s.args.get("qualify")
+    if q is not None and q.meta.get(SKIPPED):
+        return q.meta[SKIPPED]
+    return int_literal(s.args.get("offset"))
