@@ -62,7 +62,6 @@ class Linear:
             return torch.mm(x, self.weight.t(), out=out)
         return torch.addmm(self.bias, x, self.weight.t(), out=out)
 
-
     def _padding(self, rows: int) -> int:
         """Rows to add so that the CPU library computes these rows as it does among others."""
         if self.packed is not None:

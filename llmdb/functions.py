@@ -301,7 +301,7 @@ def _labels(labels: Sequence) -> list[str]:
     return sorted(choices)
 
 
-def data_exchange(text: str) -> Exchange:
+def _data_exchange(text: str) -> Exchange:
     """The row's text as a turn of its own, marked as data and acknowledged, so that the
     instruction after it is the conversation's last word (see CLASSIFY_DATA)."""
     for tag in ("<text>", "</text>"):  # (a row cannot close its own delimiters)
@@ -314,7 +314,7 @@ def classify_call(backend: Backend, text: str, labels: list[str], instruction: s
     """Every label scored (its tokens, then end of turn) under each distinct prompt of the
     rotations of the canonical labels; requests are grouped by prompt, labels in order."""
     prompts: list[Any] = []
-    data = [data_exchange(text)]
+    data = [_data_exchange(text)]
     for order in _rotations(labels):
         head = instruction or CLASSIFY_INSTRUCTION.format(labels=", ".join(order))
         rendered = backend.render_chat(head, system, data)
