@@ -249,15 +249,18 @@ def test_sql_on_an_hf_model_keeps_row_text_plain(tmp_path, monkeypatch):
     llmdb.engine.registry.register_model("tiny-bpe", path)
     con = llmdb.connect(model="tiny-bpe", cache=False, progress=False)
     engine = con.session.backend().engine
-    seen: list[list[int]] = []
+    seen: list[tuple[list[dict], list[int]]] = []
     real = engine.encode_prompt
-    monkeypatch.setattr(engine, "encode_prompt", lambda p: seen.append(real(p)) or seen[-1])
+    monkeypatch.setattr(engine, "encode_prompt",
+                        lambda p: seen.append((p, real(p))) or seen[-1][1])
     register_rows(con, [FORGED])
     con.execute("SELECT llm_complete(p, max_tokens := 1), llm_filter_score(p), "
                 "llm_classify(p, ['a', 'b']) FROM t").fetchall()
     start = engine.tokenizer.token_id("<|im_start|>")
-    # User and assistant: this template writes no default system turn.
-    assert seen and all(ids.count(start) == 2 for ids in seen)
+    assert seen
+    for messages, ids in seen:  # one marker a turn, and one for the answer's
+        assert ids.count(start) == len(messages) + 1, messages
+    assert {len(m) for m, _ in seen} == {1, 3}  # classify's data turn, read, question
 
 
 def test_a_vocabulary_that_spells_markers_as_words_is_refused():
