@@ -48,7 +48,7 @@ CHATML = (
 class Shape:
     """One model's published dimensions and special tokens (what config.json needs)."""
 
-    arch: str  # "llama" or "opt"
+    arch: str  # "llama", "qwen2" (Llama with Q/K/V biases) or "opt"
     vocab: int
     hidden: int
     layers: int
@@ -66,6 +66,7 @@ class Shape:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     chat_template: str | None = None
+    rope_scaling: dict | None = None  # config.json's, as published
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -83,13 +84,19 @@ SHAPES: dict[str, Shape] = {
         max_pos=8192, rope_theta=100000.0, bos=1, eos=2, pad=2, add_bos=False,
         specials={0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>"},
         chat_template=CHATML),
-    # meta-llama/Llama-3.2-1B. Its llama3 rope_scaling is left out: the engine rejects
-    # rope_scaling, and the scaled frequencies do not change the cost of a step.
+    # meta-llama/Llama-3.2-1B
     "llama3.2-1b": Shape(
         "llama", vocab=128256, hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192,
         head_dim=64, max_pos=131072, rope_theta=500000.0, bos=128000, eos=128001, pad=None,
         add_bos=True, specials={128000: "<|begin_of_text|>", 128001: "<|end_of_text|>"},
-        notes=["rope_scaling (llama3, factor 32) omitted"]),
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    # Qwen/Qwen2.5-0.5B-Instruct
+    "qwen2.5-0.5b": Shape(
+        "qwen2", vocab=151936, hidden=896, layers=24, heads=14, kv_heads=2, ffn=4864,
+        max_pos=32768, rope_theta=1000000.0, norm_eps=1e-6, bos=151643, eos=151645,
+        pad=151643, add_bos=False, chat_template=CHATML,
+        specials={151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"}),
     # meta-llama/Llama-2-7b-hf
     "llama2-7b": Shape(
         "llama", vocab=32000, hidden=4096, layers=32, heads=32, kv_heads=32, ffn=11008,
@@ -117,6 +124,11 @@ SHAPES: dict[str, Shape] = {
         "llama", vocab=320, hidden=64, layers=3, heads=4, kv_heads=4, ffn=160, max_pos=512,
         rope_theta=100000.0, tie=False, bos=1, eos=2, pad=0, add_bos=False,
         specials=_LLAMA2_SPECIALS),
+    # Q/K/V biases (Qwen2) on the MHA shape: re-projected K/V carry their bias.
+    "tiny-qwen2-mha": Shape(
+        "qwen2", vocab=320, hidden=64, layers=3, heads=4, kv_heads=4, ffn=160, max_pos=512,
+        rope_theta=100000.0, tie=False, bos=1, eos=2, pad=0, add_bos=False,
+        specials=_LLAMA2_SPECIALS),
     "tiny-opt": Shape(
         "opt", vocab=288, hidden=64, layers=3, heads=4, kv_heads=4, ffn=160, max_pos=512,
         bos=2, eos=2, pad=1, add_bos=True, specials=_OPT_SPECIALS),
@@ -128,7 +140,7 @@ SHAPES: dict[str, Shape] = {
 
 def tensor_shapes(s: Shape) -> dict[str, tuple[int, ...]]:
     """Every parameter's Hugging Face name and shape, in checkpoint order."""
-    if s.arch == "llama":
+    if s.arch in ("llama", "qwen2"):
         return _llama_shapes(s)
     if s.arch == "opt":
         return _opt_shapes(s)
@@ -151,6 +163,9 @@ def _llama_shapes(s: Shape) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (f, h),
             p + "mlp.down_proj.weight": (h, f),
         }
+        if s.arch == "qwen2":
+            out |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                    p + "self_attn.v_proj.bias": (kv,)}
     out["model.norm.weight"] = (h,)
     if not s.tie:
         out["lm_head.weight"] = (s.vocab, h)
@@ -224,7 +239,7 @@ def plan_shards(shapes: dict[str, tuple[int, ...]], elem_bytes: int,
 
 
 def config_json(s: Shape, dtype: torch.dtype) -> dict:
-    """config.json as the published checkpoint has it (rope_scaling aside)."""
+    """config.json as the published checkpoint has it."""
     common = {
         "vocab_size": s.vocab, "hidden_size": s.hidden, "num_hidden_layers": s.layers,
         "num_attention_heads": s.heads, "max_position_embeddings": s.max_pos,
@@ -232,14 +247,17 @@ def config_json(s: Shape, dtype: torch.dtype) -> dict:
         "tie_word_embeddings": s.tie, "torch_dtype": str(dtype).removeprefix("torch."),
         "use_cache": True,
     }
+    llama_like = {
+        "num_key_value_heads": s.kv_heads, "head_dim": s.dim, "intermediate_size": s.ffn,
+        "hidden_act": "silu", "rms_norm_eps": s.norm_eps, "rope_theta": s.rope_theta,
+        "rope_scaling": s.rope_scaling, "attention_dropout": 0.0, "initializer_range": STD,
+    }
     if s.arch == "llama":
-        return {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
-            "num_key_value_heads": s.kv_heads, "head_dim": s.dim, "intermediate_size": s.ffn,
-            "hidden_act": "silu", "rms_norm_eps": s.norm_eps, "rope_theta": s.rope_theta,
-            "rope_scaling": None, "attention_bias": False, "attention_dropout": 0.0,
-            "mlp_bias": False, "initializer_range": STD,
-        }
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
+                **llama_like, "attention_bias": False, "mlp_bias": False}
+    if s.arch == "qwen2":
+        return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **common,
+                **llama_like, "use_sliding_window": False}
     return {
         "architectures": ["OPTForCausalLM"], "model_type": "opt", **common,
         "ffn_dim": s.ffn, "word_embed_proj_dim": s.hidden, "do_layer_norm_before": True,

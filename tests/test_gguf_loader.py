@@ -65,11 +65,11 @@ TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "l
 
 
 def _gguf_name(hf_name: str) -> str:
-    base = hf_name.removesuffix(".weight")
+    base, _, kind = hf_name.rpartition(".")  # kind: weight or bias
     if base.startswith("model.layers."):
         i, rest = base.removeprefix("model.layers.").split(".", 1)
-        return f"blk.{i}.{LAYER_NAMES[rest]}.weight"
-    return f"{TOP_NAMES[base]}.weight"
+        return f"blk.{i}.{LAYER_NAMES[rest]}.{kind}"
+    return f"{TOP_NAMES[base]}.{kind}"
 
 
 # ---- building tiny models ------------------------------------------------------------------
@@ -108,15 +108,18 @@ def _vocab(tok: Tokenizer) -> tuple[list[str], list[int], list[str]]:
 
 
 def _hf_llama(vocab_size: int, *, hidden: int, heads: int, kv_heads: int, ffn: int,
-              layers: int, tie: bool, theta: float, eps: float, seed: int):
-    cfg = transformers.LlamaConfig(
+              layers: int, tie: bool, theta: float, eps: float, seed: int,
+              family: str = "Llama", scaling: dict | None = None):
+    """A random Llama-family model (family: Llama or Qwen2), RoPE scaled by `scaling`."""
+    cfg = getattr(transformers, f"{family}Config")(
         vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=ffn,
-        max_position_embeddings=CONTEXT, rms_norm_eps=eps, rope_theta=theta,
+        max_position_embeddings=CONTEXT, rms_norm_eps=eps,
+        rope_parameters={"rope_type": "default", "rope_theta": theta, **(scaling or {})},
         tie_word_embeddings=tie, bos_token_id=EOT, eos_token_id=IM_END,
     )
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(cfg)
+    model = getattr(transformers, f"{family}ForCausalLM")(cfg)
     # Weights far from the defaults (norms of 1), so that a swapped or dropped tensor shows,
     # and logits spread enough that comparisons are not between near-constant vectors.
     g = torch.Generator().manual_seed(seed)
@@ -125,6 +128,8 @@ def _hf_llama(vocab_size: int, *, hidden: int, heads: int, kv_heads: int, ffn: i
             noise = torch.randn(p.shape, generator=g)
             if "norm" in name:
                 p.copy_(1.0 + 0.3 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.1 * noise)
             elif "embed" in name:
                 p.copy_(0.5 * noise)
             else:
@@ -146,20 +151,45 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _gguf_tensors(model) -> dict[str, np.ndarray]:
-    """llama.cpp name -> fp32 array, Q/K permuted (K with the KV head count); no `output`
-    tensor when the embeddings are tied, as the converter writes them."""
+    """llama.cpp name -> fp32 array, as its converter writes them: Llama's Q/K rows permuted
+    (K with the KV head count; Qwen2's are not); no `output` tensor when the embeddings are
+    tied; Llama 3's RoPE scaling as the `rope_freqs` tensor."""
     cfg = model.config
+    permute = cfg.model_type == "llama"
     out = {}
     for name, p in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         gname, w = _gguf_name(name), p.detach().float().numpy().copy()
-        if gname.endswith(".attn_q.weight"):
+        if permute and gname.endswith(".attn_q.weight"):
             w = _permute(w, cfg.num_attention_heads)
-        elif gname.endswith(".attn_k.weight"):
+        elif permute and gname.endswith(".attn_k.weight"):
             w = _permute(w, cfg.num_key_value_heads)
         out[gname] = w
+    if cfg.rope_parameters["rope_type"] == "llama3":
+        out["rope_freqs.weight"] = _llama3_rope_freqs(cfg)
     return out
+
+
+def _llama3_rope_freqs(cfg) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors, written out here as the
+    reference (not llmdb's code): a divisor per frequency."""
+    rope = cfg.rope_parameters
+    d = cfg.hidden_size // cfg.num_attention_heads
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, d, 2, dtype=np.float32) / d))
+    old = rope["original_max_position_embeddings"]
+    low, high, factor = rope["low_freq_factor"], rope["high_freq_factor"], rope["factor"]
+    out = []
+    for f in freqs:
+        wavelen = 2 * np.pi / f
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 K_TYPES = (QT.Q4_K, QT.Q5_K, QT.Q6_K)
@@ -192,12 +222,13 @@ def _encode_tensor(w: np.ndarray, qtype: QT) -> tuple[np.ndarray, QT | None]:
     return gguf.quants.quantize(w, qtype), qtype
 
 
-def _write_gguf(path: Path, model, tok: Tokenizer, qtype: QT = QT.F32, *, arch: str = "llama",
+def _write_gguf(path: Path, model, tok: Tokenizer, qtype: QT = QT.F32, *, arch: str | None = None,
                 tokenizer_model: str = "gpt2", pre: str | None = "smollm",
                 tensor_types: dict[str, QT] | None = None,
                 extra_tokens: tuple[tuple[str, int], ...] = (), extra=None,
                 with_tensors: bool = True) -> Path:
     cfg = model.config
+    arch = arch or cfg.model_type
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     tokens, types, merges = _vocab(tok)
     tokens += [t for t, _ in extra_tokens]
@@ -216,6 +247,9 @@ def _write_gguf(path: Path, model, tok: Tokenizer, qtype: QT = QT.F32, *, arch: 
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
+    if cfg.rope_parameters["rope_type"] == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(cfg.rope_parameters["factor"])
     w.add_file_type(int(getattr(gguf.LlamaFileType, f"MOSTLY_{qtype.name}",
                                 gguf.LlamaFileType.ALL_F32)))
     w.add_tokenizer_model(tokenizer_model)
@@ -242,11 +276,21 @@ def _write_gguf(path: Path, model, tok: Tokenizer, qtype: QT = QT.F32, *, arch: 
 
 
 SMALL = dict(hidden=64, heads=4, kv_heads=2, ffn=128, layers=2)  # head_dim 16; rows % 32 == 0
+# Llama 3.1's RoPE scaling at a tiny scale: over 128 positions with head_dim 16, some
+# frequencies kept (wavelength < 32 / 4), some stretched 8x (> 32) and some blended.
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 VARIANTS = {
     # Untied head, non-default RoPE base and a large RMSNorm eps: a loader that drops any of
     # them (or falls back to a default) moves the logits well past the tolerance.
     "untied": dict(SMALL, tie=False, theta=50000.0, eps=1e-2, seed=1),
     "tied": dict(SMALL, layers=3, tie=True, theta=500000.0, eps=1e-5, seed=2),
+    # Qwen2 (qwen2 architecture: Q/K/V biases, Q/K rows not permuted), tied as Qwen2.5-0.5B-3B.
+    "qwen2": dict(SMALL, tie=True, theta=1000000.0, eps=1e-6, seed=4, family="Qwen2"),
+    # Llama 3.1-3.3 (a rope_freqs tensor) and linear scaling (metadata).
+    "llama3-rope": dict(SMALL, tie=True, theta=10000.0, eps=1e-5, seed=5, scaling=LLAMA3_ROPE),
+    "linear-rope": dict(SMALL, tie=False, theta=10000.0, eps=1e-5, seed=6,
+                        scaling={"rope_type": "linear", "factor": 4.0}),
 }
 # K-quant super-blocks hold 256 values: every quantized row (hidden, heads * head_dim, ffn)
 # must be a multiple of 256. head_dim 64.
@@ -355,6 +399,10 @@ def test_metadata_becomes_model_config(name, hf_models, f32_files):
     assert cfg.tie_embeddings == hf.tie_word_embeddings
     assert cfg.max_context == CONTEXT
     assert cfg.rope_theta == hf.rope_parameters["rope_theta"]
+    kind = hf.rope_parameters["rope_type"]
+    expected = (tuple(_llama3_rope_freqs(hf).tolist()) if kind == "llama3"
+                else (4.0,) * 8 if kind == "linear" else ())
+    assert cfg.rope_divisors == expected
     assert cfg.norm_eps == pytest.approx(hf.rms_norm_eps)  # stored as f32 in GGUF
     assert cfg.bos_token_id == EOT
     # eos is <|im_end|> itself (listed once); <|endoftext|> also ends generation, as in llama.cpp
@@ -543,6 +591,16 @@ def test_llama_cpp_agrees_on_our_files(qtype, llama_cpp, f32_files, quant_file):
     assert err <= bound, f"{qtype.name}: {err:.3g} from llama.cpp"
 
 
+@pytest.mark.parametrize("name", ["qwen2", "llama3-rope", "linear-rope"])
+def test_llama_cpp_agrees_on_other_llama_family_files(name, llama_cpp, f32_files):
+    """Qwen2's unpermuted Q/K and biases, the rope_freqs divisors and linear scaling mean to
+    llama.cpp what they mean to us (the sequence is long enough for scaling to matter)."""
+    ids = _sequences(400, seed=12)[3]
+    ours = _engine(f32_files[name]).logits(ids)
+    err = _rms_err(ours, _llama_cpp_logits(llama_cpp, f32_files[name], ids))
+    assert err <= 1e-5, f"{name}: {err:.3g} from llama.cpp"
+
+
 # ---- tokenizer from GGUF metadata ----------------------------------------------------------
 
 TEXTS = [
@@ -630,6 +688,9 @@ def test_user_defined_tokens_are_matched_whole_and_decoded(vocab_file):
     ("llama-bpe", "hi zyxw zyxwv", ["h", "i", " zyxw", " ", "z", "y", "x", "w", "v"]),
     ("gpt-2", "hi zyxw", ["h", "i", " ", "z", "y", "x", "w"]),
     ("smollm", "x 2024", ["x", " ", "2", "0", "2", "4"]),
+    # Qwen2: Llama 3's split, but digits one by one.
+    ("qwen2", "x 2024", ["x", " ", "2", "0", "2", "4"]),
+    ("llama-bpe", "x 2024", ["x", " ", "2", "0", "2", "4"]),
 ])
 def test_pre_tokenizers(vocab_file, pre, text, pieces):
     _, tok = read_gguf_metadata(vocab_file(pre))
@@ -637,7 +698,7 @@ def test_pre_tokenizers(vocab_file, pre, text, pieces):
 
 
 @pytest.mark.parametrize("pre", ["smollm", "default", None, "gpt-2", "llama-bpe", "smaug-bpe",
-                                 "starcoder"])
+                                 "starcoder", "qwen2"])
 def test_tokenization_matches_llama_cpp(pre, vocab_file, llama_cpp):
     path = vocab_file(pre)
     _, tok = read_gguf_metadata(path)
@@ -651,9 +712,9 @@ def test_tokenization_matches_llama_cpp(pre, vocab_file, llama_cpp):
 # ---- files that must be refused ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch, pre", [("gpt2", "gpt-2"), ("qwen2", "qwen2")])
+@pytest.mark.parametrize("arch, pre", [("gpt2", "gpt-2"), ("falcon", "falcon")])
 def test_non_llama_architecture_is_named(arch, pre, hf_models, bpe, tmp_path):
-    """Named even when its tokenizer is one we do not read either (qwen2's pre-tokenizer)."""
+    """Named even when its tokenizer is one we do not read either (falcon's pre-tokenizer)."""
     path = _write_gguf(tmp_path / f"{arch}.gguf", hf_models["untied"], bpe, arch=arch, pre=pre)
     with pytest.raises(ModelLoadError, match=f"unsupported GGUF architecture '{arch}'"):
         load_model(path)
@@ -676,17 +737,24 @@ def test_sentencepiece_tokenizer_is_refused(hf_models, bpe, tmp_path):
 
 
 @pytest.mark.parametrize("scaling", [
-    lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR),
-               w.add_rope_scaling_factor(4.0)),
     lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.YARN),
                w.add_rope_scaling_factor(4.0)),
-    lambda w: w.add_rope_scaling_factor(2.0),  # llama.cpp reads a bare factor as linear
-], ids=["linear", "yarn", "factor-only"])
-def test_rope_scaling_is_refused(scaling, hf_models, bpe, tmp_path):
-    """llama.cpp would scale the positions; running unscaled would be silently wrong."""
+    lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.NONE),
+               w.add_rope_scaling_factor(4.0)),
+], ids=["yarn", "none-with-a-factor"])
+def test_other_rope_scaling_is_refused(scaling, hf_models, bpe, tmp_path):
+    """llama.cpp would scale the positions otherwise; running unscaled would be silently
+    wrong."""
     path = _write_gguf(tmp_path / "scaled.gguf", hf_models["untied"], bpe, extra=scaling)
     with pytest.raises(ModelLoadError, match="RoPE scaling"):
         load_model(path)
+
+
+def test_a_bare_scaling_factor_is_linear(hf_models, bpe, tmp_path):
+    """llama.cpp reads a factor without a scaling type as linear."""
+    path = _write_gguf(tmp_path / "factor.gguf", hf_models["untied"], bpe,
+                       extra=lambda w: w.add_rope_scaling_factor(2.0))
+    assert load_model(path).config.rope_divisors == (2.0,) * 8
 
 
 def test_unscaled_rope_metadata_is_accepted(hf_models, bpe, tmp_path):
@@ -707,6 +775,10 @@ def test_exported_hf_directory_runs_in_transformers(name, f32_files, tmp_path):
     from llmdb.engine.models.export import export_hf
 
     loaded = load_model(f32_files[name])
+    if len(set(loaded.config.rope_divisors)) > 1:
+        with pytest.raises(ValueError, match="per-frequency"):
+            export_hf(loaded, tmp_path / "hf")
+        return
     out = export_hf(loaded, tmp_path / "hf", dtype=torch.float32)
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         # vLLM wants no lm_head when the embeddings are tied.

@@ -82,14 +82,24 @@ def _save(model, path: Path, tok_cfg: dict, prepend: str | None) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
 
 
-def _llama(tie: bool, rope_theta: float, eps: float) -> torch.nn.Module:
-    cfg = transformers.LlamaConfig(
+def _llama(tie: bool, rope_theta: float, eps: float, scaling: dict | None = None,
+           family: str = "Llama") -> torch.nn.Module:
+    """A tiny Llama-family model (family: Llama, Mistral or Qwen2), with RoPE scaling."""
+    rope = {"rope_type": "default", "rope_theta": rope_theta, **(scaling or {})}
+    cfg = getattr(transformers, f"{family}Config")(
         vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
-        rms_norm_eps=eps, rope_theta=rope_theta, tie_word_embeddings=tie,
+        rms_norm_eps=eps, rope_parameters=rope, tie_word_embeddings=tie,
         bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
     )
-    return transformers.LlamaForCausalLM(cfg)
+    return getattr(transformers, f"{family}ForCausalLM")(cfg)
+
+
+# Llama 3.1's scheme at a tiny scale: with head_dim 16 the wavelengths run from 6 to ~20,000
+# positions, so over 256 positions some frequencies are kept (wavelength < 64 / 4), some
+# stretched 8x (> 64) and some blended.
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
 
 def _opt(layer_norm_before: bool, proj_dim: int) -> torch.nn.Module:
@@ -116,6 +126,17 @@ VARIANTS = {
     # OPT-350m's shape: post-LN layers, no final norm, project_in/out around the stack.
     "opt-350m-style": (lambda: _opt(layer_norm_before=False, proj_dim=32),
                        {"bos_token": "</s>", "eos_token": "</s>"}, "</s>"),
+    # Llama 3.1-3.3's RoPE scaling; linear scaling (older long-context fine-tunes).
+    "llama3-rope": (lambda: _llama(tie=False, rope_theta=10000.0, eps=1e-5, scaling=LLAMA3_ROPE),
+                    {"bos_token": "<s>", "eos_token": "<|im_end|>"}, "<s>"),
+    "llama-linear-rope": (lambda: _llama(tie=False, rope_theta=10000.0, eps=1e-5,
+                                         scaling={"rope_type": "linear", "factor": 4.0}),
+                          {"bos_token": "<s>", "eos_token": "<|im_end|>"}, "<s>"),
+    # Qwen2 (Qwen2.5): Llama's decoder with biases on Q, K and V; no BOS.
+    "qwen2": (lambda: _llama(tie=False, rope_theta=1000000.0, eps=1e-6, family="Qwen2"),
+              {"bos_token": None, "eos_token": "<|im_end|>"}, None),
+    "mistral": (lambda: _llama(tie=False, rope_theta=1000000.0, eps=1e-5, family="Mistral"),
+                {"bos_token": "<s>", "eos_token": "</s>"}, "<s>"),
 }
 
 
@@ -208,7 +229,7 @@ def test_chunked_prefill_logits_match_transformers(name, hf_dirs, hf_ref):
     _assert_close(engine.logits(ids), _ref_logits(hf_ref(name), ids), f"{name} chunked")
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "opt"])
+@pytest.mark.parametrize("name", ["llama-gqa", "opt", "qwen2", "llama3-rope"])
 def test_triton_path_matches_transformers(name, hf_dirs, hf_ref):
     """The GPU kernels' forward (RoPE fused with the K/V write, residual-add RMSNorm, one
     attention launch per mixed step), run on CPU tensors by Triton's interpreter in CI:
@@ -274,7 +295,7 @@ def test_metadata_and_tokenizer(name, hf_dirs):
     loaded = load_model(hf_dirs[name])
     cfg, ours = loaded.config, loaded.tokenizer
     hf_cfg = transformers.AutoConfig.from_pretrained(hf_dirs[name])
-    assert cfg.arch == ("llama" if name.startswith("llama") else "opt")
+    assert cfg.arch == ("opt" if name.startswith("opt") else "llama")
     assert (cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads) == (
         hf_cfg.vocab_size, hf_cfg.hidden_size, hf_cfg.num_hidden_layers,
         hf_cfg.num_attention_heads)
@@ -287,7 +308,9 @@ def test_metadata_and_tokenizer(name, hf_dirs):
         assert cfg.rope_theta == hf_cfg.rope_parameters["rope_theta"]
     else:
         assert cfg.norm_before == hf_cfg.do_layer_norm_before
-    hf_tok = transformers.AutoTokenizer.from_pretrained(hf_dirs[name])
+    # The class tokenizer_config.json names (AutoTokenizer would take Qwen2's, which builds
+    # a byte-level BPE of its own from this word-level vocabulary).
+    hf_tok = transformers.PreTrainedTokenizerFast.from_pretrained(hf_dirs[name])
     assert ours.vocab_size == len(hf_tok) == VOCAB_SIZE
     text = "hello world . what is the capital of france ?"
     assert ours.encode(text, add_special=True) == hf_tok(text)["input_ids"]
@@ -358,12 +381,40 @@ def test_legacy_rope_theta_key_is_read(hf_dirs, tmp_path):
     assert load_model(d).config.rope_theta == 50000.0
 
 
+def test_legacy_rope_scaling_key_is_read(hf_dirs, tmp_path):
+    """transformers < 5 wrote {"type": ..., "factor": ...} as rope_scaling: the same
+    frequencies as the rope_parameters transformers 5 writes."""
+    def legacy(cfg):
+        rope = cfg.pop("rope_parameters")
+        cfg["rope_theta"] = rope.pop("rope_theta")
+        cfg["rope_scaling"] = {"type": rope.pop("rope_type"), **rope}
+
+    for name in ("llama3-rope", "llama-linear-rope"):
+        d = _edit_config(hf_dirs[name], tmp_path / name, legacy)
+        divisors = load_model(d).config.rope_divisors
+        assert divisors == load_model(hf_dirs[name]).config.rope_divisors
+        assert len(divisors) == 8 and max(divisors) > 1.0
+
+
 @pytest.mark.parametrize("where", ["rope_scaling", "rope_parameters"])
-def test_rope_scaling_is_refused(hf_dirs, tmp_path, where):
-    scaled = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+@pytest.mark.parametrize("kind", ["yarn", "dynamic", "longrope"])
+def test_other_rope_scaling_is_refused_by_name(hf_dirs, tmp_path, where, kind):
+    """Schemes that rescale attention or depend on the length: running them unscaled would
+    be silently wrong."""
+    scaled = {"rope_type": kind, "factor": 2.0, "rope_theta": 10000.0}
     d = _edit_config(hf_dirs["llama-gqa-tied"], tmp_path / "scaled",
                      lambda cfg: cfg.update({where: scaled}))
-    with pytest.raises(ModelLoadError, match="rope_scaling"):
+    with pytest.raises(ModelLoadError, match=f"rope_scaling '{kind}' is not supported"):
+        load_model(d)
+
+
+@pytest.mark.parametrize("name, edit", [
+    ("mistral", {"sliding_window": 128}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 64}),
+])
+def test_sliding_window_attention_is_refused(hf_dirs, tmp_path, name, edit):
+    d = _edit_config(hf_dirs[name], tmp_path / "window", lambda cfg: cfg.update(edit))
+    with pytest.raises(ModelLoadError, match="sliding-window attention"):
         load_model(d)
 
 

@@ -44,7 +44,8 @@ TRITON = (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hidden_models")
     return {name: write_random_model(name, root / name, seed=5, dtype=torch.float32,
-                                     device="cpu") for name in [*MODELS, "tiny-llama"]}
+                                     device="cpu")
+            for name in [*MODELS, "tiny-llama", "tiny-qwen2-mha"]}
 
 
 def _engine(path: Path, **kw) -> LLMEngine:
@@ -213,7 +214,7 @@ def test_attention_over_reprojected_kv_equals_kv_cache():
 
 # ---- the engine ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", [*MODELS, "tiny-qwen2-mha"])
 def test_hidden_mode_generates_the_kv_tokens(name, model_dirs):
     eng = _engine(model_dirs[name])
     assert eng.describe()["hidden_cache"]["enabled"]

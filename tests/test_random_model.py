@@ -29,6 +29,7 @@ from bare_decoder import BareDecoder, run_bare  # noqa: E402
 from random_model import SHAPES, write_random_model  # noqa: E402
 
 TINY = ["tiny-llama", "tiny-opt"]
+LOADED = [*TINY, "tiny-qwen2-mha"]  # (the bare decoder has no Q/K/V biases)
 LOGIT_ATOL = 1e-4  # fp32 on both sides: the implementations agree to ~1e-6 here
 
 
@@ -36,7 +37,7 @@ LOGIT_ATOL = 1e-4  # fp32 on both sides: the implementations agree to ~1e-6 here
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("random_models")
     return {name: write_random_model(name, root / name, seed=3, dtype=torch.float32,
-                                     device="cpu") for name in TINY}
+                                     device="cpu") for name in LOADED}
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +75,10 @@ def test_real_shapes_have_the_published_sizes():
     assert round(millions["opt-125m"]) == 125
     assert round(millions["opt-1.3b"]) == 1316
     assert round(millions["opt-13b"]) == 12853
+    assert round(millions["qwen2.5-0.5b"]) == 494
 
 
-@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("name", LOADED)
 def test_both_loaders_open_it(name, model_dirs):
     path, shape = model_dirs[name], SHAPES[name]
     _, info = transformers.AutoModelForCausalLM.from_pretrained(
@@ -85,7 +87,7 @@ def test_both_loaders_open_it(name, model_dirs):
     loaded = load_model(path)
     c = loaded.config
     assert (c.arch, c.vocab_size, c.hidden_size, c.num_layers) == (
-        shape.arch, shape.vocab, shape.hidden, shape.layers)
+        "opt" if shape.arch == "opt" else "llama", shape.vocab, shape.hidden, shape.layers)
     assert (c.num_heads, c.num_kv_heads, c.ffn_size) == (shape.heads, shape.kv_heads, shape.ffn)
     assert c.eos_token_ids == (shape.eos,)
     tok = loaded.tokenizer
@@ -95,7 +97,7 @@ def test_both_loaders_open_it(name, model_dirs):
     assert tok.token_id(tok.eos_token) == shape.eos
 
 
-@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("name", LOADED)
 def test_engine_logits_match_transformers(name, model_dirs, hf_models):
     engine = LLMEngine(str(model_dirs[name]), dtype="fp32")
     for n, seed in ((1, 0), (19, 1), (70, 2)):

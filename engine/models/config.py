@@ -18,6 +18,9 @@ class ModelConfig:
     max_context: int
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # One divisor per rotary frequency where the model extends its context by rescaling
+    # them (linear, Llama 3's scheme: see rope.py); empty: unscaled.
+    rope_divisors: tuple[float, ...] = ()
     tie_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()

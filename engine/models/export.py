@@ -16,6 +16,15 @@ def export_hf(model: LoadedModel, out_dir: str | Path, dtype: torch.dtype = torc
     c, tok = model.config, model.tokenizer
     if c.arch != "llama":
         raise ValueError(f"export supports llama models, not {c.arch}")
+    # Q/K/V biases: Qwen2's architecture (a Llama without them would drop them).
+    family = "qwen2" if "model.layers.0.self_attn.q_proj.bias" in model.weights else "llama"
+    # RoPE in the keys transformers 4 wrote (vLLM's reads them; transformers 5 too).
+    rope: dict = {"rope_theta": c.rope_theta}
+    if c.rope_divisors:
+        if len(set(c.rope_divisors)) > 1:  # (Llama 3's parameters are not kept, only these)
+            raise ValueError("export supports linear RoPE scaling only, not per-frequency "
+                             "divisors (a Llama 3.1 GGUF's rope_freqs)")
+        rope["rope_scaling"] = {"rope_type": "linear", "factor": c.rope_divisors[0]}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     weights = {k: v.to(dtype).contiguous() for k, v in model.weights.items()}
@@ -23,8 +32,8 @@ def export_hf(model: LoadedModel, out_dir: str | Path, dtype: torch.dtype = torc
         weights.pop("lm_head.weight", None)  # vLLM expects no lm_head for tied embeddings
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": ["Qwen2ForCausalLM" if family == "qwen2" else "LlamaForCausalLM"],
+        "model_type": family,
         "vocab_size": c.vocab_size,
         "hidden_size": c.hidden_size,
         "intermediate_size": c.ffn_size,
@@ -34,7 +43,7 @@ def export_hf(model: LoadedModel, out_dir: str | Path, dtype: torch.dtype = torc
         "head_dim": c.head_dim,
         "max_position_embeddings": c.max_context,
         "rms_norm_eps": c.norm_eps,
-        "rope_theta": c.rope_theta,
+        **rope,
         "tie_word_embeddings": c.tie_embeddings,
         "bos_token_id": c.bos_token_id,
         "eos_token_id": list(c.eos_token_ids),

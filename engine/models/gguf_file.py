@@ -1,4 +1,5 @@
-"""Llama-architecture GGUF files: config, dequantized weights (HF names and layout), tokenizer."""
+"""Llama-architecture GGUF files (llama, and qwen2: Llama with Q/K/V biases): config,
+dequantized weights (HF names and layout), tokenizer."""
 
 from __future__ import annotations
 
@@ -20,10 +21,20 @@ _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+
 # previous one left, keeping matches and the text between them as separate pieces.
 _DEFAULT_SPLITS = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]")
 _LLAMA3_PRES = ("llama-bpe", "llama3", "llama-v3")
+# Qwen2's split: Llama 3's, but digits one by one (llama.cpp spells the case-insensitive
+# contractions out; the same matches).
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+
+# Pre-tokenizers that are one regex split, then bytes to symbols.
+_ONE_SPLIT = {**dict.fromkeys((*_LLAMA3_PRES, "smaug-bpe"), _LLAMA3_SPLIT),
+              "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
 
 
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
@@ -41,10 +52,10 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
         return pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), byte_level]
         )
-    if pre in (*_LLAMA3_PRES, "smaug-bpe"):
+    if pre in _ONE_SPLIT:
         return pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+                pre_tokenizers.Split(Regex(_ONE_SPLIT[pre]), behavior="isolated"),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
@@ -91,28 +102,48 @@ def _tokenizer(reader) -> ModelTokenizer:
     )
 
 
-def _check_architecture(reader) -> None:
+ARCHITECTURES = ("llama", "qwen2")
+
+
+def _architecture(reader) -> str:
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"unsupported GGUF architecture {arch!r} (supported: llama)")
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(f"unsupported GGUF architecture {arch!r} "
+                             f"(supported: {', '.join(ARCHITECTURES)})")
+    return arch
 
 
-def _config(reader, tokenizer: ModelTokenizer, has_output: bool) -> ModelConfig:
+def _rope_divisors(reader, arch: str, head_dim: int) -> tuple[float, ...]:
+    """The divisor of each rotary frequency (rope.py): llama.cpp divides them by the
+    `rope_freqs` tensor (Llama 3.1's scheme, written by its converter) and by a linear
+    scaling factor; other scaling types are refused."""
+    scaling = _field(reader, f"{arch}.rope.scaling.type", "linear")  # llama.cpp's default
+    factor = float(_field(reader, f"{arch}.rope.scaling.factor",
+                          _field(reader, f"{arch}.rope.scale_linear")) or 1.0)
+    if scaling not in ("none", "linear") or (scaling == "none" and factor != 1.0):
+        raise ModelLoadError(
+            f"GGUF RoPE scaling {scaling!r} (factor {factor}) is not supported (supported: "
+            f"linear, and Llama 3's frequency factors)")
+    half = head_dim // 2
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is None:
+        return () if factor == 1.0 else (factor,) * half
+    factors = [float(x) for x in np.asarray(freqs.data, dtype=np.float32).reshape(-1)]
+    if len(factors) != half:
+        raise ModelLoadError(f"rope_freqs.weight has {len(factors)} values for {half} "
+                             f"rotary frequencies")
+    return tuple(factor * f for f in factors)
+
+
+def _config(reader, arch: str, tokenizer: ModelTokenizer, has_output: bool) -> ModelConfig:
     def get(key: str, default=None):
-        v = _field(reader, f"llama.{key}", default)
+        v = _field(reader, f"{arch}.{key}", default)
         if v is None:
-            raise ModelLoadError(f"GGUF metadata key llama.{key} is missing")
+            raise ModelLoadError(f"GGUF metadata key {arch}.{key} is missing")
         return v
 
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
-    # llama.cpp scales RoPE by these (a factor alone means linear); we implement no scaling.
-    scaling = _field(reader, "llama.rope.scaling.type", "none")
-    factor = _field(reader, "llama.rope.scaling.factor", _field(reader, "llama.rope.scale_linear"))
-    if scaling not in ("none", "linear") or factor not in (None, 0.0, 1.0):
-        raise ModelLoadError(
-            f"GGUF RoPE scaling is not supported (llama.rope.scaling.type={scaling!r}, "
-            f"factor={factor})"
-        )
+    head_dim = int(get("rope.dimension_count", hidden // heads))
     eos = [tokenizer.token_id(tokenizer.eos_token)] if tokenizer.eos_token else []
     # Chat models end a turn with their own token; stopping there is what users expect.
     for end_of_turn in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>"):
@@ -126,11 +157,12 @@ def _config(reader, tokenizer: ModelTokenizer, has_output: bool) -> ModelConfig:
         num_layers=int(get("block_count")),
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(get("rope.dimension_count", hidden // heads)),
+        head_dim=head_dim,
         ffn_size=int(get("feed_forward_length")),
         max_context=int(get("context_length")),
         norm_eps=float(get("attention.layer_norm_rms_epsilon")),
         rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_divisors=_rope_divisors(reader, arch, head_dim),
         tie_embeddings=not has_output,
         bos_token_id=tokenizer.token_id(tokenizer.bos_token) if tokenizer.bos_token else None,
         eos_token_ids=tuple(eos),
@@ -164,7 +196,7 @@ def _hf_name(gguf_name: str) -> str:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
     if base in _TOP_NAMES:
         return f"{_TOP_NAMES[base]}.{suffix}"
-    raise ModelLoadError(f"unexpected tensor {gguf_name!r} in a llama GGUF file")
+    raise ModelLoadError(f"unexpected tensor {gguf_name!r} in a GGUF file")
 
 
 def _open(path: Path):
@@ -178,10 +210,10 @@ def _open(path: Path):
 
 def read_gguf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
     reader = _open(path)
-    _check_architecture(reader)  # first: a non-llama file fails on that, not on its tokenizer
+    arch = _architecture(reader)  # first: another model fails on that, not on its tokenizer
     tokenizer = _tokenizer(reader)
     has_output = any(t.name == "output.weight" for t in reader.tensors)
-    return _config(reader, tokenizer, has_output), tokenizer
+    return _config(reader, arch, tokenizer, has_output), tokenizer
 
 
 def read_gguf_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -189,8 +221,13 @@ def read_gguf_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor
     import gguf
 
     reader = _open(path)
+    # llama.cpp's converter interleaves the RoPE halves of Llama's Q/K rows (its rotation is
+    # GPT-J's there); Qwen2's it leaves alone (rotated NeoX style, as in Hugging Face).
+    permuted = _architecture(reader) == "llama"
     weights = {}
     for t in reader.tensors:
+        if t.name == "rope_freqs.weight":  # in the config (rope_divisors)
+            continue
         kind = t.tensor_type.name
         if kind not in SUPPORTED_TYPES:
             raise ModelLoadError(f"tensor {t.name} has unsupported type {kind} in {path}")
@@ -202,9 +239,9 @@ def read_gguf_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor
         if w.size != int(np.prod(expected)):
             raise ModelLoadError(f"tensor {t.name} in {path} is truncated")
         w = w.reshape(expected)
-        if t.name.endswith("attn_q.weight"):
+        if permuted and t.name.endswith("attn_q.weight"):
             w = _unpermute(w, config.num_heads)
-        elif t.name.endswith("attn_k.weight"):
+        elif permuted and t.name.endswith("attn_k.weight"):
             w = _unpermute(w, config.num_kv_heads)
         weights[_hf_name(t.name)] = torch.from_numpy(np.require(w, requirements=["C", "W"]))
     return weights

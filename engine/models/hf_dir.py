@@ -11,9 +11,13 @@ from tokenizers import Tokenizer
 
 from .config import ModelConfig
 from .errors import ModelLoadError
+from .rope import hf_divisors
 from .tokenizer import ModelTokenizer
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "OPTForCausalLM")
+# Mistral and Qwen2 are Llama's decoder, read into its config (Qwen2's Q/K/V biases, like any
+# bias a Llama checkpoint has, come with the weights).
+LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = (*LLAMA_LIKE, "OPTForCausalLM")
 
 
 def _read_json(path: Path) -> dict:
@@ -73,19 +77,22 @@ def read_hf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
         eos_token_ids=eos_ids,
         max_context=cfg.get("max_position_embeddings", 2048),
     )
-    if arch == "LlamaForCausalLM":
+    if arch in LLAMA_LIKE:
+        _check_full_attention(cfg, arch, path)
+        head_dim = cfg.get("head_dim") or hidden // heads
         # transformers >= 5 writes RoPE settings as rope_parameters = {rope_type, rope_theta,
         # ...}; older configs have top-level rope_theta and rope_scaling.
         rope = cfg.get("rope_parameters") or {}
-        if cfg.get("rope_scaling") or rope.get("rope_type", "default") != "default":
-            raise ModelLoadError(f"{path}: rope_scaling is not supported")
+        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         config = ModelConfig(
             arch="llama",
             num_kv_heads=cfg.get("num_key_value_heads", heads),
-            head_dim=cfg.get("head_dim") or hidden // heads,
+            head_dim=head_dim,
             ffn_size=cfg["intermediate_size"],
             norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+            rope_theta=theta,
+            rope_divisors=hf_divisors(cfg.get("rope_scaling") or rope, head_dim, theta,
+                                      str(path)),
             tie_embeddings=cfg.get("tie_word_embeddings", False),
             **common,
         )
@@ -103,6 +110,19 @@ def read_hf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
             **common,
         )
     return config, tokenizer
+
+
+def _check_full_attention(cfg: dict, arch: str, path: Path) -> None:
+    """Sliding-window attention (Mistral 7B v0.1, Qwen2 with use_sliding_window) sees only
+    the last tokens; our kernels attend to the whole context, which would be silently
+    different once a sequence is longer than the window."""
+    if arch == "Qwen2ForCausalLM":
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    else:
+        window = cfg.get("sliding_window")
+    if window is not None and window < cfg.get("max_position_embeddings", 2048):
+        raise ModelLoadError(f"{path}: sliding-window attention (window {window}) is not "
+                             f"supported")
 
 
 def read_hf_weights(path: Path) -> dict[str, torch.Tensor]:

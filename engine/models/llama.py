@@ -24,6 +24,7 @@ from llmdb.kernels.linear import Linear, linear
 
 from .config import ModelConfig
 from .hidden_attention import mixed_attention
+from .rope import frequencies
 
 # Measured here: the [rows, vocab] GEMM runs ~15% slower per row above 256 rows (its output
 # no longer fits the caches), so larger batches are projected in slices.
@@ -61,6 +62,13 @@ class LlamaModel:
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device, dtype).contiguous()
 
+        def b(*names: str) -> torch.Tensor | None:
+            """The projections' biases, concatenated as their weights are; None where the
+            checkpoint has none (Llama; Qwen2 has them on Q, K and V)."""
+            if names[0] + ".bias" not in weights:
+                return None
+            return torch.cat([w(n + ".bias") for n in names])
+
         self.embed = w("model.embed_tokens.weight")
         self.lm_head = linear(self.embed if c.tie_embeddings else w("lm_head.weight"))
         self.norm = w("model.norm.weight")
@@ -72,19 +80,25 @@ class LlamaModel:
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             # One matmul for Q, K and V and one for gate and up: fewer, larger GEMMs.
-            qkv = torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            qkv_names = [p + f"self_attn.{n}_proj" for n in "qkv"]
+            qkv = torch.cat([w(n + ".weight") for n in qkv_names])
+            qkv_bias = b(*qkv_names)
             if hidden_cache:
-                self.kv_projs.append(linear(qkv[c.num_heads * c.head_dim :]))
-            gate_up = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
+                q_rows = c.num_heads * c.head_dim
+                self.kv_projs.append(linear(qkv[q_rows:], None if qkv_bias is None
+                                            else qkv_bias[q_rows:]))
+            mlp = [p + "mlp.gate_proj", p + "mlp.up_proj"]
+            gate_up = torch.cat([w(n + ".weight") for n in mlp])
             self.layers.append((
                 w(p + "input_layernorm.weight"),
-                linear(qkv),
-                linear(w(p + "self_attn.o_proj.weight")),
+                linear(qkv, qkv_bias),
+                linear(w(p + "self_attn.o_proj.weight"), b(p + "self_attn.o_proj")),
                 w(p + "post_attention_layernorm.weight"),
-                linear(gate_up),
-                linear(w(p + "mlp.down_proj.weight")),
+                linear(gate_up, b(*mlp)),
+                linear(w(p + "mlp.down_proj.weight"), b(p + "mlp.down_proj")),
             ))
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2).double() / c.head_dim))
+        inv_freq = torch.tensor(frequencies(c.head_dim, c.rope_theta, c.rope_divisors),
+                                dtype=torch.float64)
         angles = torch.arange(c.max_context).double()[:, None] * inv_freq[None, :]
         if kernels == "triton":  # one [positions, head_dim] table: cos half, sin half
             self.cos_sin = torch.cat([angles.cos(), angles.sin()], -1).float().to(device)

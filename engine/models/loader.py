@@ -121,7 +121,8 @@ def _meta_json(config: ModelConfig, tokenizer: ModelTokenizer) -> str:
 def _read_meta(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
     meta = json.loads(path.read_text())
     cfg = meta["config"]
-    cfg["eos_token_ids"] = tuple(cfg["eos_token_ids"])
+    for key in ("eos_token_ids", "rope_divisors"):  # (JSON has lists, not tuples)
+        cfg[key] = tuple(cfg.get(key, ()))
     tokenizer = ModelTokenizer(
         tokenizer=Tokenizer.from_str(meta["tokenizer"]),
         chat_template=meta["chat_template"],
