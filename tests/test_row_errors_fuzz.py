@@ -665,47 +665,20 @@ CI_SEEDS = range(0, 200)
 
 # Seeds of CI_SEEDS that fail for a known reason, until it is fixed.
 KNOWN: dict[int, str] = {
-    1: 'answers back before a failed row are dropped, not cached',
-    8: 'answers back before a failed row are dropped, not cached',
     18: 'a repeated refused row is listed once per row without the planner',
     20: 'a repeated refused row is listed once per row without the planner',
-    28: 'answers back before a failed row are dropped, not cached',
-    30: 'answers back before a failed row are dropped, not cached',
-    33: 'answers back before a failed row are dropped, not cached',
     43: 'a repeated refused row is listed once per row without the planner',
     44: 'a repeated refused row is listed once per row without the planner',
-    47: 'answers back before a failed row are dropped, not cached',
-    49: 'answers back before a failed row are dropped, not cached',
-    54: 'answers back before a failed row are dropped, not cached',
-    56: 'answers back before a failed row are dropped, not cached',
-    57: 'answers back before a failed row are dropped, not cached',
     58: 'a repeated refused row is listed once per row without the planner',
-    62: 'answers back before a failed row are dropped, not cached',
     64: 'a repeated refused row is listed once per row without the planner',
-    65: 'answers back before a failed row are dropped, not cached',
     66: 'a repeated refused row is listed once per row without the planner',
     67: 'a repeated refused row is listed once per row without the planner',
-    71: 'answers back before a failed row are dropped, not cached',
-    77: 'answers back before a failed row are dropped, not cached',
-    80: 'answers back before a failed row are dropped, not cached',
     86: 'a repeated refused row is listed once per row without the planner',
     88: 'a repeated refused row is listed once per row without the planner',
-    89: 'answers back before a failed row are dropped, not cached',
-    94: 'answers back before a failed row are dropped, not cached',
-    96: 'answers back before a failed row are dropped, not cached',
-    99: 'answers back before a failed row are dropped, not cached',
     103: 'a repeated refused row is listed once per row without the planner',
     104: 'a repeated refused row is listed once per row without the planner',
     110: 'a repeated refused row is listed once per row without the planner',
     120: 'a repeated refused row is listed once per row without the planner',
-    133: 'answers back before a failed row are dropped, not cached',
-    138: 'answers back before a failed row are dropped, not cached',
-    150: 'answers back before a failed row are dropped, not cached',
-    162: 'answers back before a failed row are dropped, not cached',
-    168: 'answers back before a failed row are dropped, not cached',
-    172: 'answers back before a failed row are dropped, not cached',
-    173: 'answers back before a failed row are dropped, not cached',
-    177: 'answers back before a failed row are dropped, not cached',
     180: 'a repeated refused row is listed once per row without the planner',
     183: 'a repeated refused row is listed once per row without the planner',
     196: 'a repeated refused row is listed once per row without the planner',
@@ -724,6 +697,35 @@ def test_random_case(seed):
 def describe(case: Case) -> str:
     return "\n".join(f"    i={r.i} g={r.g} bad={r.bad} p={r.p!r:.80} n={r.n} l={r.labels} "
                      f"s={r.s!r:.30} m={r.m}" for r in case.rows)
+
+
+# ---- regressions: each seed's minimal case, failing before its fix -------------------------
+
+def _table_con(backend: FuzzBackend, tmp_path: Path, prompts: list, **options: Any):
+    con = llmdb.connect(model=MODEL, backend=backend, cache_path=str(tmp_path / "c.sqlite"),
+                        progress=False, **options)
+    con.register("t", pa.table({"i": list(range(len(prompts))),
+                                "p": pa.array(prompts, pa.string())}))
+    return con
+
+
+@pytest.mark.parametrize("planner", [True, False])
+@pytest.mark.parametrize("bad_first", [True, False])
+def test_answers_back_before_a_failed_row_stay_cached(tmp_path, planner, bad_first):
+    """Seed 1: a row's answer that had come back while a row of its batch failed (under
+    on_error='raise') was dropped with the batch, not cached: the rerun paid for it again."""
+    backend = FuzzBackend()
+    prompts = ["fig", f"kiwi {ASYNC_MARK}"]
+    con = _table_con(backend, tmp_path, prompts[::-1] if bad_first else prompts,
+                     planner=planner)
+    with pytest.raises(llmdb.LLMError, match="'kiwi BOOM': injected failure in the result"):
+        con.execute("SELECT llm_complete(p, max_tokens := 2) FROM t").fetchall()
+    assert sum(backend.answered.values()) == 1
+    got = con.execute("SELECT p, llm_complete(p, max_tokens := 2, on_error := 'null') FROM t "
+                      "ORDER BY p").fetchall()
+    assert got[0][1] is not None and got[1][1] is None
+    assert sum(backend.answered.values()) == 1  # 'fig' came from the result cache
+    con.close()
 
 
 # ---- offline -------------------------------------------------------------------------------
