@@ -67,6 +67,7 @@ def _execute(session: Session, function: str, rows: list[dict[str, Any]], priori
     session.record(Stats())  # this query reached an LLM function, even if only with NULLs
     spec = FUNCTIONS[function]
     out: list[Any] = [None] * len(rows)
+    refused: dict[str, str] = {}  # errors of the rows refused so far, by their arguments
     by_model: dict[str | None, list[int]] = {}
     for i, a in enumerate(rows):
         if not spec.null_row(a):
@@ -84,12 +85,7 @@ def _execute(session: Session, function: str, rows: list[dict[str, Any]], priori
                     raise ValueError(f"calibrating its prompt template failed: "
                                      f"{failed_priors[call.prior]}")
             except (ValueError, TypeError, UnicodeError) as e:  # (this row's, not the query's)
-                text = a[spec.params[0].name]
-                message = describe_row(function, text, str(e))
-                session.record(Stats(rows=1, errors=1))
-                if policy != "null":
-                    raise LLMError(message) from e
-                session.record_error(function, text, message)
+                _refused(session, function, a, policy, e, refused)
                 continue
             call.on_error = policy
             calls.append(call)
@@ -100,6 +96,30 @@ def _execute(session: Session, function: str, rows: list[dict[str, Any]], priori
         for i, o in zip(where, outcomes, strict=True):
             out[i] = o.value if o.error is None else None
     return out
+
+
+def _refused(session: Session, function: str, a: Mapping[str, Any], policy: str,
+             e: Exception, refused: dict[str, str]) -> None:
+    """A row refused before any model call (an ill-formed argument, an unknown model, a
+    failed calibration prior): raised, or recorded under on_error='null', once per distinct
+    arguments, as a failed model call is (the batch's dedup, the query's memory of failed
+    calls). Rows repeating them are its copies, counted as dedup hits: llm_errors() and
+    the stats then say the same with the planner (whose memo sees each tuple once) and
+    without it, where DuckDB hands the function every row."""
+    key = request_key(function, "refused", {k: v for k, v in a.items() if k != "on_error"})
+    message = refused.get(key) or session.failed_before(key)
+    if message is not None:
+        session.record(Stats(rows=1, dedup_hits=1))
+        if policy != "null":
+            raise LLMError(message) from e
+        return
+    text = a[FUNCTIONS[function].params[0].name]
+    message = refused[key] = describe_row(function, text, str(e))
+    session.record(Stats(rows=1, errors=1))
+    session.note_failure(key, message)
+    if policy != "null":
+        raise LLMError(message) from e
+    session.record_error(function, text, message)
 
 
 # Set by the planner around the rows it computes: the class of the whole query (or of the
