@@ -143,13 +143,29 @@ def _key(backend: Backend, function: str, request: Any) -> str:
 DEFAULT_PARAMS = SamplingParams()
 
 
+_INT_BOUNDS = {"INTEGER": 2**31, "BIGINT": 2**63}
+
+
+def _whole(a: Mapping[str, Any], name: str, sql_type: str) -> int | None:
+    """An integer argument as an int in the range of its SQL type. SQL hands the UDF any
+    integer as a HUGEINT (a Decimal here, see Param.udf_type), so that a value beyond the
+    range is this row's error, named by its prompt, not the query's."""
+    if a[name] is None:
+        return None
+    v = int(a[name])
+    if not -_INT_BOUNDS[sql_type] <= v < _INT_BOUNDS[sql_type]:
+        raise ValueError(f"{name} = {v} is out of range for {sql_type}")
+    return v
+
+
 def _complete_call(backend: Backend, a: Mapping[str, Any], priority: str) -> Call:
+    max_tokens = _whole(a, "max_tokens", "INTEGER")
     params = SamplingParams(
-        max_tokens=DEFAULT_PARAMS.max_tokens if a["max_tokens"] is None else int(a["max_tokens"]),
+        max_tokens=DEFAULT_PARAMS.max_tokens if max_tokens is None else max_tokens,
         temperature=DEFAULT_PARAMS.temperature if a["temperature"] is None
         else float(a["temperature"]),
         top_p=DEFAULT_PARAMS.top_p if a["top_p"] is None else float(a["top_p"]),
-        seed=None if a["seed"] is None else int(a["seed"]),
+        seed=_whole(a, "seed", "BIGINT"),
         stop=[s for s in (a["stop"] or []) if s],
     )
     params.validate()
@@ -433,6 +449,14 @@ class Param:
     sql_type: str
     default: str | None  # the macro's default, as SQL text; None: required
 
+    @property
+    def udf_type(self) -> str:
+        """The type the UDFs take it as: an integer parameter as a HUGEINT, which holds
+        every integer type, so that a value beyond sql_type's range in one row reaches
+        the row function and fails that row (a cast in SQL would fail the whole query,
+        naming no row); the row function checks sql_type's range."""
+        return "HUGEINT" if self.sql_type in _INT_BOUNDS else self.sql_type
+
 
 @dataclass(frozen=True)
 class SqlFunction:
@@ -537,12 +561,9 @@ def checked_arg(function: str, p: Param, x: str) -> str:
         what = "text or a list of text" if p.name == "stop" else "a list of text"
         return (f"CASE {plain}WHEN {kind} IN ({_sql_list(['VARCHAR[]', _NULL, _NULL + '[]'])}) "
                 f"THEN CAST({x} AS VARCHAR[]) ELSE {fail(what)} END")
-    if p.sql_type in ("INTEGER", "BIGINT"):
-        t = p.sql_type
+    if p.sql_type in _INT_BOUNDS:  # (every type of _INTEGERS fits the HUGEINT)
         return (f"CASE WHEN {kind} NOT IN ({_sql_list([*_INTEGERS, _NULL])}) THEN "
-                f"{fail('an integer')} WHEN {x} IS NOT NULL AND TRY_CAST({x} AS {t}) IS NULL "
-                f"THEN {raise_as}('{function}: {p.name} = ' || CAST({x} AS VARCHAR) || ' is "
-                f"out of range for {t}') ELSE TRY_CAST({x} AS {t}) END")
+                f"{fail('an integer')} ELSE CAST({x} AS {p.udf_type}) END")
     if p.sql_type == "DOUBLE":
         return (f"CASE WHEN {kind} IN ({_sql_list([*_INTEGERS, 'FLOAT', 'DOUBLE', _NULL])}) OR "
                 f"{kind} LIKE 'DECIMAL(%' THEN CAST({x} AS DOUBLE) ELSE {fail('a number')} END")
@@ -586,7 +607,7 @@ def register(con: duckdb.DuckDBPyConnection, session: Session) -> list[str]:
         return udfs[-1]
 
     for f in FUNCTIONS.values():
-        impl = udf(f.name, _arrow_udf(session, f.rows, f.names), [p.sql_type for p in f.params],
+        impl = udf(f.name, _arrow_udf(session, f.rows, f.names), [p.udf_type for p in f.params],
                    f.returns, type="arrow", null_handling="special", side_effects=False)
         for p in f.params:
             con.execute(f"CREATE OR REPLACE TEMP MACRO {check_macro(f.name, p)}(x) AS "

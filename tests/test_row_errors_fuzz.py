@@ -59,6 +59,7 @@ from llmdb.batch import describe_row
 from llmdb.session import Options, Session
 
 CTX = 96  # the fuzz model's context, in words (the stand-in's tokens)
+NAN = float("nan")  # one object: rows repeating it repeat a call (nan != nan)
 ASYNC_MARK, SUBMIT_MARK = "BOOM", "KAPUT"
 MODEL = "fuzz"
 
@@ -122,6 +123,7 @@ CAUSES = {
     "submit": r"injected failure at submit",
     "model": r"unknown model 'nope'",
     "max_tokens": r"max_tokens must be positive, got -?\d+",
+    "max_tokens_range": r"max_tokens = -?\d+ is out of range for INTEGER",
     "labels": r"labels must be a non-empty list of non-empty strings, got \[|label 'a' is "
               r"listed twice",
     "surrogate": r"can't encode character '\\udcff' in position \d+: surrogates not allowed",
@@ -145,12 +147,13 @@ class Row:
     m: str | None = None  # model
     g: int = 0
     bad: str | None = None  # the kind of failure; None: a good or NULL row
+    temp: float | None = None  # temperature (NULL: greedy)
 
     def args(self, function: str) -> tuple:
         """The call's arguments: rows with equal ones are one call."""
         out = (self.p, self.s, self.m)
         if function == "llm_complete":
-            return (*out, self.n)
+            return (*out, self.n, self.temp)
         if function == "llm_classify":
             return (*out, None if self.labels is None else tuple(self.labels))
         return out
@@ -184,7 +187,7 @@ def bad_kinds(function: str, api: str) -> list[str]:
         return kinds
     kinds += ["model", "long_system"]
     if function == "llm_complete":
-        kinds.append("max_tokens")
+        kinds += ["max_tokens", "max_tokens_range"]
     if function == "llm_classify":
         kinds.append("labels")
     return kinds
@@ -219,6 +222,8 @@ def make_row(rng: random.Random, i: int, function: str, api: str, kind: str | No
         r.m = "nope"
     elif kind == "max_tokens":
         r.n = rng.choice([0, -3])
+    elif kind == "max_tokens_range":  # (refused before the call: the stand-in never sees it)
+        r.n = rng.choice([2**31, -2**31 - 1, 10**12])
     elif kind == "labels":
         r.labels = list(rng.choice(BAD_LABELS))
     elif kind == "surrogate":
@@ -239,7 +244,7 @@ def generate(seed: int) -> Case:
         if rows and rng.random() < 0.15:  # a repeated call, good or bad (dedup)
             src = rng.choice(rows)
             rows.append(Row(i, src.p, src.n, src.labels, src.s, src.m, rng.randrange(3),
-                            src.bad))
+                            src.bad, src.temp))
             continue
         roll = rng.random()
         kind = None if roll < 0.55 else "null" if roll < 0.65 else rng.choice(kinds)
@@ -269,6 +274,8 @@ def call_sql(case: Case, policy: str | None) -> str:
         args.append("system := s")
     if any(r.m is not None for r in case.rows):
         args.append("model := m")
+    if any(r.temp is not None for r in case.rows):
+        args.append("temperature := temp")
     if policy is not None:
         args.append(f"on_error := '{policy}'")
     return f"{f}({', '.join(args)})"
@@ -341,11 +348,12 @@ def arrow_table(rows: list[Row]) -> pa.Table:
     return pa.table({
         "i": pa.array([r.i for r in rows], pa.int32()),
         "p": pa.array([r.p for r in rows], pa.string()),
-        "n": pa.array([r.n for r in rows], pa.int32()),
+        "n": pa.array([r.n for r in rows], pa.int64()),
         "l": pa.array([r.labels for r in rows], pa.list_(pa.string())),
         "s": pa.array([r.s for r in rows], pa.string()),
         "m": pa.array([r.m for r in rows], pa.string()),
         "g": pa.array([r.g for r in rows], pa.int32()),
+        "temp": pa.array([r.temp for r in rows], pa.float64()),
     })
 
 
@@ -430,8 +438,8 @@ class Runner:
             if f == "llm_complete":
                 none = [None] * len(rows)
                 vals = functions.llm_complete(self.session, [r.p for r in rows],
-                                              [r.n for r in rows], none, none, none, none,
-                                              *common)
+                                              [r.n for r in rows], [r.temp for r in rows],
+                                              none, none, none, *common)
             elif f == "llm_classify":
                 vals = functions.llm_classify(self.session, [r.p for r in rows],
                                               [r.labels for r in rows], [None] * len(rows),
@@ -724,6 +732,25 @@ def test_a_repeated_refused_row_is_listed_once(tmp_path, planner):
     assert prompt == "fig" and "unknown model 'nope'" in error
     stats = con.stats()["last_query"]
     assert (stats["rows"], stats["errors"], stats["dedup_hits"]) == (3, 1, 2)
+    con.close()
+
+
+@pytest.mark.parametrize("planner", [True, False])
+def test_an_integer_beyond_its_type_fails_its_row_only(tmp_path, planner):
+    """A per-row max_tokens (or seed) beyond its SQL type's range failed the whole query,
+    even under on_error='null', with an error naming no row: the argument check cast it in
+    SQL. Integers now reach the row function, which refuses that row."""
+    con = _table_con(FuzzBackend(), tmp_path, ["fig", "kiwi", "lime"], planner=planner)
+    got = con.execute("SELECT i, llm_complete(p, max_tokens := [2, 3000000000, 2][i + 1], "
+                      "on_error := 'null') FROM t ORDER BY i").fetchall()
+    assert [v is None for _, v in got] == [False, True, False]
+    [(error,)] = con.execute("SELECT error FROM llm_errors()").fetchall()
+    assert error == ("llm_complete failed on the row with prompt 'kiwi': max_tokens = "
+                     "3000000000 is out of range for INTEGER")
+    with pytest.raises(llmdb.LLMError, match="'lime': seed = 9223372036854775808 is out of "
+                       "range for BIGINT"):
+        con.execute("SELECT llm_complete(p, max_tokens := 2, temperature := 0.5, seed := "
+                    "CASE WHEN i = 2 THEN 9223372036854775808 END) FROM t").fetchall()
     con.close()
 
 
