@@ -124,6 +124,7 @@ CAUSES = {
     "model": r"unknown model 'nope'",
     "max_tokens": r"max_tokens must be positive, got -?\d+",
     "max_tokens_range": r"max_tokens = -?\d+ is out of range for INTEGER",
+    "temperature": r"temperature must be >= 0 and finite, got (nan|inf|-0\.5)",
     "labels": r"labels must be a non-empty list of non-empty strings, got \[|label 'a' is "
               r"listed twice",
     "surrogate": r"can't encode character '\\udcff' in position \d+: surrogates not allowed",
@@ -187,7 +188,7 @@ def bad_kinds(function: str, api: str) -> list[str]:
         return kinds
     kinds += ["model", "long_system"]
     if function == "llm_complete":
-        kinds += ["max_tokens", "max_tokens_range"]
+        kinds += ["max_tokens", "max_tokens_range", "temperature"]
     if function == "llm_classify":
         kinds.append("labels")
     return kinds
@@ -224,6 +225,8 @@ def make_row(rng: random.Random, i: int, function: str, api: str, kind: str | No
         r.n = rng.choice([0, -3])
     elif kind == "max_tokens_range":  # (refused before the call: the stand-in never sees it)
         r.n = rng.choice([2**31, -2**31 - 1, 10**12])
+    elif kind == "temperature":
+        r.temp = rng.choice([NAN, math.inf, -0.5])
     elif kind == "labels":
         r.labels = list(rng.choice(BAD_LABELS))
     elif kind == "surrogate":
@@ -751,6 +754,22 @@ def test_an_integer_beyond_its_type_fails_its_row_only(tmp_path, planner):
                        "range for BIGINT"):
         con.execute("SELECT llm_complete(p, max_tokens := 2, temperature := 0.5, seed := "
                     "CASE WHEN i = 2 THEN 9223372036854775808 END) FROM t").fetchall()
+    con.close()
+
+
+@pytest.mark.parametrize("temperature", ["'nan'::DOUBLE", "'inf'::DOUBLE"])
+def test_a_temperature_that_is_not_a_number_fails_its_row(tmp_path, temperature):
+    """A NaN temperature passed validation (NaN < 0 is false) and sampled with NaN logits:
+    an answer of arbitrary tokens, no error; an infinite one flattened every logit to 0.
+    Both are now the row's error."""
+    con = _table_con(FuzzBackend(), tmp_path, ["fig", "kiwi"])
+    got = con.execute(f"SELECT i, llm_complete(p, max_tokens := 2, temperature := CASE WHEN "
+                      f"i = 1 THEN {temperature} END, on_error := 'null') FROM t ORDER BY i"
+                      ).fetchall()
+    assert got[0][1] is not None and got[1][1] is None
+    [(error,)] = con.execute("SELECT error FROM llm_errors()").fetchall()
+    assert re.search(r"prompt 'kiwi': temperature must be >= 0 and finite, got (nan|inf)$",
+                     error), error
     con.close()
 
 
