@@ -10,10 +10,11 @@ on_error given per call or per connection, and the result cache on or off.
 
 Bad rows: a prompt (or system prompt) longer than the model's context, a backend failure
 injected for marked prompts (raised at submit, or returned as the request's result), a
-max_tokens or label list llmdb refuses, an unknown model, a lone surrogate (where the entry
-point can carry one). Beside them: NULLs, which give NULL without a call or an error, and
-odd Unicode (NUL bytes, line separators, emoji, turn markers, a 300-character word) that
-must simply work. The model is the hash stand-in with a context of CTX words (FuzzBackend).
+max_tokens, temperature or label list llmdb refuses, a max_tokens beyond INTEGER, an
+unknown model, a lone surrogate (where the entry point can carry one). Beside them: NULLs,
+which give NULL without a call or an error, and odd Unicode (NUL bytes, line separators,
+emoji, turn markers, a 300-character word) that must simply work. The model is the hash
+stand-in with a context of CTX words (FuzzBackend).
 
 Properties, against the clean run (the same table without the bad rows):
 - on_error='null': exactly the bad rows are NULL, every other value is the clean run's,
@@ -55,7 +56,6 @@ import llmdb
 from llmdb import functions
 from llmdb.backends.base import BackendResult
 from llmdb.backends.standin import StandinBackend
-from llmdb.batch import describe_row
 from llmdb.session import Options, Session
 
 CTX = 96  # the fuzz model's context, in words (the stand-in's tokens)
@@ -505,9 +505,12 @@ def reference(case: Case, rows: list[Row]) -> dict[int, Any]:
 
 
 def _shown(function: str, prompt: str) -> str:
-    """How an error names the row: describe_row's text up to the cause."""
+    """How an error must name the row, up to the cause: its prompt, a long one by its start
+    and its end (written out here, not asked of llmdb.batch.describe_row, so that a change
+    there is caught)."""
     fname = "llm_filter" if function == "llm_filter_score" else function
-    return describe_row(fname, prompt, "")
+    shown = prompt if len(prompt) <= 100 else f"{prompt[:40]}...{prompt[-57:]}"
+    return f"{fname} failed on the row with prompt {shown!r}: "
 
 
 def error_names_a_bad_row(case: Case, message: str, candidates: list[Row]) -> bool:
