@@ -3,6 +3,7 @@ scheduler's request state, the simulator and EXPLAIN all import this without loa
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -21,8 +22,10 @@ class SamplingParams:
     def validate(self) -> None:
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        # (NaN passes `< 0`: sampling then divided the logits by NaN, an answer of arbitrary
+        # tokens with no error; infinity divided them all to 0)
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

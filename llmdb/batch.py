@@ -213,6 +213,21 @@ class _Batch:
                 partial += min(1.0, generated / budget)
         self.session.progress_partial(partial)
 
+    def keep_finished(self) -> None:
+        """Settle the requests that came back before the batch was left early (a row failed
+        under on_error='raise', or the query was cancelled): answers the backend already
+        computed go to the result cache, so that the rerun does not pay for them again.
+        The query's error is already on its way: further failures are counted, not raised."""
+        while True:
+            try:
+                i, j = self.done_q.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self.on_part_done(i, j)
+            except LLMError:
+                pass
+
     def abort_all(self) -> None:
         for i in list(self.handles):
             for h in self.handles.pop(i):
@@ -239,6 +254,9 @@ class _Batch:
                 self.on_part_done(i, j)
                 self.check_foreign()
                 self.report_progress()
+        except (LLMError, QueryCancelled):
+            self.keep_finished()
+            raise
         finally:
             self.abort_all()  # a no-op unless the batch is being left early
             self.stats.engine_s += time.perf_counter() - t0

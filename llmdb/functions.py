@@ -67,6 +67,7 @@ def _execute(session: Session, function: str, rows: list[dict[str, Any]], priori
     session.record(Stats())  # this query reached an LLM function, even if only with NULLs
     spec = FUNCTIONS[function]
     out: list[Any] = [None] * len(rows)
+    refused: dict[str, str] = {}  # errors of the rows refused so far, by their arguments
     by_model: dict[str | None, list[int]] = {}
     for i, a in enumerate(rows):
         if not spec.null_row(a):
@@ -84,12 +85,7 @@ def _execute(session: Session, function: str, rows: list[dict[str, Any]], priori
                     raise ValueError(f"calibrating its prompt template failed: "
                                      f"{failed_priors[call.prior]}")
             except (ValueError, TypeError, UnicodeError) as e:  # (this row's, not the query's)
-                text = a[spec.params[0].name]
-                message = describe_row(function, text, str(e))
-                session.record(Stats(rows=1, errors=1))
-                if policy != "null":
-                    raise LLMError(message) from e
-                session.record_error(function, text, message)
+                _refused(session, function, a, policy, e, refused)
                 continue
             call.on_error = policy
             calls.append(call)
@@ -100,6 +96,30 @@ def _execute(session: Session, function: str, rows: list[dict[str, Any]], priori
         for i, o in zip(where, outcomes, strict=True):
             out[i] = o.value if o.error is None else None
     return out
+
+
+def _refused(session: Session, function: str, a: Mapping[str, Any], policy: str,
+             e: Exception, refused: dict[str, str]) -> None:
+    """A row refused before any model call (an ill-formed argument, an unknown model, a
+    failed calibration prior): raised, or recorded under on_error='null', once per distinct
+    arguments, as a failed model call is (the batch's dedup, the query's memory of failed
+    calls). Rows repeating them are its copies, counted as dedup hits: llm_errors() and
+    the stats then say the same with the planner (whose memo sees each tuple once) and
+    without it, where DuckDB hands the function every row."""
+    key = request_key(function, "refused", {k: v for k, v in a.items() if k != "on_error"})
+    message = refused.get(key) or session.failed_before(key)
+    if message is not None:
+        session.record(Stats(rows=1, dedup_hits=1))
+        if policy != "null":
+            raise LLMError(message) from e
+        return
+    text = a[FUNCTIONS[function].params[0].name]
+    message = refused[key] = describe_row(function, text, str(e))
+    session.record(Stats(rows=1, errors=1))
+    session.note_failure(key, message)
+    if policy != "null":
+        raise LLMError(message) from e
+    session.record_error(function, text, message)
 
 
 # Set by the planner around the rows it computes: the class of the whole query (or of the
@@ -123,13 +143,29 @@ def _key(backend: Backend, function: str, request: Any) -> str:
 DEFAULT_PARAMS = SamplingParams()
 
 
+_INT_BOUNDS = {"INTEGER": 2**31, "BIGINT": 2**63}
+
+
+def _whole(a: Mapping[str, Any], name: str, sql_type: str) -> int | None:
+    """An integer argument as an int in the range of its SQL type. SQL hands the UDF any
+    integer as a HUGEINT (a Decimal here, see Param.udf_type), so that a value beyond the
+    range is this row's error, named by its prompt, not the query's."""
+    if a[name] is None:
+        return None
+    v = int(a[name])
+    if not -_INT_BOUNDS[sql_type] <= v < _INT_BOUNDS[sql_type]:
+        raise ValueError(f"{name} = {v} is out of range for {sql_type}")
+    return v
+
+
 def _complete_call(backend: Backend, a: Mapping[str, Any], priority: str) -> Call:
+    max_tokens = _whole(a, "max_tokens", "INTEGER")
     params = SamplingParams(
-        max_tokens=DEFAULT_PARAMS.max_tokens if a["max_tokens"] is None else int(a["max_tokens"]),
+        max_tokens=DEFAULT_PARAMS.max_tokens if max_tokens is None else max_tokens,
         temperature=DEFAULT_PARAMS.temperature if a["temperature"] is None
         else float(a["temperature"]),
         top_p=DEFAULT_PARAMS.top_p if a["top_p"] is None else float(a["top_p"]),
-        seed=None if a["seed"] is None else int(a["seed"]),
+        seed=_whole(a, "seed", "BIGINT"),
         stop=[s for s in (a["stop"] or []) if s],
     )
     params.validate()
@@ -413,6 +449,14 @@ class Param:
     sql_type: str
     default: str | None  # the macro's default, as SQL text; None: required
 
+    @property
+    def udf_type(self) -> str:
+        """The type the UDFs take it as: an integer parameter as a HUGEINT, which holds
+        every integer type, so that a value beyond sql_type's range in one row reaches
+        the row function and fails that row (a cast in SQL would fail the whole query,
+        naming no row); the row function checks sql_type's range."""
+        return "HUGEINT" if self.sql_type in _INT_BOUNDS else self.sql_type
+
 
 @dataclass(frozen=True)
 class SqlFunction:
@@ -517,12 +561,9 @@ def checked_arg(function: str, p: Param, x: str) -> str:
         what = "text or a list of text" if p.name == "stop" else "a list of text"
         return (f"CASE {plain}WHEN {kind} IN ({_sql_list(['VARCHAR[]', _NULL, _NULL + '[]'])}) "
                 f"THEN CAST({x} AS VARCHAR[]) ELSE {fail(what)} END")
-    if p.sql_type in ("INTEGER", "BIGINT"):
-        t = p.sql_type
+    if p.sql_type in _INT_BOUNDS:  # (every type of _INTEGERS fits the HUGEINT)
         return (f"CASE WHEN {kind} NOT IN ({_sql_list([*_INTEGERS, _NULL])}) THEN "
-                f"{fail('an integer')} WHEN {x} IS NOT NULL AND TRY_CAST({x} AS {t}) IS NULL "
-                f"THEN {raise_as}('{function}: {p.name} = ' || CAST({x} AS VARCHAR) || ' is "
-                f"out of range for {t}') ELSE TRY_CAST({x} AS {t}) END")
+                f"{fail('an integer')} ELSE CAST({x} AS {p.udf_type}) END")
     if p.sql_type == "DOUBLE":
         return (f"CASE WHEN {kind} IN ({_sql_list([*_INTEGERS, 'FLOAT', 'DOUBLE', _NULL])}) OR "
                 f"{kind} LIKE 'DECIMAL(%' THEN CAST({x} AS DOUBLE) ELSE {fail('a number')} END")
@@ -566,7 +607,7 @@ def register(con: duckdb.DuckDBPyConnection, session: Session) -> list[str]:
         return udfs[-1]
 
     for f in FUNCTIONS.values():
-        impl = udf(f.name, _arrow_udf(session, f.rows, f.names), [p.sql_type for p in f.params],
+        impl = udf(f.name, _arrow_udf(session, f.rows, f.names), [p.udf_type for p in f.params],
                    f.returns, type="arrow", null_handling="special", side_effects=False)
         for p in f.params:
             con.execute(f"CREATE OR REPLACE TEMP MACRO {check_macro(f.name, p)}(x) AS "

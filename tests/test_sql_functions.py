@@ -78,8 +78,9 @@ def test_complete_stop_strings_cut_the_answer(con, eng):
     ("llm_complete(42)", "llm_complete: prompt must be text, got INTEGER"),
     ("llm_complete('x', max_tokens := 10**10)", "llm_complete: max_tokens must be an integer, "
      "got DOUBLE"),
-    ("llm_complete('x', max_tokens := 10000000000)", "llm_complete: max_tokens = 10000000000 "
-     "is out of range for INTEGER"),
+    # A value beyond the type's range is the row's error (it fails that row alone).
+    ("llm_complete('x', max_tokens := 10000000000)", "llm_complete failed on the row with "
+     "prompt 'x': max_tokens = 10000000000 is out of range for INTEGER"),
     # Literals the planner passes unchecked must be exactly those the check would pass.
     ("llm_complete('x', max_tokens := 2147483648)", "max_tokens = 2147483648 is out of range"),
     ("llm_complete('x', max_tokens := 4e0)", "max_tokens must be an integer, got DOUBLE"),

@@ -383,7 +383,7 @@ def register(con: duckdb.DuckDBPyConnection, runs: Runs, session: Session) -> li
     for sig in SIGNATURES.values():
         names.append(lookup_name(sig.name, session.id))
         con.create_function(names[-1], _site_udf(sig, runs, session),
-                            ["INTEGER", "VARCHAR", *(p.sql_type for p in sig.params)],
+                            ["INTEGER", "VARCHAR", *(p.udf_type for p in sig.params)],
                             sig.returns, type="arrow", null_handling="special",
                             side_effects=False)
     return names
