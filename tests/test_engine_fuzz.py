@@ -657,6 +657,28 @@ def test_random_workload(ref, seed):
     assert not problems, describe(seed, ref) + "\n" + "\n".join(problems)
 
 
+# ---- regressions: minimized seeds --------------------------------------------------------------
+
+def _tiny(ref: Reference, shape: str = "tiny-llama", **kw) -> LLMEngine:
+    kw.setdefault("kv_cache_bytes", 1 << 20)
+    return LLMEngine(str(ref.paths[shape]), device="cpu", dtype="float32", threads=1, **kw)
+
+
+def test_aborting_the_last_request_with_its_step_in_flight_leaves_no_step_unread(ref):
+    """Seeds 16 and 29: launching ahead, the only request is aborted while its step is in
+    flight. has_unfinished said False, so nothing read that step: the engine sat idle with
+    it (the background loop too)."""
+    eng = _tiny(ref, launch_ahead=True)
+    rid = eng.add_request(list(range(5, 22)), SamplingParams(max_tokens=3))
+    eng.step()
+    assert eng._in_flight is not None
+    eng.abort(rid)
+    assert eng.has_unfinished
+    eng.step()
+    assert not eng.has_unfinished and eng._in_flight is None
+    assert eng.wait(rid).finish_reason == "abort"
+
+
 # ---- offline ----------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
