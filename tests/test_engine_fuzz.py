@@ -679,6 +679,35 @@ def test_aborting_the_last_request_with_its_step_in_flight_leaves_no_step_unread
     assert eng.wait(rid).finish_reason == "abort"
 
 
+def _serve(eng: LLMEngine, jobs: list[Job], tick_s: float = 0.02) -> list:
+    """The jobs' results, stepped on the fake clock; a stall fails."""
+    out = drive(eng, replace(draw_config(random.Random(0)), tick_s=tick_s), jobs)
+    assert not out.problems, out.problems
+    return [out.results[j.name] for j in jobs]
+
+
+def _check_alone(ref: Reference, shape: str, jobs: list[Job], results: list) -> None:
+    ref.shape, ref.dtype = shape, "float32"
+    for job, r in zip(jobs, results, strict=True):
+        assert near_tie(ref, job, ref.tokens(job), r.token_ids) is None, job.name
+
+
+def test_bros_requests_that_cannot_evict_each_other_do_not_deadlock(ref):
+    """Seed 187: two RT requests fill the pool, a decode (the more urgent) and a prefill
+    (further along), each needing a block. bros lets a request evict only less urgent RT
+    work that is not further along, so neither could evict the other, and every step came
+    out empty for ever. Now the least advanced yields."""
+    rng = random.Random(1)
+    jobs = [Job("decode", "generate", _tokens(rng, 23, 300), priority="RT",
+                params=SamplingParams(max_tokens=24, ignore_eos=True)),
+            Job("prefill", "generate", _tokens(rng, 48, 300), priority="RT",
+                params=SamplingParams(max_tokens=3, ignore_eos=True))]
+    eng = _tiny(ref, "tiny-llama-mha", policy="bros", block_size=2, kv_cache_bytes=34 * 2 * 1536,
+                max_num_batched_tokens=64, max_prefill_tokens=32, enable_prefix_caching=False)
+    assert eng.pool.num_blocks == 34
+    _check_alone(ref, "tiny-llama-mha", jobs, _serve(eng, jobs))
+
+
 # ---- offline ----------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:

@@ -101,6 +101,24 @@ class BROSPolicy(Policy):
                 (1 - T_AVG_WEIGHT) * self.t_avg + T_AVG_WEIGHT * dt)
         self.last_now = now
         out = SchedulerOutput()
+        chosen, stopped_on_time = self._choose(s, out, now)
+        while not chosen and s.running:
+            # Each running request needs memory that only another's eviction frees, and
+            # none may evict the others (a more urgent one, or one further along): nothing
+            # would ever change. The least advanced yields (the newest of those), and the
+            # rest choose again; it is not readmitted in this step.
+            s.preempt(out, min(reversed(s.running), key=lambda r: r.num_computed))
+            chosen, stopped_on_time = self._choose(s, out, now)
+        self.batch_size = BASE_BATCH if stopped_on_time else min(
+            2 * self.batch_size, s.max_num_seqs)
+        for r, n in chosen:
+            s.run(out, r, n)
+        return out
+
+    def _choose(self, s: Scheduler, out: SchedulerOutput, now: float
+                ) -> tuple[list[tuple[Request, int]], bool]:
+        """This step's requests and token counts (evicting for them as it goes), and
+        whether the RT loop stopped on the time budget."""
         cm = self.cost_model(s)
         everyone = list(s.running) + list(s.waiting)
         rt = [r for r in everyone if r.priority == "RT"]
@@ -124,6 +142,8 @@ class BROSPolicy(Policy):
             out would hold the step's budget, and every step would come out empty.)"""
             if r.status is not Status.WAITING:
                 return True
+            if r in out.preempted:
+                return False  # evicted this step to make room: not back in the same one
             starting = sum(c.status is Status.WAITING for c, _ in chosen)
             return len(s.running) + starting < s.max_num_seqs and not s.waits_for_prefix(r)
 
@@ -207,8 +227,4 @@ class BROSPolicy(Policy):
             else:
                 take(*dropped)
                 break
-        self.batch_size = BASE_BATCH if stopped_on_time else min(
-            2 * self.batch_size, s.max_num_seqs)
-        for r, n in chosen:
-            s.run(out, r, n)
-        return out
+        return chosen, stopped_on_time
