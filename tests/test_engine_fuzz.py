@@ -708,6 +708,22 @@ def test_bros_requests_that_cannot_evict_each_other_do_not_deadlock(ref):
     _check_alone(ref, "tiny-llama-mha", jobs, _serve(eng, jobs))
 
 
+def test_rr_requests_of_two_classes_do_not_evict_each_other_for_ever(ref):
+    """Seed 354: an RT and a BE request that do not fit the pool together. rr's batches
+    hold one class, and each turn's request evicted the newest other running request, the
+    other class's, which came back on its own turn and evicted it in turn: no request
+    finished in 6,800 steps. Now only newer work is evicted, and a newer request yields."""
+    rng = random.Random(2)
+    jobs = [Job("be", "generate", _tokens(rng, 22, 300), priority="BE",
+                params=SamplingParams(max_tokens=8, ignore_eos=True)),
+            Job("rt", "generate", _tokens(rng, 30, 300), priority="RT",
+                params=SamplingParams(max_tokens=5, ignore_eos=True))]
+    eng = _tiny(ref, policy="rr", block_size=1, kv_cache_bytes=36 * 768,
+                max_num_batched_tokens=5, enable_prefix_caching=False)
+    assert eng.pool.num_blocks == 36
+    _check_alone(ref, "tiny-llama", jobs, _serve(eng, jobs))
+
+
 # ---- offline ----------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
