@@ -696,7 +696,7 @@ def test_bros_requests_that_cannot_evict_each_other_do_not_deadlock(ref):
     """Seed 187: two RT requests fill the pool, a decode (the more urgent) and a prefill
     (further along), each needing a block. bros lets a request evict only less urgent RT
     work that is not further along, so neither could evict the other, and every step came
-    out empty for ever. Now the least advanced yields."""
+    out empty for ever. Now the request furthest along runs alone, evicting the other."""
     rng = random.Random(1)
     jobs = [Job("decode", "generate", _tokens(rng, 23, 300), priority="RT",
                 params=SamplingParams(max_tokens=24, ignore_eos=True)),
@@ -705,6 +705,22 @@ def test_bros_requests_that_cannot_evict_each_other_do_not_deadlock(ref):
     eng = _tiny(ref, "tiny-llama-mha", policy="bros", block_size=2, kv_cache_bytes=34 * 2 * 1536,
                 max_num_batched_tokens=64, max_prefill_tokens=32, enable_prefix_caching=False)
     assert eng.pool.num_blocks == 34
+    _check_alone(ref, "tiny-llama-mha", jobs, _serve(eng, jobs))
+
+
+def test_bros_at_one_token_a_step_serves_the_request_holding_the_memory(ref):
+    """Seed 1073: one token a step, three RT prompts that do not fit the pool together.
+    When nothing could run, evicting the least advanced request was not enough: at C = 1
+    the more urgent prompts (more chunks left) took every step, and the one holding most
+    of the pool, the least urgent, never ran; the others could not finish without its
+    blocks. The request furthest along now runs alone in such a step."""
+    rng = random.Random(3)
+    jobs = [Job(f"r{i}", "generate", _tokens(rng, p, 300), priority="RT",
+                params=SamplingParams(max_tokens=m, ignore_eos=True))
+            for i, (p, m) in enumerate([(26, 1), (26, 8), (18, 8)])]
+    eng = _tiny(ref, "tiny-llama-mha", policy="bros", block_size=4, kv_cache_bytes=11 * 4 * 1536,
+                max_num_batched_tokens=1, enable_prefix_caching=False)
+    assert eng.pool.num_blocks == 11
     _check_alone(ref, "tiny-llama-mha", jobs, _serve(eng, jobs))
 
 

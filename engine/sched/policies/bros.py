@@ -94,6 +94,27 @@ class BROSPolicy(Policy):
                 return b
         return None
 
+    @staticmethod
+    def unblock(s: Scheduler, out: SchedulerOutput) -> list[tuple[Request, int]]:
+        """The step when nothing was chosen while requests run: each needs memory that only
+        an eviction frees, and none may evict the others (more urgent work, or work further
+        along), so no later step would differ. The running request furthest along (the
+        oldest of those) runs alone, the least advanced others evicted until it fits. No
+        rule lets another evict it (none is further along), so each such step brings it
+        closer to its end: the engine cannot stall. Evicting only the least advanced was
+        not enough: with one token a step the more urgent requests it let in took every
+        step, and the one holding the memory never ran."""
+        first = max(s.running, key=lambda r: r.num_computed)
+        n = s.tokens_left(first)
+        if not first.is_decode:
+            n = min(n, s.max_num_batched_tokens, s.max_prefill_tokens)
+        while s.blocks_to_run(first, n) > s.pool.num_free:
+            others = [r for r in s.running if r is not first]
+            if not others:  # (cannot happen: the pool holds any request admitted alone)
+                return []
+            s.preempt(out, min(reversed(others), key=lambda r: r.num_computed))
+        return [(first, n)]
+
     def schedule(self, s: Scheduler, now: float) -> SchedulerOutput:
         if self.last_now is not None and now > self.last_now:
             dt = now - self.last_now
@@ -101,24 +122,6 @@ class BROSPolicy(Policy):
                 (1 - T_AVG_WEIGHT) * self.t_avg + T_AVG_WEIGHT * dt)
         self.last_now = now
         out = SchedulerOutput()
-        chosen, stopped_on_time = self._choose(s, out, now)
-        while not chosen and s.running:
-            # Each running request needs memory that only another's eviction frees, and
-            # none may evict the others (a more urgent one, or one further along): nothing
-            # would ever change. The least advanced yields (the newest of those), and the
-            # rest choose again; it is not readmitted in this step.
-            s.preempt(out, min(reversed(s.running), key=lambda r: r.num_computed))
-            chosen, stopped_on_time = self._choose(s, out, now)
-        self.batch_size = BASE_BATCH if stopped_on_time else min(
-            2 * self.batch_size, s.max_num_seqs)
-        for r, n in chosen:
-            s.run(out, r, n)
-        return out
-
-    def _choose(self, s: Scheduler, out: SchedulerOutput, now: float
-                ) -> tuple[list[tuple[Request, int]], bool]:
-        """This step's requests and token counts (evicting for them as it goes), and
-        whether the RT loop stopped on the time budget."""
         cm = self.cost_model(s)
         everyone = list(s.running) + list(s.waiting)
         rt = [r for r in everyone if r.priority == "RT"]
@@ -142,8 +145,6 @@ class BROSPolicy(Policy):
             out would hold the step's budget, and every step would come out empty.)"""
             if r.status is not Status.WAITING:
                 return True
-            if r in out.preempted:
-                return False  # evicted this step to make room: not back in the same one
             starting = sum(c.status is Status.WAITING for c, _ in chosen)
             return len(s.running) + starting < s.max_num_seqs and not s.waits_for_prefix(r)
 
@@ -227,4 +228,11 @@ class BROSPolicy(Policy):
             else:
                 take(*dropped)
                 break
-        return chosen, stopped_on_time
+        if not chosen and s.running and not s.held:
+            # (Held requests free their blocks once their last step is read: wait for that.)
+            chosen = self.unblock(s, out)
+        self.batch_size = BASE_BATCH if stopped_on_time else min(
+            2 * self.batch_size, s.max_num_seqs)
+        for r, n in chosen:
+            s.run(out, r, n)
+        return out
