@@ -60,7 +60,7 @@ from llmdb.engine.engine import LLMEngine
 from llmdb.engine.params import SamplingParams
 from llmdb.engine.sampling import gumbel_noise, row_key
 from llmdb.engine.sched.policies import POLICIES
-from llmdb.engine.sched.request import PENDING_TOKEN, Status
+from llmdb.engine.sched.request import PENDING_TOKEN, Request, Status
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from random_model import write_random_model  # noqa: E402
@@ -73,7 +73,7 @@ MODEL_SEED = 5
 NEAR_TIE = {"float32": 1e-4, "bfloat16": 2e-2}
 # Log-probabilities and scores: the same request alone and in a batch, chunked otherwise.
 LOGPROB_TOL = {"float32": 2e-4, "bfloat16": 5e-2}
-MAX_CONTEXT = 512  # the tiny shapes' (prompts + max_tokens stay below it)
+MAX_CONTEXT = 512  # the tiny shapes'; a few prompts run into it
 
 
 # ---- what a seed draws ----------------------------------------------------------------------
@@ -92,12 +92,13 @@ class Config:
     launch_ahead: bool
     hidden_cache: bool | None
     tick_s: float  # the fake clock's advance per step
+    pressure: bool  # many long requests at once on a pool about the largest one's size
 
 
 @dataclass
 class Job:
     name: str
-    kind: str  # "generate", "score" or "choice"
+    kind: str  # "generate", "score", "choice" or "logits" (every position's, as logits())
     prompt: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     extra: list[int] = field(default_factory=list)  # the continuation or the candidates
@@ -108,27 +109,32 @@ class Job:
     @property
     def num_tokens(self) -> int:
         """What the engine admits it on: prompt plus max_tokens, or prompt plus continuation."""
-        if self.kind == "generate":
-            return len(self.prompt) + self.params.max_tokens
+        if self.kind == "generate":  # (the context ends a generation)
+            return min(len(self.prompt) + self.params.max_tokens, MAX_CONTEXT)
         return len(self.prompt) + len(self.extra)
 
 
 def draw_config(rng: random.Random) -> Config:
-    shape = rng.choice(SHAPES)
+    policy = rng.choice(sorted(POLICIES))
+    # The policies that choose hidden caches mostly get a model that has one.
+    hybrid = policy in ("apt", "fcfs-hybrid") and rng.random() < 0.8
+    shape = rng.choice(SHAPES[1:] if hybrid else SHAPES)
     c = rng.choice([1, 2, 3, 5, 8, 16, 33, 64, 1024])
+    pressure = rng.random() < 0.3
     return Config(
         shape=shape,
         dtype="bfloat16" if rng.random() < 0.2 else "float32",
         block_size=rng.choice([1, 2, 3, 4, 4, 8, 16]),
-        extra_blocks=rng.choice([0, 0, 1, 2, 4, 8, 32, 1000]),
+        extra_blocks=rng.choice([0, 0, 1, 2] if pressure else [0, 1, 2, 4, 8, 32, 1000]),
         max_num_batched_tokens=c,
         max_prefill_tokens=rng.choice([None, None, max(1, c // 2), rng.randint(1, c)]),
-        max_num_seqs=rng.choice([1, 2, 3, 5, 64]),
+        max_num_seqs=rng.choice([5, 64] if pressure else [1, 2, 3, 5, 64]),
         prefix_caching=rng.random() < 0.75,
-        policy=rng.choice(sorted(POLICIES)),
+        policy=policy,
         launch_ahead=rng.random() < 0.4,
         hidden_cache=None if shape == "tiny-llama" or rng.random() < 0.8 else False,
         tick_s=rng.choice([0.001, 0.02, 0.3]),
+        pressure=pressure,
     )
 
 
@@ -148,8 +154,8 @@ def draw_jobs(rng: random.Random, cfg: Config, vocab: int, ref: Reference) -> li
         n = rng.choice([k * bs, k * bs + 1, max(1, k * bs - 1), rng.randint(1, 40)])
         prefixes.append(_tokens(rng, n, vocab))
     jobs: list[Job] = []
-    n_jobs = rng.choice([1, 2, 4, 6, 9, 14])
-    staggered = rng.random() < 0.5
+    n_jobs = rng.choice([14, 20] if cfg.pressure else [1, 2, 4, 6, 9, 14])
+    staggered = rng.random() < (0.2 if cfg.pressure else 0.5)
     for i in range(n_jobs):
         r = rng.random()
         if jobs and r < 0.1:  # the same prompt again
@@ -165,10 +171,11 @@ def draw_jobs(rng: random.Random, cfg: Config, vocab: int, ref: Reference) -> li
                 prompt += _tokens(rng, rng.randint(1, 6), vocab)
         elif r < 0.8:
             prompt = rng.choice(prefixes) + _tokens(rng, rng.choice([0, 0, 1, 2, 5, 13]), vocab)
-        else:
+        elif r < 0.985:
             prompt = _tokens(rng, rng.randint(1, rng.choice([8, 40, 90])), vocab)
-        if not prompt:
-            prompt = _tokens(rng, 1, vocab)
+        else:  # the model's context ends it
+            prompt = _tokens(rng, rng.randint(MAX_CONTEXT - 40, MAX_CONTEXT - 1), vocab)
+        prompt = prompt[: MAX_CONTEXT - 1] or _tokens(rng, 1, vocab)
         job = Job(f"j{i}", "generate", prompt, priority=rng.choice(["RT", "BE", "BE"]),
                   submit_at=rng.choice([0, 0, 1, 2, 5, 11, 30]) if staggered else 0)
         kind = rng.random()
@@ -177,17 +184,22 @@ def draw_jobs(rng: random.Random, cfg: Config, vocab: int, ref: Reference) -> li
         elif kind < 0.13:
             job.kind = "choice"
             job.extra = rng.sample(range(vocab), rng.randint(1, 5))
+        elif kind < 0.16:
+            job.kind = "logits"
         else:
             job.params = _draw_params(rng, job, ref)
+            if cfg.pressure and rng.random() < 0.7:
+                job.params.max_tokens = rng.choice([24, 40, 64])
+                job.params.ignore_eos = True
         if rng.random() < 0.12:
             job.abort_at = job.submit_at + rng.choice([0, 1, 2, 3, 6, 15])
-        if job.num_tokens < MAX_CONTEXT:
+        if job.kind == "generate" or job.num_tokens <= MAX_CONTEXT:
             jobs.append(job)
     return jobs
 
 
 def _draw_params(rng: random.Random, job: Job, ref: Reference) -> SamplingParams:
-    p = SamplingParams(max_tokens=rng.choice([1, 1, 2, 3, 5, 8, 13, 24, 40]),
+    p = SamplingParams(max_tokens=rng.choice([1, 1, 2, 3, 5, 8, 13, 24, 40, 64]),
                        ignore_eos=rng.random() < 0.5)
     if rng.random() < 0.3:
         p.temperature = rng.choice([0.5, 1.0, 1.7])
@@ -206,7 +218,7 @@ def _draw_params(rng: random.Random, job: Job, ref: Reference) -> SamplingParams
                 p.stop_token_ids = [answer[at]]
             else:
                 text = ref.engine(job).tokenizer.decode(answer[: at + 1])
-                tail = text[-rng.randint(1, 4):].strip()
+                tail = text[-rng.randint(1, 10):].strip()  # (tokens are " w123")
                 if tail:
                     p.stop = [tail]
     elif r < 0.4:
@@ -248,6 +260,9 @@ class Reference:
                tuple(p.stop_token_ids), p.ignore_eos, p.logprobs)
         if key not in self._answers:
             eng = self.engine()
+            if job.kind == "logits":
+                self._answers[key] = eng.logits(job.prompt)
+                return self._answers[key]
             if job.kind == "score":
                 rid = eng.add_score_request(job.prompt, job.extra)
             elif job.kind == "choice":
@@ -334,6 +349,7 @@ def fake_time(clock: FakeClock):
 class Outcome:
     results: dict[str, object] = field(default_factory=dict)
     streamed: dict[str, list] = field(default_factory=dict)
+    logits: dict[str, list] = field(default_factory=dict)  # the logits jobs' rows
     finished: Counter = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)
     stats: Counter = field(default_factory=Counter)
@@ -360,7 +376,12 @@ def submit(eng: LLMEngine, job: Job, out: Outcome) -> None:
     def finished(rid: str) -> None:
         out.finished[rid] += 1
 
-    if job.kind == "score":
+    if job.kind == "logits":  # as LLMEngine.logits() submits one, without waiting for it
+        req = Request(job.name, list(job.prompt), SamplingParams(max_tokens=1), generate=False,
+                      logits_from=0, keep_logits=True, on_finish=finished)
+        eng._submit(req, job.priority)
+        out.logits[job.name] = req.logit_rows
+    elif job.kind == "score":
         eng.add_score_request(job.prompt, job.extra, request_id=job.name, on_finish=finished,
                               priority=job.priority)
     elif job.kind == "choice":
@@ -544,6 +565,14 @@ def job_problems(ref: Reference, cfg: Config, job: Job, out: Outcome) -> list[st
         want = ref.result(job)
         if r.finish_reason != "stop" or r.token_ids:
             problems.append(f"{where}: finish {r.finish_reason}, tokens {r.token_ids}")
+        if job.kind == "logits":
+            rows = out.logits[job.name]
+            got = torch.cat(rows) if rows else torch.zeros(0, want.shape[1])
+            if got.shape != want.shape:
+                return problems + [f"{where}: logits {tuple(got.shape)}, alone "
+                                   f"{tuple(want.shape)}"]
+            return problems + _close(where, "logits", want.flatten().tolist(),
+                                     got.flatten().tolist(), LOGPROB_TOL[cfg.dtype])
         got_lp = r.continuation_logprobs if job.kind == "score" else r.candidate_logprobs
         want_lp = (want.continuation_logprobs if job.kind == "score"
                    else want.candidate_logprobs)
@@ -557,7 +586,7 @@ def job_problems(ref: Reference, cfg: Config, job: Job, out: Outcome) -> list[st
         problems.append(f"{where}: streamed {out.streamed[job.name]} for {tokens}")
     if p.logprobs is not None and len(r.logprobs or []) != len(tokens):
         problems.append(f"{where}: {len(r.logprobs or [])} logprobs for {len(tokens)} tokens")
-    problems += _finish_problems(ref.engine(), where, p, r)
+    problems += _finish_problems(ref.engine(), where, job, r)
     if p.seed is None and not p.greedy:
         return problems  # drawn with the engine's own seed: nothing to compare
     want = ref.result(job)
@@ -592,9 +621,9 @@ def _close(where: str, what: str, want: list[float], got: list[float], tol: floa
     return [f"{where}: {what} differ by {worst:.3g} from alone"] if worst > tol else []
 
 
-def _finish_problems(eng: LLMEngine, where: str, p: SamplingParams, r) -> list[str]:
+def _finish_problems(eng: LLMEngine, where: str, job: Job, r) -> list[str]:
     """The finish reason the tokens call for."""
-    tokens = r.token_ids
+    p, tokens = job.params, r.token_ids
     stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eng.config.eos_token_ids))
     decode = eng.tokenizer.decode
     if any(t in stops for t in tokens[:-1]):
@@ -602,13 +631,14 @@ def _finish_problems(eng: LLMEngine, where: str, p: SamplingParams, r) -> list[s
     if p.stop and any(s in decode(tokens[:k]) for k in range(len(tokens))
                       for s in p.stop):
         return [f"{where}: went on after a stop string {p.stop}: {decode(tokens)!r}"]
-    if len(tokens) > p.max_tokens:
+    if len(job.prompt) + len(tokens) > job.num_tokens:
         return [f"{where}: {len(tokens)} tokens, max_tokens {p.max_tokens}"]
     if r.finish_reason == "abort":
         return []
     stopped = bool(tokens) and (tokens[-1] in stops
                                 or any(s in decode(tokens) for s in p.stop))
-    want = "stop" if stopped else "length" if len(tokens) == p.max_tokens else None
+    at_length = len(job.prompt) + len(tokens) == job.num_tokens  # max_tokens or the context
+    want = "stop" if stopped else "length" if at_length else None
     if r.finish_reason != want:
         return [f"{where}: finish {r.finish_reason} after {len(tokens)} tokens "
                 f"(max_tokens {p.max_tokens}, stops {p.stop_token_ids} {p.stop}), want {want}"]
@@ -632,6 +662,12 @@ def check(seed: int, ref: Reference) -> tuple[list[str], Outcome]:
     if not out.problems:
         for job in jobs:
             out.problems += job_problems(ref, cfg, job, out)
+    for job in jobs:  # what the seed exercised, for the offline summary
+        r = out.results.get(job.name)
+        out.stats[f"{job.kind} jobs"] += 1
+        if r is not None:
+            out.stats[f"finished: {r.finish_reason}"] += 1
+            out.stats["prefix hits"] += r.usage.cached_tokens > 0
     return out.problems, out
 
 
