@@ -760,6 +760,24 @@ def test_bros_at_one_token_a_step_serves_the_request_holding_the_memory(ref):
     _check_alone(ref, "tiny-llama-mha", jobs, _serve(eng, jobs))
 
 
+def test_bros_evicting_the_holder_of_a_prefix_hit_counts_its_blocks_again(ref):
+    """Seed 3 (pressure): an RT request whose prefix hit lay in the blocks of a running BE
+    request evicted that request to make room, on its block count from before the
+    eviction. The hit's blocks were then unreferenced, to be taken off the free list too,
+    and the allocation overflowed the pool (RuntimeError out of step())."""
+    rng = random.Random(4)
+    shared = _tokens(rng, 8, 300)  # two full blocks
+    jobs = [Job("be", "generate", shared + [5], priority="BE",
+                params=SamplingParams(max_tokens=3, ignore_eos=True)),
+            Job("rt-long", "generate", _tokens(rng, 35, 300), priority="RT",
+                params=SamplingParams(max_tokens=2, ignore_eos=True)),
+            Job("rt-hit", "generate", shared + _tokens(rng, 9, 300), priority="RT",
+                submit_at=1, params=SamplingParams(max_tokens=4, ignore_eos=True))]
+    eng = _tiny(ref, policy="bros", block_size=4, kv_cache_bytes=12 * 4 * 768)
+    assert eng.pool.num_blocks == 12
+    _check_alone(ref, "tiny-llama", jobs, _serve(eng, jobs))
+
+
 def test_rr_requests_of_two_classes_do_not_evict_each_other_for_ever(ref):
     """Seed 354: an RT and a BE request that do not fit the pool together. rr's batches
     hold one class, and each turn's request evicted the newest other running request, the

@@ -157,6 +157,12 @@ class BROSPolicy(Policy):
             state["p"] -= 0 if r.is_decode else n
             state["blocks"] += blocks
 
+        def evict(victim: Request) -> None:
+            """Preempt, and count again what the chosen take: the victim may have held
+            blocks of their prefix hits, which then come off the free list."""
+            s.preempt(out, victim)
+            state["blocks"] = sum(s.blocks_to_run(c, m) for c, m in chosen)
+
         def drop_last_rt() -> tuple[Request, int, int] | None:
             for i in range(len(chosen) - 1, -1, -1):
                 r, n = chosen[i]
@@ -181,7 +187,8 @@ class BROSPolicy(Policy):
                 victim = self.victim_for(s, r, chosen, rt)
                 if victim is None:
                     break
-                s.preempt(out, victim)
+                evict(victim)
+                blocks = s.blocks_to_run(r, n)
             if blocks > s.pool.num_free - state["blocks"]:
                 continue
             if not in_time([(r, n)]):
@@ -211,9 +218,10 @@ class BROSPolicy(Policy):
                     victim = next((v for v in reversed(s.running) if v.priority != "RT"
                                    and v is not b and all(v is not c for c, _ in chosen)),
                                   None)
-                    s.preempt(out, victim or b)
+                    evict(victim or b)
                     if victim is None:
                         break
+                    blocks = s.blocks_to_run(b, n)
                 if b.status is Status.WAITING:
                     continue
             if len(chosen) + 1 <= self.batch_size and in_time([(b, n)]):
