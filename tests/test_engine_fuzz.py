@@ -68,11 +68,12 @@ from random_model import write_random_model  # noqa: E402
 CI_SEEDS = range(40)
 SHAPES = ["tiny-llama", "tiny-llama-mha", "tiny-opt"]
 MODEL_SEED = 5
-# The near-tie margin of the reference's logits (tests/helpers.py's in fp32); bf16 logits
-# of the tiny models move by ~1e-3 when a prefill is chunked differently.
-NEAR_TIE = {"float32": 1e-4, "bfloat16": 2e-2}
-# Log-probabilities and scores: the same request alone and in a batch, chunked otherwise.
-LOGPROB_TOL = {"float32": 2e-4, "bfloat16": 5e-2}
+# The near-tie margin of the reference's logits (tests/helpers.py's in fp32), and how far
+# log-probabilities, scores and logits may move. On this CPU none moved at all (950 jobs:
+# the kernels give a row the same bits whatever the batch, chunking, block size or cache
+# type); the margins leave room for kernels that do not, a few bf16 ulps in bf16.
+NEAR_TIE = {"float32": 1e-4, "bfloat16": 1e-2}
+LOGPROB_TOL = {"float32": 1e-5, "bfloat16": 1e-2}
 MAX_CONTEXT = 512  # the tiny shapes'; a few prompts run into it
 
 
@@ -600,7 +601,9 @@ def job_problems(ref: Reference, cfg: Config, job: Job, out: Outcome) -> list[st
     diff = near_tie(ref, job, want.token_ids, tokens)
     if diff:
         problems.append(f"{where}: {diff} [{p}]")
-    elif tokens == want.token_ids:
+    elif tokens != want.token_ids:
+        out.stats[f"near-ties taken ({cfg.dtype})"] += 1
+    else:
         if (r.finish_reason, r.text) != (want.finish_reason, want.text):
             problems.append(f"{where}: finish {r.finish_reason} {r.text!r}, alone "
                             f"{want.finish_reason} {want.text!r}")
