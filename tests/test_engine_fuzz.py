@@ -408,6 +408,8 @@ def drive(eng: LLMEngine, cfg: Config, jobs: list[Job]) -> Outcome:
                                    if not r.is_decode and r.num_computed + n < r.num_tokens)
         out.stats["hidden steps"] += any(r.cache_type == "hidden"
                                          for r, _ in sched_out.scheduled)
+        out.problems += [f"step {out.stats['steps'] + 1}: {p}"
+                         for p in batch_problems(eng, sched_out)]
 
     eng.scheduler.observers.append(observe)
     total = sum(j.num_tokens for j in jobs)
@@ -433,11 +435,13 @@ def drive(eng: LLMEngine, cfg: Config, jobs: list[Job]) -> Outcome:
             clock.now += cfg.tick_s
             eng.step()
             step += 1
+            out.stats["steps"] += 1
+            if out.problems:
+                return out
             problems = pool_problems(eng)
             if problems:
                 out.problems += [f"after step {step}: {p}" for p in problems]
                 return out
-    out.stats["steps"] += step
     for job in jobs:
         try:
             out.results[job.name] = eng.wait(job.name, timeout=0)
@@ -449,6 +453,36 @@ def drive(eng: LLMEngine, cfg: Config, jobs: list[Job]) -> Outcome:
             out.problems.append(f"{job.name}: a second result")
     out.problems += end_problems(eng)
     return out
+
+
+def batch_problems(eng: LLMEngine, sched_out) -> list[str]:
+    """A step as the scheduler hands it over (before it runs): within C, P and
+    max_num_seqs (a whole-prompt policy runs a prompt longer than C alone), each request
+    once, running, with tokens left to compute."""
+    s = eng.scheduler
+    batch = sched_out.scheduled
+    problems = []
+    ids = [r.request_id for r, _ in batch]
+    if len(set(ids)) != len(ids):
+        problems.append(f"a request twice in one step: {ids}")
+    if len(batch) > s.max_num_seqs or len(s.running) > s.max_num_seqs:
+        problems.append(f"{len(batch)} scheduled, {len(s.running)} running, max_num_seqs "
+                        f"{s.max_num_seqs}")
+    tokens = sum(n for _, n in batch)
+    prefill = sum(n for r, n in batch if not r.is_decode)
+    if len(batch) > 1 and (tokens > s.max_num_batched_tokens
+                           or prefill > s.max_prefill_tokens):
+        problems.append(f"{tokens} tokens ({prefill} prefill) in a step of "
+                        f"{len(batch)}; C {s.max_num_batched_tokens}, P {s.max_prefill_tokens}")
+    preempted = {id(r) for r in sched_out.preempted}
+    for r, n in batch:
+        if r.status is not Status.RUNNING or id(r) in preempted:
+            problems.append(f"{r.request_id} scheduled as {r.status} (preempted: "
+                            f"{id(r) in preempted})")
+        if n < 1 or r.num_computed + n > r.num_tokens:
+            problems.append(f"{r.request_id}: {n} tokens from {r.num_computed} of "
+                            f"{r.num_tokens}")
+    return problems
 
 
 def pool_problems(eng: LLMEngine) -> list[str]:
