@@ -815,6 +815,18 @@ def test_bros_evicting_the_holder_of_a_prefix_hit_counts_its_blocks_again(ref):
     _check_alone(ref, "tiny-llama", jobs, _serve(eng, jobs))
 
 
+def test_bros_keeps_decodes_within_the_step_budget(ref):
+    """Seeds 1, 90, 117, 143: bros gave a decode its token whatever the step had left: at
+    C = 1 a late prompt's 1-token chunk and a decode ran together."""
+    rng = random.Random(5)
+    jobs = [Job("decode", "generate", _tokens(rng, 3, 300), priority="RT",
+                params=SamplingParams(max_tokens=6, ignore_eos=True)),
+            Job("late", "generate", _tokens(rng, 5, 300), priority="RT", submit_at=2,
+                params=SamplingParams(max_tokens=6, ignore_eos=True))]
+    eng = _tiny(ref, policy="bros", max_num_batched_tokens=1)
+    _check_alone(ref, "tiny-llama", jobs, _serve(eng, jobs, tick_s=0.3))
+
+
 def test_rr_requests_of_two_classes_do_not_evict_each_other_for_ever(ref):
     """Seed 354: an RT and a BE request that do not fit the pool together. rr's batches
     hold one class, and each turn's request evicted the newest other running request, the

@@ -137,7 +137,7 @@ class BROSPolicy(Policy):
 
         def tokens(r: Request) -> int:
             n = s.tokens_left(r)
-            return n if r.is_decode else min(n, state["c"], state["p"])
+            return min(n, state["c"]) if r.is_decode else min(n, state["c"], state["p"])
 
         def admissible(r: Request) -> bool:
             """A waiting request can start now: a sequence slot is free and no other request
