@@ -827,6 +827,20 @@ def test_bros_keeps_decodes_within_the_step_budget(ref):
     _check_alone(ref, "tiny-llama", jobs, _serve(eng, jobs, tick_s=0.3))
 
 
+def test_bros_does_not_readmit_a_request_it_evicted_in_the_same_step(ref):
+    """Seed 39: a decode needing a block evicted a less urgent RT request, which the RT
+    loop then found waiting and admitted again in the same step: its cache thrown away
+    and its recompute started at once, in memory the eviction was meant to free."""
+    rng = random.Random(6)
+    jobs = [Job("a", "generate", _tokens(rng, 8, 300), priority="RT",
+                params=SamplingParams(max_tokens=12, ignore_eos=True)),
+            Job("b", "generate", _tokens(rng, 13, 300), priority="RT",
+                params=SamplingParams(max_tokens=12, ignore_eos=True))]
+    eng = _tiny(ref, policy="bros", block_size=4, kv_cache_bytes=10 * 4 * 768,
+                max_num_batched_tokens=16, enable_prefix_caching=False)
+    _check_alone(ref, "tiny-llama", jobs, _serve(eng, jobs))
+
+
 def test_rr_requests_of_two_classes_do_not_evict_each_other_for_ever(ref):
     """Seed 354: an RT and a BE request that do not fit the pool together. rr's batches
     hold one class, and each turn's request evicted the newest other running request, the

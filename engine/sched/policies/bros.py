@@ -145,6 +145,8 @@ class BROSPolicy(Policy):
             out would hold the step's budget, and every step would come out empty.)"""
             if r.status is not Status.WAITING:
                 return True
+            if r in out.preempted:
+                return False  # evicted in this step for another: not readmitted in it
             starting = sum(c.status is Status.WAITING for c, _ in chosen)
             return len(s.running) + starting < s.max_num_seqs and not s.waits_for_prefix(r)
 
