@@ -10,18 +10,24 @@ Each seed draws
 - a workload: requests whose prompts share prefixes (ending on, one before and one past a
   block boundary, whole prompts repeated, prompts that continue another request's prompt
   and answer), greedy or seeded sampling (temperature, top_p, top_k), stop token ids and
-  stop strings (some taken from the answer, so that they hit), log-probabilities, scoring
-  and choice requests, RT or BE, submitted at once or across steps, some aborted.
+  stop strings (some taken from the answer, so that they hit, some across tokens),
+  log-probabilities, scoring, choice and logits (every position's) requests, a few prompts
+  that run into the model's context, RT or BE, submitted at once or across steps, some
+  aborted; a third of the seeds put many long requests at once on a pool about the size
+  of the largest one.
 
 and checks
 - every request not aborted gets the tokens it gets alone on a fresh default engine
   (prefix caching off, block 16, sarathi, step by step), up to a near-tie of the reference
   logits at the first difference (tests/helpers.py's rule; for a sampled token, a near-tie
   of the Gumbel-perturbed scores or of the top-p cut); with equal tokens, the same finish
-  reason, text and log-probabilities (to float noise); scores likewise;
+  reason, text and log-probabilities (to float noise); scores and logits likewise;
 - an aborted request's tokens are a prefix of its answer alone, and it frees its blocks;
-- finish reasons follow the tokens (length: max_tokens of them; stop: the last is a stop
-  token or EOS, or the text holds a stop string, and nothing stopped earlier);
+- finish reasons follow the tokens (length: max_tokens of them, or the context full;
+  stop: the last is a stop token or EOS, or the text holds a stop string, and nothing
+  stopped earlier);
+- each step as the scheduler hands it over keeps to C, P and max_num_seqs (a prompt longer
+  than C may run alone) and holds each request once, running, not evicted in that step;
 - after every step the pool agrees with the requests: reference counts equal the block
   tables' uses, free blocks are exactly the unreferenced ones, a shared block is a published
   full block whose tokens are each sharer's own, a block still to be written is its
@@ -34,6 +40,9 @@ and checks
 
 Time is a fake clock that advances by a drawn tick per step, so that apt's pending times and
 bros's deadlines (RT requests miss some) make a seed's run reproducible.
+
+Not covered: the Triton and CUDA-graph paths (GPU only; the interpreter is too slow for
+this), fp16, the background thread loop, callers on other threads.
 
 CI runs CI_SEEDS; offline, as many as wanted:
 
@@ -65,7 +74,7 @@ from llmdb.engine.sched.request import PENDING_TOKEN, Request, Status
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from random_model import write_random_model  # noqa: E402
 
-CI_SEEDS = range(40)
+CI_SEEDS = range(60)
 SHAPES = ["tiny-llama", "tiny-llama-mha", "tiny-opt"]
 MODEL_SEED = 5
 # The near-tie margin of the reference's logits (tests/helpers.py's in fp32), and how far
