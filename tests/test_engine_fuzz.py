@@ -74,7 +74,7 @@ from llmdb.engine.sched.request import PENDING_TOKEN, Request, Status
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from random_model import write_random_model  # noqa: E402
 
-CI_SEEDS = range(60)
+CI_SEEDS = range(50)
 SHAPES = ["tiny-llama", "tiny-llama-mha", "tiny-opt"]
 MODEL_SEED = 5
 # The near-tie margin of the reference's logits (tests/helpers.py's in fp32), and how far
