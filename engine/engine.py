@@ -523,7 +523,14 @@ class LLMEngine:
     @property
     def has_unfinished(self) -> bool:
         with self._cond:
-            return self.scheduler.has_work
+            return self._has_work()
+
+    def _has_work(self) -> bool:
+        """Requests to serve, or a launched step still to read: aborting the last running
+        request while its step is in flight leaves that step for the next call to read
+        (an engine idle with an unread step keeps its results and, on a GPU, its
+        buffers)."""
+        return self.scheduler.has_work or self._in_flight is not None
 
     def num_generated(self, request_id: str) -> int:
         """Tokens a request has generated so far (0 once collected): progress for callers."""
@@ -625,7 +632,7 @@ class LLMEngine:
     def _run_loop(self) -> None:
         while True:
             with self._cond:
-                while not self.scheduler.has_work and not self._stopping:
+                while not self._has_work() and not self._stopping:
                     self._cond.wait()
                 if self._stopping:
                     return

@@ -94,6 +94,27 @@ class BROSPolicy(Policy):
                 return b
         return None
 
+    @staticmethod
+    def unblock(s: Scheduler, out: SchedulerOutput) -> list[tuple[Request, int]]:
+        """The step when nothing was chosen while requests run: each needs memory that only
+        an eviction frees, and none may evict the others (more urgent work, or work further
+        along), so no later step would differ. The running request furthest along (the
+        oldest of those) runs alone, the least advanced others evicted until it fits. No
+        rule lets another evict it (none is further along), so each such step brings it
+        closer to its end: the engine cannot stall. Evicting only the least advanced was
+        not enough: with one token a step the more urgent requests it let in took every
+        step, and the one holding the memory never ran."""
+        first = max(s.running, key=lambda r: r.num_computed)
+        n = s.tokens_left(first)
+        if not first.is_decode:
+            n = min(n, s.max_num_batched_tokens, s.max_prefill_tokens)
+        while s.blocks_to_run(first, n) > s.pool.num_free:
+            others = [r for r in s.running if r is not first]
+            if not others:  # (cannot happen: the pool holds any request admitted alone)
+                return []
+            s.preempt(out, min(reversed(others), key=lambda r: r.num_computed))
+        return [(first, n)]
+
     def schedule(self, s: Scheduler, now: float) -> SchedulerOutput:
         if self.last_now is not None and now > self.last_now:
             dt = now - self.last_now
@@ -116,7 +137,7 @@ class BROSPolicy(Policy):
 
         def tokens(r: Request) -> int:
             n = s.tokens_left(r)
-            return n if r.is_decode else min(n, state["c"], state["p"])
+            return min(n, state["c"]) if r.is_decode else min(n, state["c"], state["p"])
 
         def admissible(r: Request) -> bool:
             """A waiting request can start now: a sequence slot is free and no other request
@@ -124,6 +145,8 @@ class BROSPolicy(Policy):
             out would hold the step's budget, and every step would come out empty.)"""
             if r.status is not Status.WAITING:
                 return True
+            if r in out.preempted:
+                return False  # evicted in this step for another: not readmitted in it
             starting = sum(c.status is Status.WAITING for c, _ in chosen)
             return len(s.running) + starting < s.max_num_seqs and not s.waits_for_prefix(r)
 
@@ -135,6 +158,12 @@ class BROSPolicy(Policy):
             state["c"] -= n
             state["p"] -= 0 if r.is_decode else n
             state["blocks"] += blocks
+
+        def evict(victim: Request) -> None:
+            """Preempt, and count again what the chosen take: the victim may have held
+            blocks of their prefix hits, which then come off the free list."""
+            s.preempt(out, victim)
+            state["blocks"] = sum(s.blocks_to_run(c, m) for c, m in chosen)
 
         def drop_last_rt() -> tuple[Request, int, int] | None:
             for i in range(len(chosen) - 1, -1, -1):
@@ -160,7 +189,8 @@ class BROSPolicy(Policy):
                 victim = self.victim_for(s, r, chosen, rt)
                 if victim is None:
                     break
-                s.preempt(out, victim)
+                evict(victim)
+                blocks = s.blocks_to_run(r, n)
             if blocks > s.pool.num_free - state["blocks"]:
                 continue
             if not in_time([(r, n)]):
@@ -190,9 +220,10 @@ class BROSPolicy(Policy):
                     victim = next((v for v in reversed(s.running) if v.priority != "RT"
                                    and v is not b and all(v is not c for c, _ in chosen)),
                                   None)
-                    s.preempt(out, victim or b)
+                    evict(victim or b)
                     if victim is None:
                         break
+                    blocks = s.blocks_to_run(b, n)
                 if b.status is Status.WAITING:
                     continue
             if len(chosen) + 1 <= self.batch_size and in_time([(b, n)]):
@@ -207,6 +238,9 @@ class BROSPolicy(Policy):
             else:
                 take(*dropped)
                 break
+        if not chosen and s.running and not s.held:
+            # (Held requests free their blocks once their last step is read: wait for that.)
+            chosen = self.unblock(s, out)
         self.batch_size = BASE_BATCH if stopped_on_time else min(
             2 * self.batch_size, s.max_num_seqs)
         for r, n in chosen:
