@@ -26,12 +26,8 @@ def base_frequencies(head_dim: int, theta: float) -> list[float]:
 def frequencies(head_dim: int, theta: float, divisors: Sequence[float] = ()) -> list[float]:
     """The model's rotary frequencies: the base ones divided by the scheme's divisors."""
     base = base_frequencies(head_dim, theta)
-    if not divisors:
-        return base
-    if len(divisors) != len(base):
-        raise ModelLoadError(f"RoPE frequency divisors: {len(divisors)} for {len(base)} "
-                             f"frequencies (head_dim {head_dim})")
-    return [f / d for f, d in zip(base, divisors, strict=True)]
+    # (The loaders give one divisor per frequency; GGUF's rope_freqs is checked there.)
+    return [f / d for f, d in zip(base, divisors, strict=True)] if divisors else base
 
 
 def llama3_divisors(head_dim: int, theta: float, factor: float, low_freq_factor: float,
