@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from llmdb.engine.models.rope import frequencies, hf_divisors
+
 WINDOW = 256  # attention windows (and the cache length) are multiples of this
 PREFILL_TOKENS = 32768  # padded prompt tokens per prefill chunk: bounds activation memory
 
@@ -50,6 +52,7 @@ class Config:
     head_dim: int
     norm_eps: float
     rope_theta: float
+    rope_divisors: tuple[float, ...]  # one per rotary frequency (Llama 3's scaling), or ()
     tie: bool
     max_pos: int
 
@@ -61,16 +64,21 @@ def read_config(model_dir: Path) -> Config:
         raise ValueError(f"{model_dir}: the bare decoder runs llama and opt, not "
                          f"{c.get('model_type')!r}")
     heads = c["num_attention_heads"]
+    head_dim = c.get("head_dim") or c["hidden_size"] // heads
     rope = c.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
     if arch == "opt" and c.get("word_embed_proj_dim", c["hidden_size"]) != c["hidden_size"]:
         raise ValueError("OPT with project_in/out (opt-350m) is not supported")
     return Config(
         arch=arch, vocab=c["vocab_size"], hidden=c["hidden_size"],
         layers=c["num_hidden_layers"], heads=heads,
         kv_heads=c.get("num_key_value_heads", heads),
-        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+        head_dim=head_dim,
         norm_eps=c.get("rms_norm_eps", 1e-5),
-        rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)),
+        rope_theta=theta,
+        # The engine's reading of the scaling entry, so both rotate by the same frequencies.
+        rope_divisors=hf_divisors(c.get("rope_scaling") or rope, head_dim, theta,
+                                  str(model_dir)) if arch == "llama" else (),
         tie=c.get("tie_word_embeddings", arch == "opt"),
         max_pos=c.get("max_position_embeddings", 2048),
     )
@@ -129,7 +137,8 @@ class Llama:
                 take("mlp.down_proj.weight"),
             ))
         d = c.head_dim
-        inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+        inv_freq = torch.tensor(frequencies(d, c.rope_theta, c.rope_divisors),
+                                dtype=torch.float64)
         angles = torch.arange(max_len, dtype=torch.float64)[:, None] * inv_freq[None, :]
         dev = self.embed.device
         self.cos, self.sin = angles.cos().float().to(dev), angles.sin().float().to(dev)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import sys
 from pathlib import Path
 
@@ -147,6 +148,31 @@ def test_bare_decoder_logits_match_transformers(name, model_dirs, hf_models):
         hidden = dec.model.forward(t, dec.arange[: len(ids)][None], dec._prefill_attend(0, 33))
         ours = dec.model.logits(hidden[0])
     torch.testing.assert_close(ours, _hf_logits(hf_models[name], ids), atol=LOGIT_ATOL, rtol=0)
+
+
+def test_bare_decoder_scales_rope_as_the_config_says(model_dirs, tmp_path):
+    """Llama 3's RoPE scaling (Llama-3.2-1B's config has it): the bare decoder rotates by the
+    scaled frequencies, as transformers does. The small original context makes the scaling
+    reach the frequencies that matter over 33 positions."""
+    scaled = tmp_path / "tiny-llama3-rope"
+    shutil.copytree(model_dirs["tiny-llama"], scaled)
+    config = json.loads((scaled / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    (scaled / "config.json").write_text(json.dumps(config))
+    ids = _ids(33, SHAPES["tiny-llama"].vocab, seed=5)
+
+    def bare_logits(path: Path) -> torch.Tensor:
+        dec = BareDecoder(path, 1, 64, 1, torch.device("cpu"), torch.float32)
+        with torch.inference_mode():
+            hidden = dec.model.forward(torch.tensor([ids]), dec.arange[: len(ids)][None],
+                                       dec._prefill_attend(0, 33))
+            return dec.model.logits(hidden[0])
+
+    ours = bare_logits(scaled)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(scaled, dtype=torch.float32).eval()
+    torch.testing.assert_close(ours, _hf_logits(hf, ids), atol=LOGIT_ATOL, rtol=0)
+    assert (ours - bare_logits(model_dirs["tiny-llama"])).abs().max() > 10 * LOGIT_ATOL
 
 
 @pytest.mark.parametrize("name", TINY)
