@@ -40,7 +40,7 @@ def __getattr__(name: str) -> Any:
 
 
 def stats() -> dict:
-    """Counters of the DataFrame calls made without session options."""
+    """Counters of the DataFrame calls made without session=."""
     from .dataframe import default_session
 
     return default_session().stats()
@@ -48,8 +48,9 @@ def stats() -> dict:
 
 def errors() -> list[dict]:
     """The rows that failed under on_error='null' in the DataFrame calls made without
-    session options, oldest first: query_id (the call), function, prompt (its start) and
-    error. SQL's llm_errors(); a Session passed as session= keeps its own in .errors."""
+    session= (with session options or not), oldest first: query_id (the call), function,
+    prompt (its start) and error. SQL's llm_errors(); a Session passed as session= keeps
+    its own in .errors."""
     import dataclasses
 
     from .dataframe import default_session

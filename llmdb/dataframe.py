@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import string
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pyarrow as pa
@@ -29,10 +31,12 @@ CALL_OPTIONS = {
 ALL_CALL_OPTIONS = {o for names in CALL_OPTIONS.values() for o in names}
 
 _default_session: Session | None = None
+_PER_CALL: weakref.WeakSet[Session] = weakref.WeakSet()  # sessions made for one call's options
 
 
 def default_session() -> Session:
-    """The session of DataFrame calls made without session options (see llmdb.stats())."""
+    """The session of DataFrame calls made without session= (see llmdb.stats()): calls with
+    session options run in a session of their own, then report to this one."""
     global _default_session
     if _default_session is None:
         _default_session = Session()
@@ -55,8 +59,24 @@ def _session_and_call_options(function: str, options: dict[str, Any]
             raise TypeError(f"session options ({', '.join(sorted(options))}) belong to the "
                             f"Session passed as session=, not to the call")
         return session, call
-    session = Session(Options.from_kwargs(**options)) if options else default_session()
+    if not options:
+        return default_session(), call
+    session = Session(Options.from_kwargs(**options))
+    _PER_CALL.add(session)
     return session, call
+
+
+@contextmanager
+def _query(session: Session) -> Iterator[None]:
+    """One call's query. A session made for the call's options (cache=False, progress=...)
+    reports to the default one when done, so llmdb.stats() and llmdb.errors() see every
+    call made without session=, as the README says."""
+    try:
+        with session.query():
+            yield
+    finally:
+        if session in _PER_CALL:
+            default_session().absorb(session)
 
 
 _TABLES = {"pandas": ("DataFrame",), "polars": ("DataFrame",),
@@ -208,7 +228,7 @@ def complete(df: Any, template: str, output: str = "completion", *,
     n = len(prompts)
     cols = _broadcast(n, call, ("max_tokens", "temperature", "top_p", "seed", "stop", "system",
                                 "model", "on_error"))
-    with session.query():
+    with _query(session):
         answers = functions.llm_complete(session, [prompts[i] for i in send], *cols)
     values: list[Any] = [None] * n
     for i, a in zip(send, answers, strict=True):
@@ -223,7 +243,7 @@ def filter(df: Any, template: str, **options: Any) -> Any:  # noqa: A001 - mirro
     _check_call(session, "llm_filter", call)
     prompts = _render(df, template)
     cols = _broadcast(len(prompts), call, ("system", "model", "on_error"))
-    with session.query():
+    with _query(session):
         keep = functions.llm_filter(session, prompts, *cols)
     return _keep(df, [bool(k) for k in keep])
 
@@ -241,6 +261,6 @@ def classify(df: Any, column: str, labels: list[str], output: str = "label",
     texts = [None if v is None else str(v) for v in _columns(df, [column])[column]]
     n = len(texts)
     cols = _broadcast(n, call, ("instruction", "system", "model", "on_error"))
-    with session.query():
+    with _query(session):
         values = functions.llm_classify(session, texts, [labels] * n, *cols)
     return _with_column(df, output, values)

@@ -245,6 +245,19 @@ class Session:
         with self._lock:
             self.errors.append(RowError(self.query_id, function, prompt[:200], error))
 
+    def absorb(self, other: Session) -> None:
+        """Count `other`'s one finished query (a session made for one DataFrame call's
+        options) as a query of this session: its counters and failed rows."""
+        with other._lock:
+            delta = Stats() if other._fresh_query else dataclasses.replace(other.last)
+            errors = list(other.errors)
+        with self._lock:
+            self.query_id += 1
+            self.last = delta
+            self._fresh_query = False
+            self.total.add(delta)
+            self.errors.extend(dataclasses.replace(e, query_id=self.query_id) for e in errors)
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {"last_query": dataclasses.asdict(self.last),

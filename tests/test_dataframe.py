@@ -229,3 +229,22 @@ def test_failed_rows_under_null_are_listed():
     failed = llmdb.errors()[-1]
     assert failed["function"] == "llm_complete" and failed["prompt"].startswith("word word")
     assert "longer than the model's context" in failed["error"]
+
+
+def test_a_call_with_session_options_reports_to_llmdb_stats_and_errors():
+    """cache=False (any session option) runs the call in a session of its own; its failed
+    rows and counters still reach llmdb.errors() and llmdb.stats(), each call one query."""
+    table = pa.table({"review": ["Fine.", "word " * 9000]})
+    before = llmdb.stats()["total"]
+    known = {e["query_id"] for e in llmdb.errors()}
+    for _ in range(2):
+        out = llmdb.complete(table, "{review}", max_tokens=2, on_error="null", cache=False)
+        assert out.column("completion").to_pylist()[1] is None
+        last = llmdb.stats()["last_query"]
+        assert (last["rows"], last["errors"], last["cache_hits"]) == (2, 1, 0)
+    new = [e for e in llmdb.errors() if e["query_id"] not in known]
+    assert len(new) == 2 and new[0]["query_id"] < new[1]["query_id"]
+    assert all(e["prompt"].startswith("word word") and "longer than the model's context"
+               in e["error"] for e in new)
+    total = llmdb.stats()["total"]
+    assert total["rows"] - before["rows"] == 4 and total["errors"] - before["errors"] == 2
