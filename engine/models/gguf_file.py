@@ -13,8 +13,11 @@ from .config import ModelConfig
 from .errors import ModelLoadError
 from .tokenizer import ModelTokenizer
 
-# Types the `gguf` package dequantizes and that we have checked; others are refused by name.
-SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
+# Types the `gguf` package dequantizes and that we have checked against files llama.cpp wrote
+# (tests/test_gguf_loader.py); others are refused by name. A Q4_K_M file holds Q5_0 or Q8_0
+# tensors wherever a row is not a multiple of 256 values wide (SmolLM2, Qwen2.5-0.5B).
+SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ3_S", "IQ4_NL", "IQ4_XS"}
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 # llama.cpp's splits for "default" (and a missing pre key): each regex splits every piece the
@@ -230,7 +233,10 @@ def read_gguf_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor
             continue
         kind = t.tensor_type.name
         if kind not in SUPPORTED_TYPES:
-            raise ModelLoadError(f"tensor {t.name} has unsupported type {kind} in {path}")
+            raise ModelLoadError(
+                f"tensor {t.name} has unsupported type {kind} in {path} (supported: "
+                f"{', '.join(sorted(SUPPORTED_TYPES))}); llama.cpp's llama-quantize "
+                f"--allow-requantize writes one of them")
         try:
             w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         except Exception as e:
