@@ -3,12 +3,14 @@
 The same row functions, batching, dedup and result cache as the SQL functions; the result
 has the input's type. Prompts are Python format strings over the columns ("Summarize:
 {review}"); a row with NULL in a field the template uses gives NULL, as `||` does in SQL.
+A value is written as SQL writes it (`CAST(x AS VARCHAR)`: true, [a, b], 1.50), so a row
+renders into the same prompt here and in SQL; a format spec ({price:.2f}) applies to the
+Python value (value_text.py has the rule).
 """
 
 from __future__ import annotations
 
 import functools
-import string
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -16,7 +18,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from . import functions
+from . import functions, value_text
 from .reorder import ggr, render
 from .session import ON_ERROR, Options, Session
 
@@ -134,16 +136,29 @@ def _is_missing(v: Any) -> bool:
     return v is None or (pd.api.types.is_scalar(v) and bool(pd.isna(v)))
 
 
+def _one_column(df: Any, name: str) -> tuple[Any, str | None]:
+    """The column as a one-column table of df's kind (what DuckDB reads to write its values
+    as text), and its time zone where it is a tz-aware timestamp column."""
+    kind = _kind(df)
+    if kind == "pandas":
+        dtype = df[name].dtype  # DatetimeTZDtype has .tz; ArrowDtype a pyarrow type's .tz
+        tz = getattr(dtype, "tz", None) or getattr(getattr(dtype, "pyarrow_dtype", None),
+                                                   "tz", None)
+        return df[[name]], None if tz is None else str(getattr(tz, "key", None) or tz)
+    if kind == "polars":
+        return df.select(name), getattr(df.schema[name], "time_zone", None)
+    return df.select([name]), getattr(df.schema.field(name).type, "tz", None)
+
+
+def _texts(df: Any, cols: dict[str, list]) -> dict[str, list[str | None]]:
+    """Each column's values as prompt text (value_text.column_text)."""
+    return {n: value_text.column_text(values, *_one_column(df, n)) for n, values in cols.items()}
+
+
 def _render(df: Any, template: str) -> list[str | None]:
-    fields = [f for _, f, _, _ in string.Formatter().parse(template) if f]
-    names = list(dict.fromkeys(f.split(".")[0].split("[")[0] for f in fields))
-    cols = _columns(df, names)
+    cols = _columns(df, value_text.template_fields(template))
     n = len(df) if _kind(df) != "pyarrow" else df.num_rows
-    out = []
-    for i in range(n):
-        row = {k: cols[k][i] for k in names}
-        out.append(None if any(v is None for v in row.values()) else template.format(**row))
-    return out
+    return value_text.render(template, n, cols, _texts(df, cols))
 
 
 def _with_column(df: Any, name: str, values: list[str | None]) -> Any:
@@ -183,11 +198,11 @@ def _field_prompts(df: Any, instruction: str, fields: list[str],
                    reorder: bool) -> tuple[list[str | None], list[int]]:
     """Prompts "instruction + one 'field: value' line per field", and the order to send
     them in: with reorder, GGR's field order per row and row order (shared prefixes)."""
-    cols = _columns(df, fields)
+    cols = _texts(df, _columns(df, fields))
     n = len(next(iter(cols.values()))) if cols else 0
     rows = [{f: cols[f][i] for f in fields} for i in range(n)]
     usable = [i for i, r in enumerate(rows) if all(v is not None for v in r.values())]
-    text = [{f: str(v) for f, v in rows[i].items()} for i in usable]
+    text = [rows[i] for i in usable]
     plan = ggr(text, fields) if reorder else [(k, list(fields)) for k in range(len(usable))]
     prompts: list[str | None] = [None] * n
     for k, order in plan:
@@ -209,7 +224,9 @@ def _lazy_in_lazy_out(fn: Callable[..., Any]) -> Callable[..., Any]:
 def complete(df: Any, template: str, output: str = "completion", *,
              fields: list[str] | None = None, reorder_fields: bool = False,
              **options: Any) -> Any:
-    """df plus a column `output` with the model's answer to the rendered template per row.
+    """df plus a column `output` with the model's answer to the rendered template per row
+    (a value written as SQL's CAST(x AS VARCHAR) writes it, so the same row gets the same
+    prompt as in SQL; a format spec applies to the Python value: see value_text.py).
 
     With `fields`, the template is an instruction followed by one "field: value" line per
     field; reorder_fields=True lets llmdb choose each row's field order and the row order so
@@ -238,7 +255,8 @@ def complete(df: Any, template: str, output: str = "completion", *,
 
 @_lazy_in_lazy_out
 def filter(df: Any, template: str, **options: Any) -> Any:  # noqa: A001 - mirrors llm_filter
-    """The rows for which the model answers yes to the rendered template."""
+    """The rows for which the model answers yes to the rendered template (rendered as by
+    complete)."""
     session, call = _session_and_call_options("filter", options)
     _check_call(session, "llm_filter", call)
     prompts = _render(df, template)
@@ -252,13 +270,13 @@ def filter(df: Any, template: str, **options: Any) -> Any:  # noqa: A001 - mirro
 def classify(df: Any, column: str, labels: list[str], output: str = "label",
              **options: Any) -> Any:
     """df plus a column `output` holding one of `labels` for each row's `column` (its
-    text: a number or date as Python writes it)."""
+    text: a number or date as SQL's CAST(column AS VARCHAR) writes it)."""
     session, call = _session_and_call_options("classify", options)
     if isinstance(labels, str) or not hasattr(labels, "__iter__"):
         raise TypeError(f"labels must be a list of strings, got {type(labels).__name__}")
     labels = list(labels)
     _check_call(session, "llm_classify", {**call, "labels": labels})
-    texts = [None if v is None else str(v) for v in _columns(df, [column])[column]]
+    texts = _texts(df, _columns(df, [column]))[column]
     n = len(texts)
     cols = _broadcast(n, call, ("instruction", "system", "model", "on_error"))
     with _query(session):
