@@ -19,6 +19,17 @@ REPO = Path(__file__).resolve().parent.parent
 RESULT_MARK = "RESULT "
 
 
+def column_values(df: Any, name: str) -> list:
+    """A pandas, polars or pyarrow column as Python values, None for NULL (pandas' NaN too)."""
+    if type(df).__module__.startswith("pandas"):
+        import pandas as pd
+
+        return [None if pd.isna(v) else v for v in df[name].tolist()]
+    if type(df).__module__.startswith("polars"):
+        return df[name].to_list()
+    return df.column(name).to_pylist()
+
+
 def engine():
     """The process's shared engine: the one every llmdb connection in the process uses."""
     from llmdb.engine.process_engines import shared_engine

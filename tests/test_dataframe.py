@@ -11,7 +11,7 @@ import pytest
 
 import llmdb
 
-from .sql_support import isolated_cache_dir, start_engine
+from .sql_support import column_values, isolated_cache_dir, start_engine
 
 DATA = {
     "product": ["blender", "lamp", None, "kettle", "chair"],
@@ -43,14 +43,6 @@ def _names(df) -> list[str]:
     return df.column_names if isinstance(df, pa.Table) else list(df.columns)
 
 
-def _column(df, name: str) -> list:
-    if isinstance(df, pd.DataFrame):
-        return [None if pd.isna(v) else v for v in df[name].tolist()]
-    if isinstance(df, pl.DataFrame):
-        return df[name].to_list()
-    return df.column(name).to_pylist()
-
-
 @pytest.fixture(scope="module")
 def sql_reference(eng):
     """The SQL functions' answers on the same rows (cache off: computed, not looked up)."""
@@ -80,9 +72,9 @@ def test_complete_equals_sql(kind, sql_reference):
     out = llmdb.complete(df, "Product {product}: {review}", output="answer", max_tokens=6,
                          cache=False)
     assert type(out) is type(df)
-    assert _column(out, "answer") == sql_reference["complete"]
-    assert _column(out, "review") == DATA["review"]  # the input columns are kept
-    assert _column(out, "answer")[2] is None and _column(out, "answer")[3] is None
+    assert column_values(out, "answer") == sql_reference["complete"]
+    assert column_values(out, "review") == DATA["review"]  # the input columns are kept
+    assert column_values(out, "answer")[2] is None and column_values(out, "answer")[3] is None
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -92,7 +84,7 @@ def test_filter_keeps_the_rows_sql_keeps(kind, sql_reference):
     assert type(out) is type(df)
     keep = sql_reference["keep"]
     assert True in keep and False in keep  # both outcomes are exercised
-    assert _column(out, "product") == [p for p, k in zip(DATA["product"], keep, strict=True)
+    assert column_values(out, "product") == [p for p, k in zip(DATA["product"], keep, strict=True)
                                        if k]
 
 
@@ -101,9 +93,9 @@ def test_classify_equals_sql(kind, sql_reference):
     df = _frame(kind)
     out = llmdb.classify(df, "review", LABELS, output="sentiment", cache=False)
     assert type(out) is type(df)
-    assert _column(out, "sentiment") == sql_reference["classify"]
-    assert _column(out, "sentiment")[3] is None  # NULL review
-    assert all(v in LABELS for v in _column(out, "sentiment") if v is not None)
+    assert column_values(out, "sentiment") == sql_reference["classify"]
+    assert column_values(out, "sentiment")[3] is None  # NULL review
+    assert all(v in LABELS for v in column_values(out, "sentiment") if v is not None)
 
 
 def test_pandas_missing_values_of_any_dtype_give_null():

@@ -22,6 +22,8 @@ import llmdb
 from llmdb import dataframe, value_text
 from llmdb.backends.standin import STANDIN_MODEL, standin_backend
 
+from .sql_support import column_values
+
 NY = "America/New_York"
 _ts = dt.datetime(2024, 1, 2, 3, 4, 5)
 
@@ -125,14 +127,6 @@ def con():
     c.close()
 
 
-def _column(df, name: str) -> list:
-    if isinstance(df, pd.DataFrame):
-        return [None if pd.isna(v) else v for v in df[name].tolist()]
-    if isinstance(df, pl.DataFrame):
-        return df[name].to_list()
-    return df.column(name).to_pylist()
-
-
 def _sql(con, df, expr: str) -> list:
     con.register("t", df)
     return [r[0] for r in con.execute(f"SELECT {expr} FROM t ORDER BY i").fetchall()]
@@ -145,7 +139,7 @@ def test_a_row_gives_the_same_prompt_and_answer_through_sql_and_a_dataframe(kind
     for c in COLUMNS:
         text = _sql(con, df, f"'v: ' || CAST({c} AS VARCHAR)")
         prompts.clear()
-        answers = _column(llmdb.complete(df, f"v: {{{c}}}", model=STANDIN_MODEL,
+        answers = column_values(llmdb.complete(df, f"v: {{{c}}}", model=STANDIN_MODEL,
                                          max_tokens=4, cache=False), "completion")
         assert sorted(set(prompts)) == sorted({t for t in text if t is not None}), c
         # NULL in, NULL out, no call: as `||` makes the SQL prompt NULL.
@@ -183,10 +177,10 @@ def test_pandas_nan_is_null_in_both_paths(con):
     df = _pandas()
     assert _sql(con, df, "CAST(x AS VARCHAR)")[3] is None
     out = llmdb.complete(df, "v: {x}", model=STANDIN_MODEL, max_tokens=2, cache=False)
-    assert _column(out, "completion")[3] is None
+    assert column_values(out, "completion")[3] is None
     polars_out = llmdb.complete(_polars(), "v: {x}", model=STANDIN_MODEL, max_tokens=2,
                                 cache=False)
-    assert _column(polars_out, "completion")[3] is not None  # polars and arrow keep NaN
+    assert column_values(polars_out, "completion")[3] is not None  # polars and arrow keep NaN
 
 
 @pytest.mark.parametrize("kind", list(FRAMES))
@@ -209,7 +203,7 @@ def _classified_texts(prompts: list[str]) -> set[str]:
 
 def test_classify_and_field_prompts_write_values_as_sql_does(con, prompts):
     df = _arrow()
-    labels = _column(llmdb.classify(df, "words", ["yes", "no"], model=STANDIN_MODEL,
+    labels = column_values(llmdb.classify(df, "words", ["yes", "no"], model=STANDIN_MODEL,
                                     cache=False), "label")
     assert _classified_texts(prompts) == {"[a, b]", "['a, b']", "[]", "['it\\'s', x y]"}
     prompts.clear()
