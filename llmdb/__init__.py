@@ -50,7 +50,8 @@ def errors() -> list[dict]:
     """The rows that failed under on_error='null' in the DataFrame calls made without
     session= (with session options or not), oldest first: query_id (the call), function,
     prompt (its start) and error. SQL's llm_errors(); a Session passed as session= keeps
-    its own in .errors."""
+    its own in .errors, and llmdb.ray's workers theirs (error_column= puts each row's error
+    beside the row)."""
     import dataclasses
 
     from .dataframe import default_session

@@ -179,6 +179,20 @@ def _with_column(df: Any, name: str, values: list[str | None]) -> Any:
     return df.append_column(name, array)
 
 
+def _check_error_column(error_column: str | None, output: str | None = None) -> None:
+    if error_column is None:
+        return
+    if not isinstance(error_column, str) or not error_column:
+        raise TypeError(f"error_column must be a column name, got {error_column!r}")
+    if error_column == output:
+        raise ValueError(f"error_column and output are both {output!r}: the errors would "
+                         f"replace the answers")
+
+
+def _with_error_column(df: Any, error_column: str | None, errors: list[str | None]) -> Any:
+    return df if error_column is None else _with_column(df, error_column, errors)
+
+
 def _keep(df: Any, mask: list[bool]) -> Any:
     kind = _kind(df)
     if kind == "pandas":  # by position: df[[]] would select no columns
@@ -223,15 +237,18 @@ def _lazy_in_lazy_out(fn: Callable[..., Any]) -> Callable[..., Any]:
 @_lazy_in_lazy_out
 def complete(df: Any, template: str, output: str = "completion", *,
              fields: list[str] | None = None, reorder_fields: bool = False,
-             **options: Any) -> Any:
+             error_column: str | None = None, **options: Any) -> Any:
     """df plus a column `output` with the model's answer to the rendered template per row
     (a value written as SQL's CAST(x AS VARCHAR) writes it, so the same row gets the same
     prompt as in SQL; a format spec applies to the Python value: see value_text.py).
 
     With `fields`, the template is an instruction followed by one "field: value" line per
     field; reorder_fields=True lets llmdb choose each row's field order and the row order so
-    that prompts share the longest prefixes (GGR), which the engine computes once."""
+    that prompts share the longest prefixes (GGR), which the engine computes once.
+    error_column: also a column with the error of each row that failed under
+    on_error='null' (the text llmdb.errors() shows), NULL for the others."""
     session, call = _session_and_call_options("complete", options)
+    _check_error_column(error_column, output)
     if reorder_fields and not fields:
         raise ValueError("reorder_fields=True orders the `fields`: give fields=[...]")
     if call.get("stop") is not None and isinstance(call["stop"], str):
@@ -245,33 +262,47 @@ def complete(df: Any, template: str, output: str = "completion", *,
     n = len(prompts)
     cols = _broadcast(n, call, ("max_tokens", "temperature", "top_p", "seed", "stop", "system",
                                 "model", "on_error"))
+    sent_errors: list[str | None] = []
     with _query(session):
-        answers = functions.llm_complete(session, [prompts[i] for i in send], *cols)
+        answers = functions.llm_complete(session, [prompts[i] for i in send], *cols,
+                                         errors=sent_errors)
     values: list[Any] = [None] * n
-    for i, a in zip(send, answers, strict=True):
-        values[i] = a
-    return _with_column(df, output, values)
+    errors: list[str | None] = [None] * n
+    for i, a, e in zip(send, answers, sent_errors, strict=True):
+        values[i], errors[i] = a, e
+    return _with_error_column(_with_column(df, output, values), error_column, errors)
 
 
 @_lazy_in_lazy_out
-def filter(df: Any, template: str, **options: Any) -> Any:  # noqa: A001 - mirrors llm_filter
+def filter(df: Any, template: str, *,  # noqa: A001 - mirrors llm_filter
+           error_column: str | None = None, **options: Any) -> Any:
     """The rows for which the model answers yes to the rendered template (rendered as by
-    complete)."""
+    complete).
+
+    error_column: also the rows that failed under on_error='null' (else dropped, as NULL is
+    by SQL's WHERE), with their error in this column; NULL for the rows answered yes."""
     session, call = _session_and_call_options("filter", options)
+    _check_error_column(error_column)
     _check_call(session, "llm_filter", call)
     prompts = _render(df, template)
     cols = _broadcast(len(prompts), call, ("system", "model", "on_error"))
+    errors: list[str | None] = []
     with _query(session):
-        keep = functions.llm_filter(session, prompts, *cols)
-    return _keep(df, [bool(k) for k in keep])
+        keep = functions.llm_filter(session, prompts, *cols, errors=errors)
+    if error_column is None:
+        return _keep(df, [bool(k) for k in keep])
+    return _keep(_with_column(df, error_column, errors),
+                 [bool(k) or e is not None for k, e in zip(keep, errors, strict=True)])
 
 
 @_lazy_in_lazy_out
-def classify(df: Any, column: str, labels: list[str], output: str = "label",
-             **options: Any) -> Any:
+def classify(df: Any, column: str, labels: list[str], output: str = "label", *,
+             error_column: str | None = None, **options: Any) -> Any:
     """df plus a column `output` holding one of `labels` for each row's `column` (its
-    text: a number or date as SQL's CAST(column AS VARCHAR) writes it)."""
+    text: a number or date as SQL's CAST(column AS VARCHAR) writes it). error_column: as
+    complete's."""
     session, call = _session_and_call_options("classify", options)
+    _check_error_column(error_column, output)
     if isinstance(labels, str) or not hasattr(labels, "__iter__"):
         raise TypeError(f"labels must be a list of strings, got {type(labels).__name__}")
     labels = list(labels)
@@ -279,6 +310,7 @@ def classify(df: Any, column: str, labels: list[str], output: str = "label",
     texts = _texts(df, _columns(df, [column]))[column]
     n = len(texts)
     cols = _broadcast(n, call, ("instruction", "system", "model", "on_error"))
+    errors: list[str | None] = []
     with _query(session):
-        values = functions.llm_classify(session, texts, [labels] * n, *cols)
-    return _with_column(df, output, values)
+        values = functions.llm_classify(session, texts, [labels] * n, *cols, errors=errors)
+    return _with_error_column(_with_column(df, output, values), error_column, errors)

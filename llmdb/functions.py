@@ -61,9 +61,15 @@ def row_call(function: str, backend: Backend, args: Mapping[str, Any], priority:
 
 def _execute(session: Session, function: str, rows: list[dict[str, Any]], priority: str,
              combine: Callable[[Call, list[BackendResult]], Any],
-             failed_priors: Mapping[str, str] | None = None) -> list[Any]:
+             failed_priors: Mapping[str, str] | None = None,
+             errors: list[str | None] | None = None) -> list[Any]:
     """Values for the rows (None where NULL or failed with on_error='null'). failed_priors:
-    the errors of calibration priors that failed, by key: the rows they calibrate fail."""
+    the errors of calibration priors that failed, by key: the rows they calibrate fail.
+    errors: filled with each row's error (None where the row did not fail), for a caller
+    that keeps the error beside its row (the DataFrame functions' error_column):
+    session.errors names a row only by its prompt, and lists identical rows once."""
+    if errors is not None:
+        errors[:] = [None] * len(rows)
     session.record(Stats())  # this query reached an LLM function, even if only with NULLs
     spec = FUNCTIONS[function]
     out: list[Any] = [None] * len(rows)
@@ -85,7 +91,9 @@ def _execute(session: Session, function: str, rows: list[dict[str, Any]], priori
                     raise ValueError(f"calibrating its prompt template failed: "
                                      f"{failed_priors[call.prior]}")
             except (ValueError, TypeError, UnicodeError) as e:  # (this row's, not the query's)
-                _refused(session, function, a, policy, e, refused)
+                message = _refused(session, function, a, policy, e, refused)
+                if errors is not None:
+                    errors[i] = message
                 continue
             call.on_error = policy
             calls.append(call)
@@ -95,24 +103,26 @@ def _execute(session: Session, function: str, rows: list[dict[str, Any]], priori
         outcomes = run_calls(session, session.backend(model), function, calls, combine)
         for i, o in zip(where, outcomes, strict=True):
             out[i] = o.value if o.error is None else None
+            if errors is not None:
+                errors[i] = o.error
     return out
 
 
 def _refused(session: Session, function: str, a: Mapping[str, Any], policy: str,
-             e: Exception, refused: dict[str, str]) -> None:
+             e: Exception, refused: dict[str, str]) -> str:
     """A row refused before any model call (an ill-formed argument, an unknown model, a
-    failed calibration prior): raised, or recorded under on_error='null', once per distinct
+    failed calibration prior): raised, or under on_error='null' recorded once per distinct
     arguments, as a failed model call is (the batch's dedup, the query's memory of failed
     calls). Rows repeating them are its copies, counted as dedup hits: llm_errors() and
     the stats then say the same with the planner (whose memo sees each tuple once) and
-    without it, where DuckDB hands the function every row."""
+    without it, where DuckDB hands the function every row. Returns the row's error."""
     key = request_key(function, "refused", {k: v for k, v in a.items() if k != "on_error"})
     message = refused.get(key) or session.failed_before(key)
     if message is not None:
         session.record(Stats(rows=1, dedup_hits=1))
         if policy != "null":
             raise LLMError(message) from e
-        return
+        return message
     text = a[FUNCTIONS[function].params[0].name]
     message = refused[key] = describe_row(function, text, str(e))
     session.record(Stats(rows=1, errors=1))
@@ -120,6 +130,7 @@ def _refused(session: Session, function: str, a: Mapping[str, Any], policy: str,
     if policy != "null":
         raise LLMError(message) from e
     session.record_error(function, text, message)
+    return message
 
 
 # Set by the planner around the rows it computes: the class of the whole query (or of the
@@ -176,10 +187,12 @@ def _complete_call(backend: Backend, a: Mapping[str, Any], priority: str) -> Cal
     return Call([GenerationRequest(rendered, params, priority)], key, a["prompt"])
 
 
-def llm_complete(session: Session, *columns: Sequence) -> list[str | None]:
+def llm_complete(session: Session, *columns: Sequence,
+                 errors: list[str | None] | None = None) -> list[str | None]:
+    """The answer per row; errors, when given, gets each row's error (see _execute)."""
     rows = _row_args("llm_complete", columns)
     return _execute(session, "llm_complete", rows, _priority(session, len(rows)),
-                    lambda call, parts: parts[0].text)
+                    lambda call, parts: parts[0].text, errors=errors)
 
 
 # ---- calibration (llm_filter_score, llm_classify) -----------------------------------------
@@ -291,7 +304,8 @@ def _calibrated_yes(p: float, prior: float) -> float:
     return _divide_prior([p, 1 - p], [prior, 1 - prior])[0]
 
 
-def llm_filter_score(session: Session, *columns: Sequence) -> list[float | None]:
+def llm_filter_score(session: Session, *columns: Sequence,
+                     errors: list[str | None] | None = None) -> list[float | None]:
     """Calibrated P(yes): the answer's first token, both answer orders, divided by the prior
     of the same question wrapper on content-free inputs (per system prompt and model)."""
     rows = _row_args("llm_filter_score", columns)
@@ -310,7 +324,7 @@ def llm_filter_score(session: Session, *columns: Sequence) -> list[float | None]
     # Errors and stats name both functions llm_filter: one model call serves both.
     return _execute(session, "llm_filter", rows, priority,
                     lambda call, parts: _calibrated_yes(_p_yes(parts), priors[call.prior]),
-                    failed)
+                    failed, errors)
 
 
 def passes(score: float | None) -> bool | None:
@@ -318,8 +332,9 @@ def passes(score: float | None) -> bool | None:
     return None if score is None else score >= 0.5
 
 
-def llm_filter(session: Session, *columns: Sequence) -> list[bool | None]:
-    return [passes(s) for s in llm_filter_score(session, *columns)]
+def llm_filter(session: Session, *columns: Sequence,
+               errors: list[str | None] | None = None) -> list[bool | None]:
+    return [passes(s) for s in llm_filter_score(session, *columns, errors=errors)]
 
 
 # ---- llm_classify --------------------------------------------------------------------------
@@ -397,7 +412,8 @@ def _classify_row_call(backend: Backend, a: Mapping[str, Any], priority: str) ->
     return call
 
 
-def llm_classify(session: Session, *columns: Sequence) -> list[str | None]:
+def llm_classify(session: Session, *columns: Sequence,
+                 errors: list[str | None] | None = None) -> list[str | None]:
     """The most likely label after removing position and prior bias (see calibration above);
     the same labels in any order give the same answer; exact ties go to the first in sorted
     order."""
@@ -420,7 +436,7 @@ def llm_classify(session: Session, *columns: Sequence) -> list[str | None]:
         best = max(range(len(probs)), key=lambda j: (probs[j], -j))  # ties: first in order
         return call.requests[best].continuation
 
-    return _execute(session, "llm_classify", rows, priority, combine, failed)
+    return _execute(session, "llm_classify", rows, priority, combine, failed, errors)
 
 
 # ---- llm_count_tokens ----------------------------------------------------------------------

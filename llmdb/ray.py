@@ -17,21 +17,58 @@ Ray Data restarts a worker that dies and retries its batches (its default for ac
 Every row's answer goes to the result cache the moment it is computed, so a retried batch,
 or a rerun of a job that failed, recomputes only the rows that were lost; on a cluster that
 needs `cache_path` on storage every node reaches, else each node keeps its own cache.
+
+Failed rows. Under on_error='null' a failed row's answer is NULL (filter drops the row), and
+its error stays in its worker's session: the driver's llmdb.errors() never lists it, and a
+worker only logs that rows failed. `error_column="error"` keeps each row's error in the output
+(the text llm_errors() shows; NULL for the other rows; filter then keeps its failed rows):
+
+    out = llmdb.ray.map_rows(rows, "complete", "Summarize: {review}", on_error="null",
+                             error_column="error")
+    failed = out.filter(lambda row: row["error"] is not None)
+
+The errors are a column of the rows, so whatever consumes the dataset gets them, computed
+when it is (the dataset is lazy), and a retried batch replaces its rows, errors included:
+none is lost or listed twice. Under on_error='raise' (the default) the job stops at the first
+failed row: to_arrow raises llmdb.LLMError naming the row and the cause, as one process does.
+Ray's own consumers (out.write_parquet, iter_batches, take_all, materialize) raise Ray's
+RayTaskError(LLMErrorInWorker): `except llmdb.LLMError` catches it, and its message, the
+worker's traceback, ends with llmdb's error (then Ray's advice on retrying map tasks).
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any
 
 import pyarrow as pa
 import ray
 import ray.data
+from ray.exceptions import UserCodeException
 
 from . import dataframe
+from .batch import LLMError
 from .session import Options, Session
 
 FUNCTIONS = ("complete", "filter", "classify")
+log = logging.getLogger(__name__)
+
+
+class LLMErrorInWorker(LLMError, UserCodeException):
+    """A row's LLMError as a worker raises it, to reach the driver as an llmdb.LLMError.
+
+    Ray Data wraps what a map function raises in a UserCodeException of its own ("UDF failed
+    to process a data block"), and the original, its __cause__, does not survive pickling on
+    the way to the driver: the row and the cause were left as lines of a traceback. Raised as
+    it is (RowMapper asks Ray to), this one reaches the driver as Ray's
+    RayTaskError(LLMErrorInWorker), which is an llmdb.LLMError; being a UserCodeException
+    too, Ray reports it as the user's error, not as a fault of Ray's own."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        # Ray appends its retry advice to args[0] on the way; this copy arrives as written.
+        self.message = message
 
 
 class RowMapper:
@@ -47,9 +84,30 @@ class RowMapper:
         # Ray Data shows the job's progress; a bar per worker would interleave with it.
         session_options.setdefault("progress", False)
         self.session = Session(Options.from_kwargs(**session_options))
+        self.warned = False
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        return self.function(batch, *self.args, session=self.session, **self.call)
+        failed_before = self.session.total.errors
+        try:
+            out = self.function(batch, *self.args, session=self.session, **self.call)
+        except LLMError as e:
+            # Else Ray Data wraps it (see LLMErrorInWorker). The flag is this task's copy of
+            # the job's DataContext, which Ray reads as the exception leaves this call.
+            ray.data.DataContext.get_current().raise_original_map_exception = True
+            raise LLMErrorInWorker(str(e)) from e
+        self._warn_of_failed_rows(self.session.total.errors - failed_before)
+        return out
+
+    def _warn_of_failed_rows(self, failed: int) -> None:
+        """Without error_column a failed row is a NULL whose error stays in this worker's
+        session, out of the driver's reach: say so once per worker (Ray shows a worker's
+        log on the driver)."""
+        if failed and not self.warned and self.call.get("error_column") is None:
+            self.warned = True
+            log.warning("%d row(s) of a batch failed under on_error='null' (NULL answers; "
+                        "filter drops them), e.g. %s; map_rows(..., error_column='error') "
+                        "keeps each row's error in the output", failed,
+                        self.session.errors[-1].error)
 
 
 def _split_options(function: str, options: dict[str, Any]) -> tuple[dict, dict]:
@@ -84,7 +142,11 @@ def map_rows(rows: ray.data.Dataset | pa.Table, function: str, *args: Any,
     session (model, cache_path, engine options such as device or max_num_seqs). num_cpus
     and num_gpus are each worker's Ray resources; mapper, a RowMapper subclass, adds work per
     batch (logging, metrics). Lazy, like every Ray Dataset: the work runs
-    when the result is consumed (written, iterated or converted)."""
+    when the result is consumed (written, iterated or converted).
+
+    error_column="error" (an option of the DataFrame functions) adds a column with the error
+    of each row that failed under on_error='null', NULL for the others: the only way the
+    driver sees why a row is NULL, as each worker's llmdb.errors() stays in the worker."""
     if function not in FUNCTIONS:
         raise ValueError(f"function must be one of {FUNCTIONS}, got {function!r}")
     Options.from_kwargs(**_split_options(function, options)[1])  # fail here, not in a worker
@@ -98,6 +160,13 @@ def map_rows(rows: ray.data.Dataset | pa.Table, function: str, *args: Any,
 
 
 def to_arrow(ds: ray.data.Dataset) -> pa.Table:
-    """The whole dataset as one Arrow table on the driver (for DuckDB: con.register)."""
-    tables = ray.get(ds.to_arrow_refs())
+    """The whole dataset as one Arrow table on the driver (for DuckDB: con.register).
+
+    A row that fails under on_error='raise' raises llmdb.LLMError naming the row and the
+    cause, as the same call in one process does (Ray's own consumers raise Ray's error
+    around it: see the module's docstring)."""
+    try:
+        tables = ray.get(ds.to_arrow_refs())
+    except LLMErrorInWorker as e:  # Ray's RayTaskError(LLMErrorInWorker)
+        raise LLMError(e.message) from None  # (Ray's traceback: the worker's, not the row's)
     return pa.concat_tables(tables) if tables else pa.table({})

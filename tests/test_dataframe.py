@@ -10,6 +10,7 @@ import pyarrow as pa
 import pytest
 
 import llmdb
+from llmdb.session import Options, Session
 
 from .sql_support import column_values, isolated_cache_dir, start_engine
 
@@ -129,6 +130,10 @@ def test_options_are_checked_before_any_row():
          "llmdb.filter does not take max_tokens"),
         (lambda: llmdb.complete(table, "{review}", reorder_fields=True), ValueError,
          "give fields"),
+        (lambda: llmdb.classify(table, "review", LABELS, error_column="label"), ValueError,
+         "error_column and output are both 'label'"),
+        (lambda: llmdb.filter(table, "{review}", error_column=1), TypeError,
+         "error_column must be a column name, got 1"),
     ]
     before = llmdb.stats()["total"]
     for call, error, message in wrong:
@@ -240,3 +245,61 @@ def test_a_call_with_session_options_reports_to_llmdb_stats_and_errors():
                in e["error"] for e in new)
     total = llmdb.stats()["total"]
     assert total["rows"] - before["rows"] == 4 and total["errors"] - before["errors"] == 2
+
+
+LONG = "word " * 9000  # longer than the model's context: the row fails at submit
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_error_column_holds_each_failed_rows_error(kind):
+    """error_column: each failed row's error, the text llmdb.errors() (SQL's llm_errors())
+    lists for its prompt, also on a repeated row, which that list names once; NULL on the
+    other rows, whose answers are those of the call without it."""
+    other = "Also " + LONG
+    data = {"review": ["Fine.", LONG, None, other, LONG]}
+    df = pd.DataFrame(data) if kind == "pandas" else pl.DataFrame(data) \
+        if kind == "polars" else pa.table(data)
+    session = Session(Options(cache=False))
+    out = llmdb.complete(df, "{review}", max_tokens=2, on_error="null", error_column="why",
+                         session=session)
+    listed = {e.prompt: e.error for e in session.errors}
+    assert len(listed) == 2 and all("longer than the model's context" in e
+                                    for e in listed.values())
+    assert column_values(out, "why") == [None, listed[LONG[:200]], None, listed[other[:200]],
+                                   listed[LONG[:200]]]
+    plain = llmdb.complete(df, "{review}", max_tokens=2, on_error="null", session=session)
+    assert _names(plain) == ["review", "completion"]  # no error column unless asked
+    assert column_values(out, "completion") == column_values(plain, "completion")
+    if kind == "pandas":
+        assert out["why"].dtype == pd.Series(["x"]).dtype
+
+
+def test_error_column_of_classify_and_filter():
+    """classify: the rows of a template whose calibration failed (a system prompt longer
+    than the context) each carry the error; filter keeps its failed rows, with their
+    error, beside the rows answered yes."""
+    table = pa.table({"i": [0, 1, 2, 3], "review": ["Great, works well.", LONG, None,
+                                                    "Broke after one day."]})
+    session = Session(Options(cache=False))
+    out = llmdb.classify(table, "review", LABELS, system=LONG, on_error="null",
+                         error_column="why", session=session)
+    why = out.column("why").to_pylist()
+    assert out.column("label").to_pylist() == [None] * 4
+    assert why[2] is None  # NULL text: no call, no error
+    for text, error in zip(table.column("review").to_pylist(), why, strict=True):
+        if text is not None:
+            assert error.startswith(f"llm_classify failed on the row with prompt "
+                                    f"{text[:40]!r}"[:-1])
+            assert "calibrating its prompt template failed" in error
+            assert error in [e.error for e in session.errors]
+
+    kept = llmdb.filter(table, "{review}", on_error="null", session=session)
+    with_errors = llmdb.filter(table, "{review}", on_error="null", error_column="why",
+                               session=session)
+    yes = kept.column("i").to_pylist()
+    assert 1 not in yes
+    assert with_errors.column("i").to_pylist() == sorted(yes + [1])
+    [failed] = [e.error for e in session.errors if e.function == "llm_filter"][-1:]
+    assert with_errors.column("why").to_pylist() == [failed if i == 1 else None
+                                                     for i in sorted(yes + [1])]
+    assert "longer than the model's context" in failed

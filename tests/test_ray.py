@@ -2,12 +2,15 @@
 
 Answers equal the single-process DataFrame call's (fp32 greedy); a worker killed mid-job is
 restarted by Ray, the job loses no row and duplicates none, and the retried batch is served
-from the result cache: every row is computed by the model exactly once.
+from the result cache: every row is computed by the model exactly once. Failed rows: under
+on_error='null' error_column brings each one's error to the driver, as the single-process
+call gives it; under 'raise' the driver gets llmdb.LLMError naming the row and the cause.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -58,6 +61,7 @@ def test_map_rows_equals_the_in_process_call(local_ray, tmp_path):
                              num_workers=2, batch_size=4, cache_path=str(tmp_path / "r.sqlite"),
                              **OPTIONS)
     table = llmdb.ray.to_arrow(out)
+    assert table.column_names == ["id", "name", "completion"]  # no error column unless asked
     got = dict(zip(table.column("id").to_pylist(), table.column("completion").to_pylist(),
                    strict=True))
     assert got == _expected()
@@ -115,3 +119,74 @@ def test_bad_arguments_fail_on_the_driver():
         llmdb.ray.map_rows(_rows(), "summarize", "{name}")
     with pytest.raises(TypeError, match="unknown llmdb option.*max_token"):
         llmdb.ray.map_rows(_rows(), "complete", "{name}", max_token=4)
+
+
+LONG = "word " * 9000  # longer than the model's context: the row fails at submit
+TEMPLATE = "Write a one-line greeting for {name}."
+
+
+def _rows_with_failures() -> pa.Table:
+    names = list(NAMES)
+    names[2] = names[9] = LONG  # the same failing call in two batches
+    names[13] = "Also " + LONG
+    return pa.table({"id": list(range(len(names))), "name": names})
+
+
+def test_failed_rows_bring_their_error_to_the_driver(local_ray, tmp_path):
+    """on_error='null' with error_column: the rows come back as the single-process call
+    gives them, each failed row with its error; the workers' own error lists never reach
+    the driver."""
+    rows = _rows_with_failures()
+    options = {**OPTIONS, "on_error": "null", "error_column": "error"}
+    out = llmdb.ray.map_rows(rows, "complete", TEMPLATE, num_workers=2, batch_size=4,
+                             cache_path=str(tmp_path / "r.sqlite"), **options)
+    table = llmdb.ray.to_arrow(out).sort_by("id")
+    expected = llmdb.complete(rows, TEMPLATE, cache=False, **options)
+    assert table.to_pylist() == expected.to_pylist()
+    errors = table.column("error").to_pylist()
+    assert [i for i, e in enumerate(errors) if e is not None] == [2, 9, 13]
+    assert errors[2].startswith("llm_complete failed on the row with prompt 'Write a one")
+    assert "longer than the model's context" in errors[2]
+
+
+def test_a_worker_without_error_column_says_rows_failed(caplog):
+    """Without error_column the failed rows' errors stay in the worker: its log (which Ray
+    shows on the driver) says so once, with one of them, and how to keep them."""
+    rows = _rows_with_failures().slice(0, 4)
+    mapper = llmdb.ray.RowMapper("complete", (TEMPLATE,),
+                                 {**OPTIONS, "on_error": "null", "cache": False})
+    with caplog.at_level(logging.WARNING, logger="llmdb.ray"):
+        out = mapper(rows)
+        mapper(rows)
+    assert out.column("completion").to_pylist()[2] is None
+    [warning] = caplog.records
+    assert "1 row(s) of a batch failed under on_error='null'" in warning.getMessage()
+    assert mapper.session.errors[-1].error in warning.getMessage()
+    assert "error_column='error'" in warning.getMessage()
+    caplog.clear()
+    with_column = llmdb.ray.RowMapper("complete", (TEMPLATE,), {
+        **OPTIONS, "on_error": "null", "cache": False, "error_column": "error"})
+    with caplog.at_level(logging.WARNING, logger="llmdb.ray"):
+        with_column(rows)
+    assert not caplog.records
+
+
+def test_a_failed_row_under_raise_is_llmdbs_error_on_the_driver(local_ray, tmp_path):
+    """to_arrow raises the error the single-process call raises: llmdb.LLMError naming the
+    row's prompt and the cause. Ray's own consumers (write_parquet here) raise Ray's error,
+    which is an llmdb.LLMError too, reported by Ray as the user's, with llmdb's message."""
+    rows = _rows_with_failures().slice(0, 4)
+    with pytest.raises(llmdb.LLMError) as in_process:
+        llmdb.complete(rows, TEMPLATE, cache=False, **OPTIONS)
+    out = llmdb.ray.map_rows(rows, "complete", TEMPLATE, batch_size=2,
+                             cache_path=str(tmp_path / "r.sqlite"), **OPTIONS)
+    with pytest.raises(llmdb.LLMError) as got:
+        llmdb.ray.to_arrow(out)
+    assert type(got.value) is llmdb.LLMError
+    assert str(got.value) == str(in_process.value)
+    assert "longer than the model's context" in str(got.value)
+    with pytest.raises(llmdb.LLMError) as ray_own:
+        out.write_parquet(str(tmp_path / "out"))
+    assert isinstance(ray_own.value, ray.exceptions.RayTaskError)
+    assert isinstance(ray_own.value, ray.exceptions.UserCodeException)
+    assert str(in_process.value) in str(ray_own.value)

@@ -21,7 +21,10 @@ Properties, against the clean run (the same table without the bad rows):
   nothing lost, duplicated or reordered; llm_errors() (llmdb.errors(), session.errors) lists
   each distinct failing call once, naming the row's prompt and the cause with its numbers;
   the stats count those errors. Run again, the same (a failure is never cached); after the
-  injected failures stop ("healed"), those rows get their answers.
+  injected failures stop ("healed"), those rows get their answers. Where the entry point
+  gives each row's error (the row functions' errors=, a DataFrame call's error_column on
+  odd seeds), every failed row has its own, the text llm_errors() lists for its prompt, and
+  every other row none; a DataFrame filter keeps its failed rows then, with their error.
 - on_error='raise': the query fails with llmdb.LLMError (a relation fetched by DuckDB and a
   plain DuckDB connection: DuckDB's InvalidInputException, as the README says) whose message
   names a bad row's prompt and its cause with the numbers, wherever a bad row must be
@@ -366,6 +369,9 @@ class Outcome:
     error: BaseException | None = None
     errors: list[tuple[str, str, str]] = field(default_factory=list)  # (function, prompt, error)
     stats: dict = field(default_factory=dict)  # this run's total counters
+    # Each row's error (by i) where the entry point gives them: the row functions' errors=,
+    # a DataFrame call's error_column (on odd seeds; a filter's rows answered no are absent).
+    row_errors: dict[int, str | None] | None = None
 
 
 class Runner:
@@ -409,6 +415,7 @@ class Runner:
         before_total = dict(self.session.stats()["total"])
         before_errors = len(self.session.errors)
         out = Outcome()
+        self.row_errors = None
         try:
             out.rows = self._run(sql_text)
         except Exception as e:  # noqa: BLE001 - the outcome under test
@@ -417,6 +424,7 @@ class Runner:
         out.stats = {k: after[k] - before_total[k] for k in after}
         out.errors = [(e.function, e.prompt, e.error)
                       for e in list(self.session.errors)[before_errors:]]
+        out.row_errors = self.row_errors
         return out
 
     def _call_policy(self) -> str | None:
@@ -437,19 +445,21 @@ class Runner:
         f, rows = self.case.function, self.rows
         policy = [self._call_policy()] * len(rows)
         common = [[r.s for r in rows], [r.m for r in rows], policy]
+        errors: list[str | None] = []
         with self.session.query():
             if f == "llm_complete":
                 none = [None] * len(rows)
                 vals = functions.llm_complete(self.session, [r.p for r in rows],
                                               [r.n for r in rows], [r.temp for r in rows],
-                                              none, none, none, *common)
+                                              none, none, none, *common, errors=errors)
             elif f == "llm_classify":
                 vals = functions.llm_classify(self.session, [r.p for r in rows],
                                               [r.labels for r in rows], [None] * len(rows),
-                                              *common)
+                                              *common, errors=errors)
             else:
                 fn = functions.llm_filter if f == "llm_filter" else functions.llm_filter_score
-                vals = fn(self.session, [r.p for r in rows], *common)
+                vals = fn(self.session, [r.p for r in rows], *common, errors=errors)
+        self.row_errors = {r.i: e for r, e in zip(rows, errors, strict=True)}
         return [(r.i, v) for r, v in zip(rows, vals, strict=True)]
 
     def _dataframe(self) -> list:
@@ -469,25 +479,35 @@ class Runner:
         opts: dict[str, Any] = {"session": self.session}
         if self._call_policy() is not None:
             opts["on_error"] = self._call_policy()
+        why = "why" if self.case.seed % 2 else None  # (not drawn: the seeds' cases stay)
         if f == "llm_complete":
-            out = llmdb.complete(df, "{p}", output="v", max_tokens=2, **opts)
+            out = llmdb.complete(df, "{p}", output="v", max_tokens=2, error_column=why, **opts)
         elif f == "llm_classify":
-            out = llmdb.classify(df, "p", ["a", "b"], output="v", **opts)
+            out = llmdb.classify(df, "p", ["a", "b"], output="v", error_column=why, **opts)
         else:
-            out = llmdb.filter(df, "{p}", **opts)
-        cols = {"i": out["i"], "v": out["v"] if f != "llm_filter" else None} \
-            if self.api != "arrow" else {"i": out.column("i"),
-                                         "v": out.column("v") if f != "llm_filter" else None}
-        ids = [int(x) for x in (cols["i"].to_pylist() if self.api == "arrow"
-                                else list(cols["i"]))]
-        if f == "llm_filter":
-            return ids
-        vs = cols["v"].to_pylist() if self.api == "arrow" else list(cols["v"])
-        return [(i, None if _missing(v) else v) for i, v in zip(ids, vs, strict=True)]
+            out = llmdb.filter(df, "{p}", error_column=why, **opts)
+
+        def column(name: str) -> list:
+            values = out.column(name).to_pylist() if self.api == "arrow" else list(out[name])
+            return [None if _missing(v) else v for v in values]
+
+        ids = [int(x) for x in column("i")]
+        if why is None:
+            if "why" in _names(out):
+                raise AssertionError("an error column came back unasked")
+        else:
+            self.row_errors = dict(zip(ids, column("why"), strict=True))
+        if f == "llm_filter":  # (with error_column: the failed rows too, with their error)
+            return [i for i in ids if self.row_errors is None or self.row_errors[i] is None]
+        return list(zip(ids, column("v"), strict=True))
 
 
 def _missing(v: Any) -> bool:
     return v is None or (isinstance(v, float) and math.isnan(v))
+
+
+def _names(df: Any) -> list[str]:
+    return df.column_names if isinstance(df, pa.Table) else list(df.columns)
 
 
 # ---- the check -----------------------------------------------------------------------------
@@ -637,6 +657,25 @@ class Checker:
         if got.stats["errors"] != len(got.errors):
             self.fail(f"{what}: the stats count {got.stats['errors']} errors, llm_errors() "
                       f"lists {len(got.errors)}")
+        if got.row_errors is not None:
+            self.check_row_errors(what, got, bad)
+
+    def check_row_errors(self, what: str, got: Outcome, bad: list[Row]) -> None:
+        """Each failed row carries its own error, the text llm_errors() lists for its
+        prompt (a repeated row too, listed there once); every other row none."""
+        listed = {(prompt, error) for _, prompt, error in got.errors}
+        for r in self.case.rows:
+            error = got.row_errors.get(r.i)
+            if r not in bad:
+                if error is not None:
+                    self.fail(f"{what}: row {r.i}, which did not fail, has the error "
+                              f"{error!r}")
+            elif error is None or not error_names_a_bad_row(self.case, error, [r]):
+                self.fail(f"{what}: row {r.i} ({r.bad}) has the error {error!r}, which does "
+                          f"not name its prompt and cause")
+            elif (r.p[:200], error) not in listed:
+                self.fail(f"{what}: row {r.i}'s error {error!r} is not llm_errors()' for its "
+                          f"prompt")
 
     def check_raise(self, got: Outcome, bad: list[Row], must_rows: list[Row],
                     sql_expect: Callable | None, vals_null: dict[int, Any]) -> None:
