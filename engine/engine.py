@@ -29,7 +29,7 @@ from .device import default_dtype, device_name, resolve_device
 from .models import load_model
 from .models.llama import KERNEL_SETS, LlamaModel
 from .models.opt import OPTModel
-from .outputs import RequestResult, Usage
+from .outputs import RequestAborted, RequestResult, Usage
 from .params import SamplingParams
 from .registry import resolve_model
 from .runner import LaunchedStep, ModelRunner, StepOutput
@@ -322,6 +322,21 @@ class LLMEngine:
         )
         return self._submit(req, priority)
 
+    def add_logits_request(self, prompt: Prompt, request_id: str | None = None,
+                           on_finish: Callable[[str], None] | None = None,
+                           priority: str = "BE") -> str:
+        """Queue the teacher-forced next-token logits of every position of `prompt`, for
+        collect_logits(); no token is generated. Like any request, abort(request_id) stops
+        it and frees its blocks: a long prompt's job is seconds of work nobody may want."""
+        ids = self.encode_prompt(prompt)
+        self._check_fits(len(ids), "input")
+        req = Request(
+            request_id if request_id is not None else f"logits-{next(self._ids)}",
+            ids, SamplingParams(max_tokens=1), generate=False, logits_from=0,
+            keep_logits=True, on_finish=on_finish,
+        )
+        return self._submit(req, priority)
+
     # ---- one iteration -------------------------------------------------------------------
 
     def step(self) -> list[str]:
@@ -509,6 +524,7 @@ class LLMEngine:
             logprobs=req.logprobs if p.logprobs is not None else None,
             continuation_logprobs=req.target_logprobs if req.candidate_ids is None else [],
             candidate_logprobs=req.target_logprobs if req.candidate_ids is not None else [],
+            logit_rows=req.logit_rows,
             error=req.error,
         )
 
@@ -575,18 +591,23 @@ class LLMEngine:
                 raise RuntimeError(f"scoring failed: {r.error}")
         return [r.score for r in results]
 
-    def logits(self, token_ids: list[int]) -> torch.Tensor:
-        """Teacher-forced next-token logits [len, vocab] in fp32, through the paged path."""
-        ids = self.encode_prompt(list(token_ids))
-        self._check_fits(len(ids), "input")
-        req = Request(f"logits-{next(self._ids)}", ids, SamplingParams(max_tokens=1),
-                      generate=False, logits_from=0, keep_logits=True)
-        self._submit(req, "BE")
-        result = self.wait(req.request_id)
+    def logits(self, token_ids: list[int], request_id: str | None = None) -> torch.Tensor:
+        """Teacher-forced next-token logits [len, vocab] in fp32, through the paged path.
+        request_id names the job, so that another thread can abort it (this call then
+        raises RequestAborted)."""
+        return self.collect_logits(self.add_logits_request(list(token_ids), request_id))
+
+    def collect_logits(self, request_id: str) -> torch.Tensor:
+        """Wait for a logits request (add_logits_request) and take its [len, vocab] logits;
+        RequestAborted, naming it, if it was aborted (there are no logits to give: the rows
+        so far are dropped), RuntimeError if its step failed."""
+        result = self.wait(request_id)
+        if result.finish_reason == "abort":
+            raise RequestAborted(request_id, "logits request")
         if result.finish_reason == "error":
-            raise RuntimeError(f"logits failed: {result.error}")
+            raise RuntimeError(f"logits request {request_id!r} failed: {result.error}")
         # On the compute thread: a large copy here would give the caller an OpenMP team.
-        return run_on_compute_thread(torch.cat, req.logit_rows)
+        return run_on_compute_thread(torch.cat, result.logit_rows)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[int]:
         """Token ids as they are generated."""

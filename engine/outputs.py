@@ -3,6 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+class RequestAborted(RuntimeError):
+    """engine.abort(request_id) ended the request before its result was ready: the call
+    waiting for a result that cannot come (collect_logits, say) raises this, naming it."""
+
+    def __init__(self, request_id: str, what: str = "request"):
+        super().__init__(f"{what} {request_id!r} was aborted before it finished")
+        self.request_id = request_id
 
 
 @dataclass
@@ -27,6 +40,8 @@ class RequestResult:
     continuation_logprobs: list[float] = field(default_factory=list)
     # Choice requests: log-probability of each candidate as the next token after the prompt.
     candidate_logprobs: list[float] = field(default_factory=list)
+    # Logits requests: the fp32 next-token logits of every position, a chunk per step.
+    logit_rows: list[torch.Tensor] = field(default_factory=list)
     error: str | None = None
 
     @property

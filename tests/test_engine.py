@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
 
 from llmdb.engine.engine import LLMEngine
+from llmdb.engine.outputs import RequestAborted
 from llmdb.engine.params import SamplingParams
 from llmdb.engine.sched.scheduler import SchedulerOutput
 
@@ -172,6 +174,50 @@ def test_abort_frees_blocks_and_engine_keeps_serving(engine):
     r = engine.wait(rid)
     assert r.finish_reason == "abort"
     assert engine.wait(keep).usage.generated_tokens == 5
+
+
+def test_aborting_a_logits_job_mid_way_frees_its_blocks_and_tells_its_waiter(engine):
+    """A thread waits in logits() on a long prompt; another aborts the job between two of its
+    steps: every block is freed, the waiter gets RequestAborted naming the job (not the rows
+    computed so far), no result is left behind, and the engine's next logits equal those of
+    an undisturbed run."""
+    ids = engine.encode_prompt(chat(" ".join(CHAT_QUESTIONS) * 2))
+    short = ids[:48]
+    ref = engine.logits(short)
+    engine.scheduler.max_num_batched_tokens = 16  # many steps: the abort lands mid-way
+    got: dict[str, object] = {}
+
+    def waiter() -> None:
+        try:
+            got["logits"] = engine.logits(ids, request_id="long-logits")
+        except RequestAborted as e:
+            got["error"] = e
+
+    engine.start_background_loop()
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert time.monotonic() < deadline, "the logits job never started"
+            with engine._step_lock:  # the loop is between two steps
+                req = engine._requests.get("long-logits")
+                if req is not None and req.num_computed > 0:
+                    assert req.num_computed < len(ids), "the job ended before the abort"
+                    assert engine.pool.num_free < engine.pool.num_blocks
+                    engine.abort("long-logits")
+                    break
+            time.sleep(0.002)
+        thread.join(30)
+        assert not thread.is_alive(), "the waiter was not woken by the abort"
+    finally:
+        engine.stop_background_loop()
+    assert "logits" not in got
+    assert isinstance(got["error"], RequestAborted) and got["error"].request_id == "long-logits"
+    assert "'long-logits' was aborted" in str(got["error"])
+    assert engine.pool.num_free == engine.pool.num_blocks
+    assert not engine.has_unfinished and not engine._results
+    torch.testing.assert_close(engine.logits(short), ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize(

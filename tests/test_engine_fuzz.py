@@ -69,7 +69,7 @@ from llmdb.engine.engine import LLMEngine
 from llmdb.engine.params import SamplingParams
 from llmdb.engine.sampling import gumbel_noise, row_key
 from llmdb.engine.sched.policies import POLICIES
-from llmdb.engine.sched.request import PENDING_TOKEN, Request, Status
+from llmdb.engine.sched.request import PENDING_TOKEN, Status
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from random_model import write_random_model  # noqa: E402
@@ -359,7 +359,6 @@ def fake_time(clock: FakeClock):
 class Outcome:
     results: dict[str, object] = field(default_factory=dict)
     streamed: dict[str, list] = field(default_factory=dict)
-    logits: dict[str, list] = field(default_factory=dict)  # the logits jobs' rows
     finished: Counter = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)
     stats: Counter = field(default_factory=Counter)
@@ -386,11 +385,9 @@ def submit(eng: LLMEngine, job: Job, out: Outcome) -> None:
     def finished(rid: str) -> None:
         out.finished[rid] += 1
 
-    if job.kind == "logits":  # as LLMEngine.logits() submits one, without waiting for it
-        req = Request(job.name, list(job.prompt), SamplingParams(max_tokens=1), generate=False,
-                      logits_from=0, keep_logits=True, on_finish=finished)
-        eng._submit(req, job.priority)
-        out.logits[job.name] = req.logit_rows
+    if job.kind == "logits":
+        eng.add_logits_request(job.prompt, request_id=job.name, on_finish=finished,
+                               priority=job.priority)
     elif job.kind == "score":
         eng.add_score_request(job.prompt, job.extra, request_id=job.name, on_finish=finished,
                               priority=job.priority)
@@ -610,7 +607,7 @@ def job_problems(ref: Reference, cfg: Config, job: Job, out: Outcome) -> list[st
         if r.finish_reason != "stop" or r.token_ids:
             problems.append(f"{where}: finish {r.finish_reason}, tokens {r.token_ids}")
         if job.kind == "logits":
-            rows = out.logits[job.name]
+            rows = r.logit_rows
             got = torch.cat(rows) if rows else torch.zeros(0, want.shape[1])
             if got.shape != want.shape:
                 return problems + [f"{where}: logits {tuple(got.shape)}, alone "

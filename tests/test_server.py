@@ -8,6 +8,7 @@ running and no block held.
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -74,6 +75,18 @@ def _idle(engine: LLMEngine, timeout: float = 10.0) -> None:
     while engine.has_unfinished or engine.pool.num_free != engine.pool.num_blocks:
         assert time.monotonic() < deadline, "requests still run or blocks are still held"
         time.sleep(0.05)
+
+
+def _logits_job_under_way(engine: LLMEngine, timeout: float = 30.0):
+    """The engine's one logits request (a prompt_logprobs request's), once it has computed
+    some of its tokens."""
+    deadline = time.monotonic() + timeout
+    while not (jobs := [r for r in list(engine._requests.values())
+                        if r.keep_logits and r.num_computed > 0]):
+        assert time.monotonic() < deadline, "the logits job never started"
+        time.sleep(0.01)
+    [job] = jobs
+    return job
 
 
 def test_models_and_health(client, server):
@@ -214,6 +227,36 @@ def test_shutdown_aborts_what_does_not_finish_in_time(engine):
     _idle(engine)
 
 
+def test_shutdown_aborts_prompt_logprobs_still_being_computed(engine):
+    """Prompt log-probabilities are a request like any other to shutdown: once the grace time
+    is over their logits job is aborted mid-way and the caller gets a retryable 503."""
+    sched = engine.scheduler
+    saved = sched.max_num_batched_tokens
+    sched.max_num_batched_tokens = 64  # a job of many short steps: shutdown lands mid-way
+    prompt = "verse " * 1000
+    n = len(engine.encode_prompt(prompt))
+    srv = _Server(engine, api_key=None, shutdown_timeout_s=0.5)
+    result = {}
+
+    def call():
+        result["r"] = httpx.post(srv.url + "/v1/completions", timeout=60, json={
+            "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 1})
+
+    t = threading.Thread(target=call)
+    t.start()
+    try:
+        job = _logits_job_under_way(engine)
+    finally:
+        srv.stop()
+        t.join(30)
+        sched.max_num_batched_tokens = saved
+    assert not t.is_alive(), "no answer: shutdown waited for the whole logits job"
+    r = result["r"]
+    assert r.status_code == 503 and "retry" in r.json()["error"]["message"]
+    assert job.finish_reason == "abort" and job.num_computed < n
+    _idle(engine)
+
+
 def test_api_key_rules(monkeypatch):
     from llmdb.server.run import api_key_for, is_loopback
 
@@ -239,6 +282,37 @@ def test_prompt_logprobs_equal_the_engine_scores(client, engine):
     total = sum(entry[str(tok)]["logprob"] for entry, tok in zip(got[1:], ids[1:], strict=True))
     assert total == pytest.approx(scores[0], abs=1e-3)
     assert all(len(entry) in (2, 3) for entry in got[1:])  # its token and the top 2
+
+
+def test_client_leaving_a_prompt_logprobs_request_stops_its_logits(server, client, engine):
+    """A long prompt's prompt_logprobs request whose client goes away while its logits are
+    computed: the logits job is aborted mid-way, not run to its end for nobody; every block
+    is freed, no result is left in the engine, and the next request finds the engine idle
+    and gets the engine's own answer."""
+    sched = engine.scheduler
+    saved = sched.max_num_batched_tokens
+    sched.max_num_batched_tokens = 64  # a job of many short steps: the client leaves mid-way
+    prompt = "word " * 1000
+    n = len(engine.encode_prompt(prompt))
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 1,
+                       "prompt_logprobs": 1}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    try:
+        # A raw socket, so that the client leaves exactly when the job is under way.
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(head + body)
+            job = _logits_job_under_way(engine)
+        _idle(engine)
+    finally:
+        sched.max_num_batched_tokens = saved
+    assert job.finish_reason == "abort" and job.num_computed < n, (
+        f"the logits job ended {job.finish_reason!r} after {job.num_computed} of {n} tokens")
+    assert not engine._results, f"results left for nobody: {list(engine._results)}"
+    greedy = SamplingParams(max_tokens=3, temperature=0)
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
+    assert r.choices[0].text == engine.generate(["Hello"], greedy)[0].text
 
 
 def test_tokenize_gives_the_ids_the_completion_endpoints_use(server, engine):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -28,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmdb.engine.compute import run_on_compute_thread
 from llmdb.engine.engine import LLMEngine
-from llmdb.engine.outputs import RequestResult
+from llmdb.engine.outputs import RequestAborted, RequestResult
 from llmdb.engine.params import SamplingParams
 
 from .metrics import EngineMetrics
@@ -65,7 +66,7 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     limits = limits or Limits()
     created = int(time.time())
     metrics = EngineMetrics(engine)
-    inflight: dict[str, _Call] = {}
+    inflight: set[str] = set()  # ids of this app's engine requests: shutdown aborts them
     slots = asyncio.Semaphore(limits.max_concurrent)
 
     @asynccontextmanager
@@ -158,14 +159,20 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
                 priority=body.scheduling_class())
         except ValueError as e:
             raise ServerError(400, str(e)) from e
-        call = _Call(rid, tokens, logprobs)
-        inflight[rid] = call
-        return call
+        inflight.add(rid)
+        return _Call(rid, tokens, logprobs)
 
     async def finish(call: _Call) -> RequestResult:
         while await call.tokens.get() is not None:
             pass
         return await asyncio.to_thread(engine.wait, call.request_id)
+
+    def discard_result(rid: str) -> None:
+        """Drop a finished request's result that no one will collect."""
+        try:
+            engine.wait(rid, timeout=0)
+        except KeyError:  # already collected
+            pass
 
     def close(call: _Call) -> None:
         """Abort the request if it still runs (its blocks are freed), drop an uncollected
@@ -174,11 +181,8 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
             return
         call.closed = True
         engine.abort(call.request_id)
-        try:
-            engine.wait(call.request_id, timeout=0)
-        except KeyError:  # already collected
-            pass
-        inflight.pop(call.request_id, None)
+        discard_result(call.request_id)
+        inflight.discard(call.request_id)
         slots.release()
 
     async def run(request: Request, body, prompt, params: SamplingParams, render,
@@ -215,6 +219,8 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
             done, _ = await asyncio.wait({task}, timeout=0.25)
             if not done and await request.is_disconnected():
                 task.cancel()
+                # Its cleanup (aborting its engine request) is done before the answer.
+                await asyncio.wait({task})
                 raise ServerError(499, "the client closed the connection")
         return task.result()
 
@@ -259,26 +265,48 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
                                   "prompt_logprobs")
 
             async def prepare() -> None:
-                render.prompt_logprobs = await asyncio.to_thread(
-                    prompt_logprobs, body.prompt, body.prompt_logprobs)
+                render.prompt_logprobs = await prompt_logprobs(body.prompt,
+                                                               body.prompt_logprobs)
 
         return await run(request, body, body.prompt, params, render, prepare)
 
-    def prompt_logprobs(prompt, k: int) -> list:
+    async def prompt_logprobs(prompt, k: int) -> list:
         """vLLM's prompt_logprobs: None for the first token, then per prompt token a dict of
-        its own and the k most likely ids' {"logprob", "rank", "decoded_token"}. (Off the
-        event loop: a long prompt's loop takes seconds.)"""
+        its own and the k most likely ids' {"logprob", "rank", "decoded_token"}. The logits
+        are an engine request like a completion's: a client that goes away (this task is
+        cancelled) aborts it, and so does shutdown."""
         try:
-            ids = engine.encode_prompt(prompt)
+            ids = await asyncio.to_thread(engine.encode_prompt, prompt)
             cap = limits.max_prompt_tokens or engine.config.max_context
             if len(ids) > cap:
                 raise ValueError(f"the prompt is {len(ids)} tokens; at most {cap} here")
-            logits = engine.logits(ids)[:-1]
+            # Queued here on the event loop, not in the thread: a cancel then finds it queued
+            # (and aborts it) or not yet made, never about to be.
+            rid = engine.add_logits_request(ids, request_id=f"srv-{uuid.uuid4().hex}")
         except ValueError as e:
             raise ServerError(400, str(e), "prompt") from e
+        inflight.add(rid)
+        abandoned = threading.Event()
+        try:
+            return await asyncio.to_thread(ranked_prompt, rid, ids, k, abandoned)
+        except RequestAborted as e:  # by drain(): retried elsewhere, whole
+            raise ServerError(503, "the server stopped before the request finished; retry it",
+                              type_="server_error") from e
+        finally:
+            abandoned.set()
+            engine.abort(rid)  # (a no-op unless this task was cancelled mid-way)
+            discard_result(rid)
+            inflight.discard(rid)
+
+    def ranked_prompt(rid: str, ids: list[int], k: int, abandoned: threading.Event) -> list:
+        """prompt_logprobs' rows from the logits request rid. (Off the event loop: a long
+        prompt's loop takes seconds, so it stops early once nobody waits for it.)"""
+        logits = engine.collect_logits(rid)[:-1]
         dec = engine.tokenizer.decode
         out: list = [None]
         for i in range(0, len(logits), _LOGPROB_ROWS):  # ([rows, vocab] fp32 copies: bounded)
+            if abandoned.is_set():
+                raise RequestAborted(rid, "logits request")
             own = ids[i + 1 : i + 1 + _LOGPROB_ROWS]
             rows = run_on_compute_thread(_ranked, logits[i : i + len(own)], own, k)
             out += [{t: {"logprob": lp, "rank": rank, "decoded_token": dec([t], skip_special=False)}
