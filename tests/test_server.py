@@ -284,6 +284,28 @@ def test_prompt_logprobs_equal_the_engine_scores(client, engine):
     assert all(len(entry) in (2, 3) for entry in got[1:])  # its token and the top 2
 
 
+def test_a_failed_prompt_logprobs_step_is_answered_in_openai_shape(client, engine,
+                                                                   monkeypatch):
+    """The engine fails a request whose step raised; the server says so as it does for a
+    completion (500, OpenAI's error body), not with its framework's bare error page."""
+    launch = engine.runner.launch
+
+    def failing(*args, **kwargs):
+        monkeypatch.setattr(engine.runner, "launch", launch)  # this step only
+        raise RuntimeError("injected step failure")
+
+    _idle(engine)
+    monkeypatch.setattr(engine.runner, "launch", failing)
+    with pytest.raises(openai.InternalServerError) as e:
+        client.completions.create(model=MODEL, prompt="The sky is", max_tokens=1,
+                                  extra_body={"prompt_logprobs": 1})
+    error = e.value.body
+    assert error["type"] == "server_error"
+    assert "prompt log-probabilities failed" in error["message"]
+    assert "injected step failure" in error["message"]
+    _idle(engine)
+
+
 def test_client_leaving_a_prompt_logprobs_request_stops_its_logits(server, client, engine):
     """A long prompt's prompt_logprobs request whose client goes away while its logits are
     computed: the logits job is aborted mid-way, not run to its end for nobody; every block

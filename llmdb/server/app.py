@@ -292,6 +292,9 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
         except RequestAborted as e:  # by drain(): retried elsewhere, whole
             raise ServerError(503, "the server stopped before the request finished; retry it",
                               type_="server_error") from e
+        except RuntimeError as e:  # its step failed: as a completion's failure is answered
+            raise ServerError(500, f"prompt log-probabilities failed: {e}",
+                              type_="server_error") from e
         finally:
             abandoned.set()
             engine.abort(rid)  # (a no-op unless this task was cancelled mid-way)
