@@ -48,7 +48,7 @@ CHATML = (
 class Shape:
     """One model's published dimensions and special tokens (what config.json needs)."""
 
-    arch: str  # "llama", "qwen2" (Llama with Q/K/V biases) or "opt"
+    arch: str  # "llama", "qwen2" (Llama with Q/K/V biases), "qwen3" (per-head Q/K norms), "opt"
     vocab: int
     hidden: int
     layers: int
@@ -97,6 +97,12 @@ SHAPES: dict[str, Shape] = {
         max_pos=32768, rope_theta=1000000.0, norm_eps=1e-6, bos=151643, eos=151645,
         pad=151643, add_bos=False, chat_template=CHATML,
         specials={151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"}),
+    # Qwen/Qwen3-0.6B
+    "qwen3-0.6b": Shape(
+        "qwen3", vocab=151936, hidden=1024, layers=28, heads=16, kv_heads=8, ffn=3072,
+        head_dim=128, max_pos=40960, rope_theta=1000000.0, norm_eps=1e-6, bos=151643,
+        eos=151645, pad=151643, add_bos=False, chat_template=CHATML,
+        specials={151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"}),
     # meta-llama/Llama-2-7b-hf
     "llama2-7b": Shape(
         "llama", vocab=32000, hidden=4096, layers=32, heads=32, kv_heads=32, ffn=11008,
@@ -129,6 +135,12 @@ SHAPES: dict[str, Shape] = {
         "qwen2", vocab=320, hidden=64, layers=3, heads=4, kv_heads=4, ffn=160, max_pos=512,
         rope_theta=100000.0, tie=False, bos=1, eos=2, pad=0, add_bos=False,
         specials=_LLAMA2_SPECIALS),
+    # Qwen3's per-head Q/K norms and a head_dim of its own, on the MHA shape: re-projected K
+    # is normalized too.
+    "tiny-qwen3-mha": Shape(
+        "qwen3", vocab=320, hidden=64, layers=3, heads=4, kv_heads=4, ffn=160, head_dim=32,
+        max_pos=512, rope_theta=100000.0, tie=False, bos=1, eos=2, pad=0, add_bos=False,
+        specials=_LLAMA2_SPECIALS),
     "tiny-opt": Shape(
         "opt", vocab=288, hidden=64, layers=3, heads=4, kv_heads=4, ffn=160, max_pos=512,
         bos=2, eos=2, pad=1, add_bos=True, specials=_OPT_SPECIALS),
@@ -140,7 +152,7 @@ SHAPES: dict[str, Shape] = {
 
 def tensor_shapes(s: Shape) -> dict[str, tuple[int, ...]]:
     """Every parameter's Hugging Face name and shape, in checkpoint order."""
-    if s.arch in ("llama", "qwen2"):
+    if s.arch in ("llama", "qwen2", "qwen3"):
         return _llama_shapes(s)
     if s.arch == "opt":
         return _opt_shapes(s)
@@ -166,6 +178,9 @@ def _llama_shapes(s: Shape) -> dict[str, tuple[int, ...]]:
         if s.arch == "qwen2":
             out |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                     p + "self_attn.v_proj.bias": (kv,)}
+        if s.arch == "qwen3":
+            out |= {p + "self_attn.q_norm.weight": (s.dim,),
+                    p + "self_attn.k_norm.weight": (s.dim,)}
     out["model.norm.weight"] = (h,)
     if not s.tie:
         out["lm_head.weight"] = (s.vocab, h)
@@ -258,6 +273,9 @@ def config_json(s: Shape, dtype: torch.dtype) -> dict:
     if s.arch == "qwen2":
         return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **common,
                 **llama_like, "use_sliding_window": False}
+    if s.arch == "qwen3":
+        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **common,
+                **llama_like, "attention_bias": False, "use_sliding_window": False}
     return {
         "architectures": ["OPTForCausalLM"], "model_type": "opt", **common,
         "ffn_dim": s.ffn, "word_embed_proj_dim": s.hidden, "do_layer_norm_before": True,

@@ -83,14 +83,15 @@ def _save(model, path: Path, tok_cfg: dict, prepend: str | None) -> None:
 
 
 def _llama(tie: bool, rope_theta: float, eps: float, scaling: dict | None = None,
-           family: str = "Llama") -> torch.nn.Module:
-    """A tiny Llama-family model (family: Llama, Mistral or Qwen2), with RoPE scaling."""
+           family: str = "Llama", **extra) -> torch.nn.Module:
+    """A tiny Llama-family model (family: Llama, Mistral, Qwen2 or Qwen3), with RoPE
+    scaling; extra: more config (head_dim)."""
     rope = {"rope_type": "default", "rope_theta": rope_theta, **(scaling or {})}
     cfg = getattr(transformers, f"{family}Config")(
         vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
         rms_norm_eps=eps, rope_parameters=rope, tie_word_embeddings=tie,
-        bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
+        bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, **extra,
     )
     return getattr(transformers, f"{family}ForCausalLM")(cfg)
 
@@ -137,6 +138,11 @@ VARIANTS = {
               {"bos_token": None, "eos_token": "<|im_end|>"}, None),
     "mistral": (lambda: _llama(tie=False, rope_theta=1000000.0, eps=1e-5, family="Mistral"),
                 {"bos_token": "<s>", "eos_token": "</s>"}, "<s>"),
+    # Qwen3: an RMSNorm over each Q and K head before RoPE, no biases, and a head_dim of its
+    # own (4 heads of 32 from a hidden size of 64, as Qwen3-0.6B has 16 of 128 from 1,024).
+    "qwen3": (lambda: _llama(tie=True, rope_theta=1000000.0, eps=1e-6, family="Qwen3",
+                             head_dim=32),
+              {"bos_token": None, "eos_token": "<|im_end|>"}, None),
 }
 
 
@@ -229,7 +235,7 @@ def test_chunked_prefill_logits_match_transformers(name, hf_dirs, hf_ref):
     _assert_close(engine.logits(ids), _ref_logits(hf_ref(name), ids), f"{name} chunked")
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "opt", "qwen2", "llama3-rope"])
+@pytest.mark.parametrize("name", ["llama-gqa", "opt", "qwen2", "llama3-rope", "qwen3"])
 def test_triton_path_matches_transformers(name, hf_dirs, hf_ref):
     """The GPU kernels' forward (RoPE fused with the K/V write, residual-add RMSNorm, one
     attention launch per mixed step), run on CPU tensors by Triton's interpreter in CI:
@@ -411,6 +417,7 @@ def test_other_rope_scaling_is_refused_by_name(hf_dirs, tmp_path, where, kind):
 @pytest.mark.parametrize("name, edit", [
     ("mistral", {"sliding_window": 128}),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 64}),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 64}),
 ])
 def test_sliding_window_attention_is_refused(hf_dirs, tmp_path, name, edit):
     d = _edit_config(hf_dirs[name], tmp_path / "window", lambda cfg: cfg.update(edit))

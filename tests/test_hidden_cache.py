@@ -45,7 +45,7 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hidden_models")
     return {name: write_random_model(name, root / name, seed=5, dtype=torch.float32,
                                      device="cpu")
-            for name in [*MODELS, "tiny-llama", "tiny-qwen2-mha"]}
+            for name in [*MODELS, "tiny-llama", "tiny-qwen2-mha", "tiny-qwen3-mha"]}
 
 
 def _engine(path: Path, **kw) -> LLMEngine:
@@ -214,7 +214,7 @@ def test_attention_over_reprojected_kv_equals_kv_cache():
 
 # ---- the engine ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", [*MODELS, "tiny-qwen2-mha"])
+@pytest.mark.parametrize("name", [*MODELS, "tiny-qwen2-mha", "tiny-qwen3-mha"])
 def test_hidden_mode_generates_the_kv_tokens(name, model_dirs):
     eng = _engine(model_dirs[name])
     assert eng.describe()["hidden_cache"]["enabled"]
@@ -238,7 +238,7 @@ def test_reference_attention_serves_hidden_mode(model_dirs):
 
 
 @pytest.mark.skipif(not TRITON, reason="triton needs a GPU or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", [*MODELS, "tiny-qwen3-mha"])
 def test_triton_path_serves_hidden_mode(name, model_dirs):
     pytest.importorskip("triton", reason="triton is not installed")
     device = "cuda" if torch.cuda.is_available() else "cpu"

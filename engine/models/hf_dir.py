@@ -14,9 +14,9 @@ from .errors import ModelLoadError
 from .rope import hf_divisors
 from .tokenizer import ModelTokenizer
 
-# Mistral and Qwen2 are Llama's decoder, read into its config (Qwen2's Q/K/V biases, like any
-# bias a Llama checkpoint has, come with the weights).
-LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# Mistral, Qwen2 and Qwen3 are Llama's decoder, read into its config (Qwen2's Q/K/V biases
+# and Qwen3's per-head Q/K norms, like any bias a Llama checkpoint has, come with the weights).
+LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ARCHITECTURES = (*LLAMA_LIKE, "OPTForCausalLM")
 
 
@@ -116,9 +116,11 @@ def _check_full_attention(cfg: dict, arch: str, path: Path) -> None:
     """Sliding-window attention (Mistral 7B v0.1, Qwen2 with use_sliding_window) sees only
     the last tokens; our kernels attend to the whole context, which would be silently
     different once a sequence is longer than the window."""
-    if arch == "Qwen2ForCausalLM":
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
     else:
+        window = cfg.get("sliding_window")
+    if window is None and "sliding_attention" in (cfg.get("layer_types") or ()):
         window = cfg.get("sliding_window")
     if window is not None and window < cfg.get("max_position_embeddings", 2048):
         raise ModelLoadError(f"{path}: sliding-window attention (window {window}) is not "

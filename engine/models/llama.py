@@ -8,6 +8,7 @@ also runnable on CPU tensors under TRITON_INTERPRET=1, which is how CI tests thi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -69,6 +70,13 @@ class LlamaModel:
                 return None
             return torch.cat([w(n + ".bias") for n in names])
 
+        # Qwen3: an RMSNorm over each Q and each K head (one weight per projection), before
+        # RoPE. None where the checkpoint has none.
+        self.qk_norms: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        if "model.layers.0.self_attn.q_norm.weight" in weights:
+            self.qk_norms = [(w(f"model.layers.{i}.self_attn.q_norm.weight"),
+                              w(f"model.layers.{i}.self_attn.k_norm.weight"))
+                             for i in range(c.num_layers)]
         self.embed = w("model.embed_tokens.weight")
         self.lm_head = linear(self.embed if c.tie_embeddings else w("lm_head.weight"))
         self.norm = w("model.norm.weight")
@@ -116,6 +124,21 @@ class LlamaModel:
         torch.mul(x2, cos, out=out[..., half:]).addcmul_(x1, sin)
         return out.to(x.dtype)
 
+    def _norm_heads(self, x: torch.Tensor, first: int, heads: int, weight: torch.Tensor,
+                    norm: Callable) -> None:
+        """RMSNorm, in place, over each of `heads` heads of x [T, ...] from head `first`
+        on (Qwen3's q_norm / k_norm on the packed projection)."""
+        d = self.config.head_dim
+        part = x[:, first * d:(first + heads) * d]
+        part.copy_(norm(part.reshape(-1, d), weight, self.config.norm_eps).view(part.shape))
+
+    def _norm_qk(self, qkv: torch.Tensor, layer: int, norm: Callable) -> None:
+        """Qwen3's per-head norms of Q and K, in place on the [T, (Hq + 2 Hk) * D] projection."""
+        if self.qk_norms is not None:
+            q_norm, k_norm = self.qk_norms[layer]
+            self._norm_heads(qkv, 0, self.config.num_heads, q_norm, norm)
+            self._norm_heads(qkv, self.config.num_heads, self.config.num_kv_heads, k_norm, norm)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -142,7 +165,9 @@ class LlamaModel:
             enumerate(zip(self.layers, kv_caches, strict=True))
         ):
             h = rms_norm(x, ln1, c.norm_eps)
-            qk, v = qkv_proj(h).split([(hq + hk) * d, hk * d], dim=-1)
+            qkv = qkv_proj(h)
+            self._norm_qk(qkv, i, rms_norm)
+            qk, v = qkv.split([(hq + hk) * d, hk * d], dim=-1)
             # Q and K heads rotate together: one pass over both.
             q, k = self._rope(qk.view(t, hq + hk, d), cos, sin).split([hq, hk], dim=1)
             write_kv(k_cache, v_cache, k[:nk], v.reshape(t, hk, d)[:nk], batch.slot_mapping[:nk])
@@ -185,8 +210,10 @@ class LlamaModel:
                 h = rms_norm_gpu(residual, ln1, c.norm_eps)
             else:
                 h, residual = add_rms_norm(x, residual, ln1, c.norm_eps)
+            qkv = qkv_proj(h)
+            self._norm_qk(qkv, i, rms_norm_gpu)
             # Hidden-cache rows have slot -1: their K/V are not written.
-            q = rope_and_write_kv(qkv_proj(h), positions, self.cos_sin, batch.slot_mapping,
+            q = rope_and_write_kv(qkv, positions, self.cos_sin, batch.slot_mapping,
                                   k_cache, v_cache, hq, hk, d)
             if hidden is None:
                 o = attention(q, k_cache, v_cache, batch, scale, num_splits=batch.num_splits)
@@ -206,11 +233,17 @@ class LlamaModel:
         kv = self.kv_projs[layer](states)
         if self.kernels == "triton":
             from llmdb.kernels.gpu.cache_write import rope_and_write_kv
+            from llmdb.kernels.gpu.norm import rms_norm as rms_norm_gpu
+
+            if self.qk_norms is not None:
+                self._norm_heads(kv, 0, hk, self.qk_norms[layer][1], rms_norm_gpu)
 
             k, v = (torch.empty(r, hk, d, dtype=kv.dtype, device=kv.device) for _ in "kv")
             slots = torch.arange(r, device=kv.device)
             rope_and_write_kv(kv, positions, self.cos_sin, slots, k, v, 0, hk, d)
             return k, v
+        if self.qk_norms is not None:
+            self._norm_heads(kv, 0, hk, self.qk_norms[layer][1], rms_norm)
         kv = kv.view(r, 2 * hk, d)
         k = self._rope(kv[:, :hk], self.cos[positions][:, None, :],
                        self.sin[positions][:, None, :])
