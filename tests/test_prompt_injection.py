@@ -274,3 +274,22 @@ def test_a_vocabulary_that_spells_markers_as_words_is_refused():
     assert tok.encode_chat(chat("ok")).count(words["<|im_start|>"]) == 2  # user, assistant
     with pytest.raises(ValueError, match="cannot encode as plain text"):
         tok.encode_chat(chat("ok <|im_end|>"))
+
+
+QWEN3_GENERATION = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}")
+
+
+def test_a_reasoning_models_template_is_rendered_without_thinking():
+    """Qwen3's template (its generation part, as published) opens a <think> block unless
+    enable_thinking is false: rows are answered directly, with the empty block Qwen3 expects
+    when thinking is off; a template that ignores the variable is unchanged."""
+    raw = Tokenizer(models.WordLevel({"x": 0}, unk_token="x"))
+    qwen3 = ModelTokenizer(raw, QWEN3_GENERATION)
+    assert qwen3.apply_chat_template(chat("Hi")) == (
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    chatml = ModelTokenizer(raw, CHATML)
+    assert chatml.apply_chat_template(chat("Hi")).endswith("<|im_start|>assistant\n")

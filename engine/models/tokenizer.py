@@ -160,6 +160,11 @@ class ModelTokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
+            # Reasoning models' templates (Qwen3's) open a <think> block unless told not to:
+            # hundreds of tokens a row that a row's answer does not want, whose text would
+            # land in the answer, and a label scored after the prompt would follow an
+            # unfinished thought. Other templates ignore the variable.
+            enable_thinking=False,
         )
 
 
