@@ -57,6 +57,8 @@ LAYER_NAMES = {
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
     "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
@@ -109,14 +111,15 @@ def _vocab(tok: Tokenizer) -> tuple[list[str], list[int], list[str]]:
 
 def _hf_llama(vocab_size: int, *, hidden: int, heads: int, kv_heads: int, ffn: int,
               layers: int, tie: bool, theta: float, eps: float, seed: int,
-              family: str = "Llama", scaling: dict | None = None):
-    """A random Llama-family model (family: Llama or Qwen2), RoPE scaled by `scaling`."""
+              family: str = "Llama", scaling: dict | None = None, **extra):
+    """A random Llama-family model (family: Llama, Qwen2 or Qwen3), RoPE scaled by
+    `scaling`; extra: more config (head_dim)."""
     cfg = getattr(transformers, f"{family}Config")(
         vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=ffn,
         max_position_embeddings=CONTEXT, rms_norm_eps=eps,
         rope_parameters={"rope_type": "default", "rope_theta": theta, **(scaling or {})},
-        tie_word_embeddings=tie, bos_token_id=EOT, eos_token_id=IM_END,
+        tie_word_embeddings=tie, bos_token_id=EOT, eos_token_id=IM_END, **extra,
     )
     torch.manual_seed(seed)
     model = getattr(transformers, f"{family}ForCausalLM")(cfg)
@@ -229,7 +232,7 @@ def _write_gguf(path: Path, model, tok: Tokenizer, qtype: QT = QT.F32, *, arch: 
                 with_tensors: bool = True) -> Path:
     cfg = model.config
     arch = arch or cfg.model_type
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     tokens, types, merges = _vocab(tok)
     tokens += [t for t, _ in extra_tokens]
     types += [ty for _, ty in extra_tokens]
@@ -291,6 +294,10 @@ VARIANTS = {
     "llama3-rope": dict(SMALL, tie=True, theta=10000.0, eps=1e-5, seed=5, scaling=LLAMA3_ROPE),
     "linear-rope": dict(SMALL, tie=False, theta=10000.0, eps=1e-5, seed=6,
                         scaling={"rope_type": "linear", "factor": 4.0}),
+    # Qwen3 (qwen3 architecture: per-head Q/K norms, Q/K rows not permuted, no biases) with
+    # heads wider than hidden / heads, as Qwen3-0.6B's 16 x 128 from 1,024.
+    "qwen3": dict(SMALL, tie=True, theta=1000000.0, eps=1e-6, seed=7, family="Qwen3",
+                  head_dim=32),
 }
 # K-quant super-blocks hold 256 values: every quantized row (hidden, heads * head_dim, ffn)
 # must be a multiple of 256. head_dim 64.
@@ -395,7 +402,8 @@ def test_metadata_becomes_model_config(name, hf_models, f32_files):
     assert cfg.arch == "llama"
     assert (cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.ffn_size) == (
         hf.vocab_size, hf.hidden_size, hf.num_hidden_layers, hf.intermediate_size)
-    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (4, 2, 16)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (4, 2, 32 if name == "qwen3"
+                                                               else 16)
     assert cfg.tie_embeddings == hf.tie_word_embeddings
     assert cfg.max_context == CONTEXT
     assert cfg.rope_theta == hf.rope_parameters["rope_theta"]
@@ -618,7 +626,7 @@ def test_llama_cpp_agrees_on_our_files(qtype, llama_cpp, f32_files, quant_file):
     assert err <= bound, f"{qtype.name}: {err:.3g} from llama.cpp"
 
 
-@pytest.mark.parametrize("name", ["qwen2", "llama3-rope", "linear-rope"])
+@pytest.mark.parametrize("name", ["qwen2", "llama3-rope", "linear-rope", "qwen3"])
 def test_llama_cpp_agrees_on_other_llama_family_files(name, llama_cpp, f32_files):
     """Qwen2's unpermuted Q/K and biases, the rope_freqs divisors and linear scaling mean to
     llama.cpp what they mean to us (the sequence is long enough for scaling to matter)."""

@@ -16,8 +16,10 @@ def export_hf(model: LoadedModel, out_dir: str | Path, dtype: torch.dtype = torc
     c, tok = model.config, model.tokenizer
     if c.arch != "llama":
         raise ValueError(f"export supports llama models, not {c.arch}")
-    # Q/K/V biases: Qwen2's architecture (a Llama without them would drop them).
-    family = "qwen2" if "model.layers.0.self_attn.q_proj.bias" in model.weights else "llama"
+    # Per-head Q/K norms: Qwen3's architecture; Q/K/V biases: Qwen2's (a Llama without them
+    # would drop them).
+    family = ("qwen3" if "model.layers.0.self_attn.q_norm.weight" in model.weights else
+              "qwen2" if "model.layers.0.self_attn.q_proj.bias" in model.weights else "llama")
     # RoPE in the keys transformers 4 wrote (vLLM's reads them; transformers 5 too).
     rope: dict = {"rope_theta": c.rope_theta}
     if c.rope_divisors:
@@ -32,7 +34,8 @@ def export_hf(model: LoadedModel, out_dir: str | Path, dtype: torch.dtype = torc
         weights.pop("lm_head.weight", None)  # vLLM expects no lm_head for tied embeddings
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = {
-        "architectures": ["Qwen2ForCausalLM" if family == "qwen2" else "LlamaForCausalLM"],
+        "architectures": [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(
+            family, "LlamaForCausalLM")],
         "model_type": family,
         "vocab_size": c.vocab_size,
         "hidden_size": c.hidden_size,

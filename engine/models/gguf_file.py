@@ -1,5 +1,5 @@
-"""Llama-architecture GGUF files (llama, and qwen2: Llama with Q/K/V biases): config,
-dequantized weights (HF names and layout), tokenizer."""
+"""Llama-architecture GGUF files (llama; qwen2: Llama with Q/K/V biases; qwen3: with per-head
+Q/K norms): config, dequantized weights (HF names and layout), tokenizer."""
 
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def _tokenizer(reader) -> ModelTokenizer:
     )
 
 
-ARCHITECTURES = ("llama", "qwen2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 def _architecture(reader) -> str:
@@ -146,7 +146,12 @@ def _config(reader, arch: str, tokenizer: ModelTokenizer, has_output: bool) -> M
         return v
 
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
-    head_dim = int(get("rope.dimension_count", hidden // heads))
+    # Qwen3's heads are not hidden / heads wide: key_length says (llama.cpp writes it then).
+    head_dim = int(get("attention.key_length", get("rope.dimension_count", hidden // heads)))
+    rotary = int(get("rope.dimension_count", head_dim))
+    if rotary != head_dim:
+        raise ModelLoadError(f"GGUF RoPE over {rotary} of {head_dim} head dimensions (partial "
+                             f"rotary) is not supported")
     eos = [tokenizer.token_id(tokenizer.eos_token)] if tokenizer.eos_token else []
     # Chat models end a turn with their own token; stopping there is what users expect.
     for end_of_turn in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>"):
@@ -184,6 +189,8 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head norms
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
