@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -176,15 +175,28 @@ def test_abort_frees_blocks_and_engine_keeps_serving(engine):
     assert engine.wait(keep).usage.generated_tokens == 5
 
 
-def test_aborting_a_logits_job_mid_way_frees_its_blocks_and_tells_its_waiter(engine):
+def test_aborting_a_logits_job_mid_way_frees_its_blocks_and_tells_its_waiter(engine,
+                                                                             monkeypatch):
     """A thread waits in logits() on a long prompt; another aborts the job between two of its
     steps: every block is freed, the waiter gets RequestAborted naming the job (not the rows
     computed so far), no result is left behind, and the engine's next logits equal those of
-    an undisturbed run."""
+    an undisturbed run. The background loop is held at the job's second step (no timing:
+    a loop that takes its lock back at once would starve a test that polls)."""
     ids = engine.encode_prompt(chat(" ".join(CHAT_QUESTIONS) * 2))
     short = ids[:48]
     ref = engine.logits(short)
-    engine.scheduler.max_num_batched_tokens = 16  # many steps: the abort lands mid-way
+    monkeypatch.setattr(engine.scheduler, "max_num_batched_tokens", 16)  # many steps
+    launch, launches = engine.runner.launch, []
+    second_step, resume = threading.Event(), threading.Event()
+
+    def held_at_the_second_step(*args, **kwargs):
+        launches.append(1)
+        if len(launches) == 2:
+            second_step.set()
+            resume.wait(30)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "launch", held_at_the_second_step)
     got: dict[str, object] = {}
 
     def waiter() -> None:
@@ -197,20 +209,16 @@ def test_aborting_a_logits_job_mid_way_frees_its_blocks_and_tells_its_waiter(eng
     thread = threading.Thread(target=waiter)
     thread.start()
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert time.monotonic() < deadline, "the logits job never started"
-            with engine._step_lock:  # the loop is between two steps
-                req = engine._requests.get("long-logits")
-                if req is not None and req.num_computed > 0:
-                    assert req.num_computed < len(ids), "the job ended before the abort"
-                    assert engine.pool.num_free < engine.pool.num_blocks
-                    engine.abort("long-logits")
-                    break
-            time.sleep(0.002)
+        assert second_step.wait(30), "the logits job never reached its second step"
+        req = engine._requests["long-logits"]
+        assert 0 < req.num_computed < len(ids)
+        assert engine.pool.num_free < engine.pool.num_blocks
+        engine.abort("long-logits")
+        resume.set()
         thread.join(30)
         assert not thread.is_alive(), "the waiter was not woken by the abort"
     finally:
+        resume.set()
         engine.stop_background_loop()
     assert "logits" not in got
     assert isinstance(got["error"], RequestAborted) and got["error"].request_id == "long-logits"
