@@ -418,6 +418,25 @@ def test_llama_cpp_agrees_on_a_sentencepiece_model(spm_model, llama_cpp):
     assert _rms_err(engine.logits(ids), _llama_cpp_logits(llama_cpp, path, ids)) <= 1e-5
 
 
+def test_exported_hf_tokenizer_is_the_same(spm_model, tmp_path):
+    """The benchmark's peers read our export: transformers encodes the file's text as we
+    do and decodes it back (its decoder drops the prefix's space too)."""
+    import transformers
+
+    from llmdb.engine.models import load_model
+    from llmdb.engine.models.export import export_hf
+
+    sp, _, path = spm_model
+    loaded = load_model(path)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(
+        export_hf(loaded, tmp_path / "hf", dtype=torch.float32))
+    for text in [*TEXTS, *SPECIAL_TEXTS]:
+        ids = hf_tok(text, add_special_tokens=False)["input_ids"]
+        assert ids == loaded.tokenizer.encode(text), text
+        if text in TEXTS:
+            assert hf_tok.decode(ids) == text
+
+
 def test_the_weight_cache_keeps_the_tokenizer(spm_model):
     """A second load reads the tokenizer from the cache entry: decoded the same way."""
     from llmdb.engine.models import load_model
