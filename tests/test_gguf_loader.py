@@ -767,10 +767,13 @@ def test_unsupported_tensor_type_is_refused_by_name(hf_models, bpe, tmp_path):
         load_model(path)
 
 
-def test_sentencepiece_tokenizer_is_refused(hf_models, bpe, tmp_path):
-    path = _write_gguf(tmp_path / "spm.gguf", hf_models["untied"], bpe, tokenizer_model="llama",
+@pytest.mark.parametrize("kind", ["t5", "bert"])
+def test_other_tokenizer_models_are_refused(kind, hf_models, bpe, tmp_path):
+    """Unigram (T5) and WordPiece vocabularies: named, with the models we read
+    (SentencePiece BPE, 'llama': tests/test_gguf_spm.py)."""
+    path = _write_gguf(tmp_path / f"{kind}.gguf", hf_models["untied"], bpe, tokenizer_model=kind,
                        pre=None)
-    with pytest.raises(ModelLoadError, match="tokenizer model 'llama'.*byte-level BPE"):
+    with pytest.raises(ModelLoadError, match=f"tokenizer model '{kind}'.*'gpt2'.*'llama'"):
         load_model(path)
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders
 
 from .loader import LoadedModel
 
@@ -56,7 +57,13 @@ def export_hf(model: LoadedModel, out_dir: str | Path, dtype: torch.dtype = torc
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": c.bos_token_id, "eos_token_id": list(c.eos_token_ids)}, indent=2))
-    tok.tokenizer.save(str(out / "tokenizer.json"))
+    hf_tok = tok.tokenizer
+    if tok.spm_space_prefix:
+        # Hugging Face's Llama tokenizer.json drops the prefix's space in its decoder (llama.cpp
+        # and ModelTokenizer.decode do it outside the tokenizer).
+        hf_tok = Tokenizer.from_str(hf_tok.to_str())
+        hf_tok.decoder = decoders.Sequence([hf_tok.decoder, decoders.Strip(" ", 1, 0)])
+    hf_tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": tok.bos_token,

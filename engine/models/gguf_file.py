@@ -11,6 +11,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from .config import ModelConfig
 from .errors import ModelLoadError
+from .spm import spm_tokenizer
 from .tokenizer import ModelTokenizer
 
 # Types the `gguf` package dequantizes and that we have checked against files llama.cpp wrote
@@ -70,38 +71,62 @@ def _field(reader, key: str, default=None):
     return default if f is None else f.contents()
 
 
-def _tokenizer(reader) -> ModelTokenizer:
-    kind = _field(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ModelLoadError(
-            f"unsupported GGUF tokenizer model {kind!r} (only byte-level BPE, 'gpt2', is supported)"
-        )
-    tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
+def _bpe(reader, tokens: list[str]) -> Tokenizer:
+    """Byte-level BPE (tokenizer model 'gpt2'): SmolLM, Llama 3, Qwen2."""
     merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
-    types = _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
     pre = _field(reader, "tokenizer.ggml.pre", "default")
     # llama.cpp looks a Llama-3 piece up whole before merging (as tiktoken does).
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
                                ignore_merges=pre in _LLAMA3_PRES))
     tok.pre_tokenizer = _pre_tokenizer(pre)
     tok.decoder = decoders.ByteLevel()
-    # Control (3) and user-defined (4) tokens are matched whole, before BPE. Only control
+    return tok
+
+
+TOKENIZER_MODELS = ("gpt2", "llama")
+
+
+def _tokenizer(reader) -> ModelTokenizer:
+    kind = _field(reader, "tokenizer.ggml.model")
+    if kind not in TOKENIZER_MODELS:
+        raise ModelLoadError(
+            f"unsupported GGUF tokenizer model {kind!r} (supported: 'gpt2', byte-level BPE, "
+            f"and 'llama', SentencePiece BPE)")
+    tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
+    types = _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
+    spm = kind == "llama"
+    # llama.cpp's defaults for a key the file lacks: SentencePiece files (Llama 2) start with
+    # BOS and name <unk>, <s>, </s> by their usual ids.
+    defaults = {"unk": 0, "bos": 1, "eos": 2} if spm else {}
+
+    def name(key: str) -> str | None:
+        i = _field(reader, f"tokenizer.ggml.{key}_token_id", defaults.get(key))
+        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+    space_prefix = spm and bool(_field(reader, "tokenizer.ggml.add_space_prefix", True))
+    if spm:
+        scores = _field(reader, "tokenizer.ggml.scores")
+        if scores is None or len(scores) != len(tokens):
+            raise ModelLoadError("GGUF tokenizer model 'llama' needs tokenizer.ggml.scores, "
+                                 "a score for every token")
+        tok = spm_tokenizer(tokens, scores, types, name("unk"), space_prefix)
+    else:
+        tok = _bpe(reader, tokens)
+    # Control (3) and user-defined (4) tokens are matched whole, before BPE; llama.cpp also
+    # matches the unknown token (2) when it parses special tokens. Only control and unknown
     # tokens are special (dropped by decode): llama.cpp prints user-defined ones, e.g. <think>.
     pairs = list(zip(tokens, types, strict=True))
     tok.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, ty in pairs if ty == 3])
+        [AddedToken(t, special=True, normalized=False) for t, ty in pairs if ty in (2, 3)])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in pairs if ty == 4])
-
-    def name(key: str) -> str | None:
-        i = _field(reader, key)
-        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
-
     return ModelTokenizer(
         tokenizer=tok,
         chat_template=_field(reader, "tokenizer.chat_template"),
-        bos_token=name("tokenizer.ggml.bos_token_id"),
-        eos_token=name("tokenizer.ggml.eos_token_id"),
-        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        bos_token=name("bos"),
+        eos_token=name("eos"),
+        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", spm)),
+        add_eos=bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
+        spm_space_prefix=space_prefix if spm else None,
     )
 
 

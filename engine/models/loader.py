@@ -115,6 +115,8 @@ def _meta_json(config: ModelConfig, tokenizer: ModelTokenizer) -> str:
         "bos_token": tokenizer.bos_token,
         "eos_token": tokenizer.eos_token,
         "add_bos": tokenizer.add_bos,
+        "add_eos": tokenizer.add_eos,
+        "spm_space_prefix": tokenizer.spm_space_prefix,
     })
 
 
@@ -129,5 +131,7 @@ def _read_meta(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
         bos_token=meta["bos_token"],
         eos_token=meta["eos_token"],
         add_bos=meta["add_bos"],
+        add_eos=meta.get("add_eos", False),  # (absent from entries written before them)
+        spm_space_prefix=meta.get("spm_space_prefix"),
     )
     return ModelConfig(**cfg), tokenizer

@@ -19,6 +19,8 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer
 
+from .spm import PieceDecoder
+
 
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
@@ -31,6 +33,11 @@ class ModelTokenizer:
     bos_token: str | None = None
     eos_token: str | None = None
     add_bos: bool = False
+    add_eos: bool = False
+    # A SentencePiece vocabulary (a GGUF's tokenizer model 'llama'), decoded as llama.cpp
+    # does (spm.PieceDecoder): whether its encoding puts a space before the text, which
+    # decoding drops. None: another vocabulary, decoded by `tokenizer`'s decoder.
+    spm_space_prefix: bool | None = None
 
     def __post_init__(self) -> None:
         # Chat templates come from model files: render them sandboxed.
@@ -49,6 +56,8 @@ class ModelTokenizer:
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         if add_special and self.add_bos and self.bos_token is not None:
             ids = [self.tokenizer.token_to_id(self.bos_token), *ids]
+        if add_special and self.add_eos and self.eos_token is not None:
+            ids = [*ids, self.tokenizer.token_to_id(self.eos_token)]
         return ids
 
     def encode_plain(self, text: str) -> list[int]:
@@ -136,7 +145,15 @@ class ModelTokenizer:
                          "cannot be told apart from the text's: use a plain prompt")
 
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        if self._pieces is not None:
+            return self._pieces.decode(ids, skip_special)
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)
+
+    @cached_property
+    def _pieces(self) -> PieceDecoder | None:
+        if self.spm_space_prefix is None:
+            return None
+        return PieceDecoder(self.tokenizer, self.spm_space_prefix)
 
     def token_id(self, token: str) -> int | None:
         return self.tokenizer.token_to_id(token)
