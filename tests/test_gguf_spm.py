@@ -332,6 +332,22 @@ def test_decode_drops_the_first_space_only(vocabs):
     assert tok.decode([*hi, end, *hi]) == "hi hi"
 
 
+def test_a_tokens_text_keeps_the_space_it_reads_with(vocabs):
+    """token_text (a logprobs entry's token): a piece's space stays, though decoding it
+    alone drops it as the start of a text; the first token as the text starts and the rest
+    by token_text join into the text."""
+    _, path = vocabs["large"]
+    _, tok = read_gguf_metadata(path)
+    first = tok.encode("hi")[0]  # ▁h
+    piece = tok.tokenizer.id_to_token(first)
+    assert piece.startswith("\u2581") and len(piece) > 1
+    assert tok.decode([first]) == piece[1:] and tok.token_text(first) == " " + piece[1:]
+    ids = tok.encode("two hi, 3 hi")
+    assert tok.decode(ids[:1]) + "".join(map(tok.token_text, ids[1:])) == "two hi, 3 hi"
+    end = tok.token_id("<|im_end|>")
+    assert tok.token_text(end) == "<|im_end|>"
+
+
 @pytest.mark.parametrize("name", list(VOCABS))
 def test_decode_matches_llama_cpp(name, vocabs, sample_texts, llama_cpp):
     """llama.cpp's detokenize, special tokens printed or not, on encoded text and on random
@@ -406,6 +422,28 @@ def test_a_sentencepiece_gguf_generates(spm_model):
     assert result.text == without_partial_char(engine.tokenizer.decode(result.token_ids))
     chat = engine.encode_prompt([{"role": "user", "content": "hi <|im_end|>"}])
     assert chat.count(engine.tokenizer.token_id("<|im_end|>")) == 1  # the content's is text
+
+
+def test_the_servers_logprobs_tokens_join_into_the_answer(spm_model):
+    """The OpenAI server's logprobs entries on a SentencePiece model: the tokens' texts join
+    into the answer's text (streamed in chunks or whole), and each alternative is written as
+    it would read there, its space kept."""
+    from llmdb.server.app import _ChatRender, _CompletionRender
+
+    _, _, path = spm_model
+    engine = LLMEngine(model=str(path), dtype="fp32", kv_cache_bytes=16 << 20, threads=1)
+    tok = engine.tokenizer
+    ids = tok.encode("two hi, 3 hi")
+    entries = [(t, (-1.0, {t: -1.0})) for t in ids]
+    whole = _CompletionRender("m", engine, 1)._logprobs_of(entries, 0)
+    assert "".join(whole["tokens"]) == tok.decode(ids) == "two hi, 3 hi"
+    assert [list(top) for top in whole["top_logprobs"][1:]] == [[w] for w in whole["tokens"][1:]]
+    streamed = _ChatRender("m", engine, 1)
+    # The second chunk starts with a piece that has a space: the answer's own first does not.
+    cut = next(k for k, t in enumerate(ids) if k and tok.tokenizer.id_to_token(t)[0] == "\u2581")
+    chunks = [streamed._logprobs_of(entries[:cut]), streamed._logprobs_of(entries[cut:])]
+    texts = [e["token"] for chunk in chunks for e in chunk["content"]]
+    assert texts == whole["tokens"]
 
 
 def test_llama_cpp_agrees_on_a_sentencepiece_model(spm_model, llama_cpp):

@@ -149,6 +149,20 @@ class ModelTokenizer:
             return self._pieces.decode(ids, skip_special)
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)
 
+    def token_text(self, token: int) -> str:
+        """The text `token` adds after other text, special tokens written out (a logprobs
+        entry's token). Decoded alone, a SentencePiece token (and a Hugging Face Llama
+        tokenizer's) loses its leading space, which only the start of a text drops: " Paris"
+        would read "Paris". So it is decoded after an anchor token, whose text is taken off."""
+        anchor, skip = self._anchor
+        return self.decode([anchor, token], skip_special=False)[skip:]
+
+    @cached_property
+    def _anchor(self) -> tuple[int, int]:
+        """A plain token (the last of "a.") and the length of its text."""
+        anchor = self.encode_plain("a.")[-1]
+        return anchor, len(self.decode([anchor], skip_special=False))
+
     @cached_property
     def _pieces(self) -> PieceDecoder | None:
         if self.spm_space_prefix is None:

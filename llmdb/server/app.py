@@ -305,14 +305,14 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
         """prompt_logprobs' rows from the logits request rid. (Off the event loop: a long
         prompt's loop takes seconds, so it stops early once nobody waits for it.)"""
         logits = engine.collect_logits(rid)[:-1]
-        dec = engine.tokenizer.decode
+        text = engine.tokenizer.token_text
         out: list = [None]
         for i in range(0, len(logits), _LOGPROB_ROWS):  # ([rows, vocab] fp32 copies: bounded)
             if abandoned.is_set():
                 raise RequestAborted(rid, "logits request")
             own = ids[i + 1 : i + 1 + _LOGPROB_ROWS]
             rows = run_on_compute_thread(_ranked, logits[i : i + len(own)], own, k)
-            out += [{t: {"logprob": lp, "rank": rank, "decoded_token": dec([t], skip_special=False)}
+            out += [{t: {"logprob": lp, "rank": rank, "decoded_token": text(t)}
                      for t, lp, rank in row} for row in rows]
         return out
 
@@ -454,6 +454,18 @@ class _Render:
     def _base(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
+    tokens_written = 0  # output tokens whose logprobs entries are written so far
+
+    def _token_texts(self, ids: list[int]) -> list[str]:
+        """The texts of the next output tokens, which join into the answer's text: the
+        answer's first token as the answer starts (a SentencePiece model's loses the space
+        its text drops), the others as they read after it."""
+        tok = self.engine.tokenizer
+        texts = [tok.decode([t], skip_special=False) if self.tokens_written == 0 and k == 0
+                 else tok.token_text(t) for k, t in enumerate(ids)]
+        self.tokens_written += len(ids)
+        return texts
+
 
 class _CompletionRender(_Render):
     prompt_logprobs: list | None = None
@@ -474,11 +486,10 @@ class _CompletionRender(_Render):
     def _logprobs_of(self, tokens: list[tuple[int, tuple]], start: int) -> dict:
         """OpenAI's completion logprobs of (token, (logprob, top)) pairs, the first at
         text offset `start`."""
-        dec = self.engine.tokenizer.decode
-        texts = [dec([t], skip_special=False) for t, _ in tokens]
+        text = self.engine.tokenizer.token_text
+        texts = self._token_texts([t for t, _ in tokens])
         return {"tokens": texts, "token_logprobs": [lp for _, (lp, _) in tokens],
-                "top_logprobs": [{dec([t], skip_special=False): v for t, v in top.items()}
-                                 for _, (_, top) in tokens],
+                "top_logprobs": [{text(t): v for t, v in top.items()} for _, (_, top) in tokens],
                 "text_offset": [start + o for o in _offsets(texts)]}
 
     def first_chunk(self) -> dict:
@@ -515,12 +526,12 @@ class _ChatRender(_Render):
         return self._logprobs_of(list(zip(r.token_ids, r.logprobs, strict=True)))
 
     def _logprobs_of(self, tokens: list[tuple[int, tuple]]) -> dict:
-        dec = self.engine.tokenizer.decode
+        text = self.engine.tokenizer.token_text
         return {"content": [{
-            "token": dec([t], skip_special=False), "logprob": lp,
-            "top_logprobs": [{"token": dec([i], skip_special=False), "logprob": v}
-                             for i, v in top.items()]}
-            for t, (lp, top) in tokens]}
+            "token": written, "logprob": lp,
+            "top_logprobs": [{"token": text(i), "logprob": v} for i, v in top.items()]}
+            for written, (_, (lp, top)) in zip(self._token_texts([t for t, _ in tokens]),
+                                               tokens, strict=True)]}
 
     def first_chunk(self) -> dict:
         return {**self._base("chat.completion.chunk"), "choices": [{
