@@ -646,9 +646,12 @@ TEXTS = [
     "unseen words: zyxwvut qqq 987654321",
     "don't I'll WE'RE $100 <=> ^~| x = (a+b)*c; // ok?!",
     "<|im_start|>user\nhi<|im_end|>\n<think>hmm</think> zyxw",
+    "CamelCase HTTPServer iPhone McDONALD's x/y\n/z ÉCOLE École",
 ]
 THINK, ZYXW = "<think>", "Ġzyxw"  # a user-defined token; a whole word no merge reaches
-EXTRA_TOKENS = ((THINK, 4), (ZYXW, 1))
+# A word only a split that ignores case keeps whole (Tekken's splits it at the C).
+CAMEL = "CamelCase"
+EXTRA_TOKENS = ((THINK, 4), (ZYXW, 1), (CAMEL, 1))
 
 
 def test_tokenizer_round_trip_and_matches_the_original(f32_files, bpe):
@@ -732,8 +735,17 @@ def test_pre_tokenizers(vocab_file, pre, text, pieces):
     assert _pieces(tok, text) == pieces
 
 
+def test_tekken_splits_words_at_case_changes(vocab_file):
+    """Mistral's Tekken pre-tokenizer (its tokenizer.json's regex): a word splits where a
+    lower-case run meets a capital, capitals lead the lower-case run after them, a mark
+    leads the word after it, digits go one by one."""
+    _, tok = read_gguf_metadata(vocab_file("tekken"))
+    split = tok.tokenizer.pre_tokenizer.pre_tokenize_str("CamelCase HTTPServer x/y 42")
+    assert [w for w, _ in split] == ["Camel", "Case", "ĠHTTPServer", "Ġx", "/y", "Ġ", "4", "2"]
+
+
 @pytest.mark.parametrize("pre", ["smollm", "default", None, "gpt-2", "llama-bpe", "smaug-bpe",
-                                 "starcoder", "qwen2"])
+                                 "starcoder", "qwen2", "tekken"])
 def test_tokenization_matches_llama_cpp(pre, vocab_file, llama_cpp):
     path = vocab_file(pre)
     _, tok = read_gguf_metadata(path)

@@ -36,9 +36,22 @@ _LLAMA3_SPLIT = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# Mistral's Tekken (Mistral NeMo, Ministral, Mistral Small 3): the split of its
+# tokenizer.json, which llama.cpp quotes and approximates (a letter outside a-z counts as
+# upper case there, so a word ending in a non-ASCII capital can split differently); the
+# model was trained on this one.
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Vocabularies whose whole pieces are looked up before merging (llama.cpp's ignore_merges,
+# as tiktoken does).
+_IGNORE_MERGES = (*_LLAMA3_PRES, "tekken")
+
 # Pre-tokenizers that are one regex split, then bytes to symbols.
 _ONE_SPLIT = {**dict.fromkeys((*_LLAMA3_PRES, "smaug-bpe"), _LLAMA3_SPLIT),
-              "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+              "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "tekken": _TEKKEN_SPLIT}
 
 
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
@@ -75,9 +88,8 @@ def _bpe(reader, tokens: list[str]) -> Tokenizer:
     """Byte-level BPE (tokenizer model 'gpt2'): SmolLM, Llama 3, Qwen2."""
     merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
     pre = _field(reader, "tokenizer.ggml.pre", "default")
-    # llama.cpp looks a Llama-3 piece up whole before merging (as tiktoken does).
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                               ignore_merges=pre in _LLAMA3_PRES))
+                               ignore_merges=pre in _IGNORE_MERGES))
     tok.pre_tokenizer = _pre_tokenizer(pre)
     tok.decoder = decoders.ByteLevel()
     return tok
@@ -124,7 +136,9 @@ def _tokenizer(reader) -> ModelTokenizer:
         chat_template=_field(reader, "tokenizer.chat_template"),
         bos_token=name("bos"),
         eos_token=name("eos"),
-        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", spm)),
+        # (llama.cpp's default where the key is missing: on for SentencePiece and Tekken.)
+        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token",
+                            spm or _field(reader, "tokenizer.ggml.pre") == "tekken")),
         add_eos=bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
         spm_space_prefix=space_prefix if spm else None,
     )
