@@ -25,13 +25,16 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed (it comes with CUDA torch)")
 
 GEN = SamplingParams(max_tokens=24, ignore_eos=True)
+# Llama with GQA; OPT; Qwen3 (per-head Q/K norms before the fused RoPE and cache write, and
+# hidden states smaller than its K/V, so the hybrid cache runs with them too).
+MODELS = ("llama-gqa", "opt", "qwen3")
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("gpu_models")
     out = {}
-    for seed, name in enumerate(("llama-gqa", "opt")):
+    for seed, name in enumerate(MODELS):
         build, tok_cfg, prepend = VARIANTS[name]
         torch.manual_seed(seed)
         model = build()
@@ -45,7 +48,7 @@ def _engine(path: str, device: str, **kw) -> LLMEngine:
     return LLMEngine(path, device=device, dtype="fp32", **{"kv_cache_bytes": 64 << 20, **kw})
 
 
-@pytest.fixture(scope="module", params=["llama-gqa", "opt"])
+@pytest.fixture(scope="module", params=MODELS)
 def pair(request, model_dirs):
     """(CPU engine, CUDA engine with graphs) on the same weights."""
     path = model_dirs[request.param]
@@ -137,11 +140,12 @@ def gpu_block_bytes(engine: LLMEngine) -> int:
     return KVCache.bytes_per_block(engine.config, engine.pool.block_size, torch.float32)
 
 
-def test_hybrid_cache_under_apt_keeps_tokens(model_dirs):
-    """OPT (MHA) under apt on a pool too small for its batch in KV form: requests move
-    between K/V and hidden states (compiled Triton gathers and writes, re-projection into a
-    scratch cache, hidden -> KV by projection) and keep the CPU engine's tokens."""
-    path = model_dirs["opt"]
+@pytest.mark.parametrize("name", ["opt", "qwen3"])
+def test_hybrid_cache_under_apt_keeps_tokens(model_dirs, name):
+    """OPT (MHA) and Qwen3 under apt on a pool too small for its batch in KV form: requests
+    move between K/V and hidden states (compiled Triton gathers and writes, re-projection
+    into a scratch cache, hidden -> KV by projection) and keep the CPU engine's tokens."""
+    path = model_dirs[name]
     cpu = _engine(path, "cpu")
     gpu = _engine(path, "cuda", kv_cache_bytes=40 * gpu_block_bytes(cpu), policy="apt",
                   enable_prefix_caching=False)
