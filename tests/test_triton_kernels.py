@@ -192,9 +192,11 @@ def _cos_sin(max_pos: int, dim: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rope", [True, False])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 32)])
-def test_rope_and_write_kv_equals_reference(heads, kv_heads, dim, rope, dtype):
+@pytest.mark.parametrize("rope,norm", [(True, False), (False, False), (True, True)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 32), (0, 2, 32)])
+def test_rope_and_write_kv_equals_reference(heads, kv_heads, dim, rope, norm, dtype):
+    """heads 0: K/V alone (the hidden cache's re-projection); norm: Qwen3's per-head Q/K
+    RMSNorm before RoPE, fused."""
     g = torch.Generator().manual_seed(heads + dim)
     t, slots = 7, 8 * BLOCK
     qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, generator=g).to(DEVICE, dtype)
@@ -205,8 +207,13 @@ def test_rope_and_write_kv_equals_reference(heads, kv_heads, dim, rope, dtype):
     vc = torch.randn(slots, kv_heads, dim, generator=g).to(DEVICE, dtype)
     kc_ref, vc_ref = kc.clone(), vc.clone()
     args = (positions, cos_sin, slot_mapping)
-    q = rope_and_write_kv(qkv, *args, kc, vc, heads, kv_heads, dim)
-    q_ref = rope_and_write_kv_reference(qkv, *args, kc_ref, vc_ref, heads, kv_heads, dim)
+    norm_args = {}
+    if norm:
+        weights = (1.0 + 0.3 * torch.randn(2, dim, generator=g)).to(DEVICE, dtype)
+        norm_args = {"qk_norm": (weights[0] if heads else None, weights[1]), "eps": 1e-6}
+    q = rope_and_write_kv(qkv, *args, kc, vc, heads, kv_heads, dim, **norm_args)
+    q_ref = rope_and_write_kv_reference(qkv, *args, kc_ref, vc_ref, heads, kv_heads, dim,
+                                        **norm_args)
     assert q.shape == (t, heads, dim) and q.dtype == dtype and q.is_contiguous()
     # fp32 math in another order: equal up to one rounding of the dtype.
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}

@@ -8,7 +8,6 @@ also runnable on CPU tensors under TRITON_INTERPRET=1, which is how CI tests thi
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -124,20 +123,21 @@ class LlamaModel:
         torch.mul(x2, cos, out=out[..., half:]).addcmul_(x1, sin)
         return out.to(x.dtype)
 
-    def _norm_heads(self, x: torch.Tensor, first: int, heads: int, weight: torch.Tensor,
-                    norm: Callable) -> None:
+    def _norm_heads(self, x: torch.Tensor, first: int, heads: int, weight: torch.Tensor
+                    ) -> None:
         """RMSNorm, in place, over each of `heads` heads of x [T, ...] from head `first`
-        on (Qwen3's q_norm / k_norm on the packed projection)."""
+        on (Qwen3's q_norm / k_norm on the packed projection; the Triton path does it inside
+        rope_and_write_kv)."""
         d = self.config.head_dim
         part = x[:, first * d:(first + heads) * d]
-        part.copy_(norm(part.reshape(-1, d), weight, self.config.norm_eps).view(part.shape))
+        part.copy_(rms_norm(part.reshape(-1, d), weight, self.config.norm_eps).view(part.shape))
 
-    def _norm_qk(self, qkv: torch.Tensor, layer: int, norm: Callable) -> None:
+    def _norm_qk(self, qkv: torch.Tensor, layer: int) -> None:
         """Qwen3's per-head norms of Q and K, in place on the [T, (Hq + 2 Hk) * D] projection."""
         if self.qk_norms is not None:
             q_norm, k_norm = self.qk_norms[layer]
-            self._norm_heads(qkv, 0, self.config.num_heads, q_norm, norm)
-            self._norm_heads(qkv, self.config.num_heads, self.config.num_kv_heads, k_norm, norm)
+            self._norm_heads(qkv, 0, self.config.num_heads, q_norm)
+            self._norm_heads(qkv, self.config.num_heads, self.config.num_kv_heads, k_norm)
 
     def forward(
         self,
@@ -166,7 +166,7 @@ class LlamaModel:
         ):
             h = rms_norm(x, ln1, c.norm_eps)
             qkv = qkv_proj(h)
-            self._norm_qk(qkv, i, rms_norm)
+            self._norm_qk(qkv, i)
             qk, v = qkv.split([(hq + hk) * d, hk * d], dim=-1)
             # Q and K heads rotate together: one pass over both.
             q, k = self._rope(qk.view(t, hq + hk, d), cos, sin).split([hq, hk], dim=1)
@@ -210,11 +210,11 @@ class LlamaModel:
                 h = rms_norm_gpu(residual, ln1, c.norm_eps)
             else:
                 h, residual = add_rms_norm(x, residual, ln1, c.norm_eps)
-            qkv = qkv_proj(h)
-            self._norm_qk(qkv, i, rms_norm_gpu)
-            # Hidden-cache rows have slot -1: their K/V are not written.
-            q = rope_and_write_kv(qkv, positions, self.cos_sin, batch.slot_mapping,
-                                  k_cache, v_cache, hq, hk, d)
+            # Hidden-cache rows have slot -1: their K/V are not written. (Qwen3's Q/K norms
+            # run inside the same kernel.)
+            q = rope_and_write_kv(qkv_proj(h), positions, self.cos_sin, batch.slot_mapping,
+                                  k_cache, v_cache, hq, hk, d,
+                                  self.qk_norms[i] if self.qk_norms else None, c.norm_eps)
             if hidden is None:
                 o = attention(q, k_cache, v_cache, batch, scale, num_splits=batch.num_splits)
             else:
@@ -233,17 +233,15 @@ class LlamaModel:
         kv = self.kv_projs[layer](states)
         if self.kernels == "triton":
             from llmdb.kernels.gpu.cache_write import rope_and_write_kv
-            from llmdb.kernels.gpu.norm import rms_norm as rms_norm_gpu
-
-            if self.qk_norms is not None:
-                self._norm_heads(kv, 0, hk, self.qk_norms[layer][1], rms_norm_gpu)
 
             k, v = (torch.empty(r, hk, d, dtype=kv.dtype, device=kv.device) for _ in "kv")
             slots = torch.arange(r, device=kv.device)
-            rope_and_write_kv(kv, positions, self.cos_sin, slots, k, v, 0, hk, d)
+            norm = (None, self.qk_norms[layer][1]) if self.qk_norms else None
+            rope_and_write_kv(kv, positions, self.cos_sin, slots, k, v, 0, hk, d, norm,
+                              c.norm_eps)
             return k, v
         if self.qk_norms is not None:
-            self._norm_heads(kv, 0, hk, self.qk_norms[layer][1], rms_norm)
+            self._norm_heads(kv, 0, hk, self.qk_norms[layer][1])
         kv = kv.view(r, 2 * hk, d)
         k = self._rope(kv[:, :hk], self.cos[positions][:, None, :],
                        self.sin[positions][:, None, :])

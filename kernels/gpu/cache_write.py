@@ -10,6 +10,10 @@ RoPE is rotate-half in Hugging Face's layout: with x = (x1, x2) halves and per-p
 angles a, out = (x1 cos a - x2 sin a, x2 cos a + x1 sin a). The table cos_sin [positions, D]
 holds cos a in its first D/2 columns and sin a in its last D/2. A slot < 0 marks a padding
 row: its Q is still written, its K/V are not.
+
+With q_norm/k_norm (Qwen3), each Q and K head is RMS-normalized before it is rotated, in the
+same pass, rounded as the unfused path rounds: normalize in fp32, round to the dtype, times
+the weight, round again.
 """
 
 from __future__ import annotations
@@ -18,15 +22,25 @@ import torch
 import triton
 import triton.language as tl
 
+from llmdb.kernels.elementwise import rms_norm_reference
+
 
 @triton.jit
-def _rotate_heads(x_ptr, head_idx, head_ok, cos, sin, halves, half_ok,
-                  HALF: tl.constexpr, HAS_ROPE: tl.constexpr):
-    """Load heads [NH_PAD, D] of one token as two halves and return them rotated, in fp32."""
+def _rotate_heads(x_ptr, head_idx, head_ok, cos, sin, halves, half_ok, norm_ptr, eps,
+                  HALF: tl.constexpr, HAS_ROPE: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Load heads [NH_PAD, D] of one token as two halves and return them (normalized, with
+    HAS_NORM, then) rotated, in fp32."""
     base = x_ptr + head_idx[:, None] * (2 * HALF) + halves[None, :]
     mask = head_ok[:, None] & half_ok[None, :]
     x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        dt = x_ptr.dtype.element_ty
+        rms = tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)
+        w1 = tl.load(norm_ptr + halves, mask=half_ok, other=0.0).to(tl.float32)
+        w2 = tl.load(norm_ptr + HALF + halves, mask=half_ok, other=0.0).to(tl.float32)
+        x1 = ((x1 / rms[:, None]).to(dt).to(tl.float32) * w1[None, :]).to(dt).to(tl.float32)
+        x2 = ((x2 / rms[:, None]).to(dt).to(tl.float32) * w2[None, :]).to(dt).to(tl.float32)
     if HAS_ROPE:
         y1 = x1 * cos[None, :] - x2 * sin[None, :]
         x2 = x2 * cos[None, :] + x1 * sin[None, :]
@@ -37,10 +51,11 @@ def _rotate_heads(x_ptr, head_idx, head_ok, cos, sin, halves, half_ok,
 @triton.jit
 def _rope_write_kernel(
     qkv_ptr, positions_ptr, cos_sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_out_ptr,
+    q_norm_ptr, k_norm_ptr, eps,
     stride_qkv, stride_cs, stride_ks, stride_kh, stride_vs, stride_vh,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
     HALF_PAD: tl.constexpr, H_PAD: tl.constexpr, KVH_PAD: tl.constexpr,
-    HAS_ROPE: tl.constexpr,
+    HAS_ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     halves = tl.arange(0, HALF_PAD)
@@ -57,7 +72,8 @@ def _rope_write_kernel(
 
     q_heads = tl.arange(0, H_PAD)
     q_ok = q_heads < NUM_HEADS
-    q1, q2 = _rotate_heads(row, q_heads, q_ok, cos, sin, halves, half_ok, HALF, HAS_ROPE)
+    q1, q2 = _rotate_heads(row, q_heads, q_ok, cos, sin, halves, half_ok, q_norm_ptr, eps,
+                           HALF, HAS_ROPE, HAS_NORM)
     q_out = q_out_ptr + tok * (NUM_HEADS * 2 * HALF) + q_heads[:, None] * (2 * HALF)
     q_out += halves[None, :]
     mask = q_ok[:, None] & half_ok[None, :]
@@ -70,8 +86,8 @@ def _rope_write_kernel(
         kv_ok = kv_heads < NUM_KV_HEADS
         kv_mask = kv_ok[:, None] & half_ok[None, :]
         k_row = row + NUM_HEADS * 2 * HALF
-        k1, k2 = _rotate_heads(k_row, kv_heads, kv_ok, cos, sin, halves, half_ok, HALF,
-                               HAS_ROPE)
+        k1, k2 = _rotate_heads(k_row, kv_heads, kv_ok, cos, sin, halves, half_ok, k_norm_ptr,
+                               eps, HALF, HAS_ROPE, HAS_NORM)
         k_dst = k_cache_ptr + slot * stride_ks + kv_heads[:, None] * stride_kh + halves[None, :]
         tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
         tl.store(k_dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
@@ -89,13 +105,16 @@ def rope_and_write_kv(
     qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor | None,
     slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_heads: int, num_kv_heads: int, head_dim: int,
+    qk_norm: tuple[torch.Tensor | None, torch.Tensor] | None = None, eps: float = 0.0,
 ) -> torch.Tensor:
     """qkv [T, (H + 2 KVH) D] (unit stride in the last dim) -> rotated q [T, H, D], contiguous,
     in qkv's dtype; K (rotated) and V land in k_cache/v_cache [slots, KVH, D] at slot_mapping.
 
     positions [T] int64, slot_mapping [T] int64 (-1: do not write), cos_sin fp32 [P, D] with
     unit stride in its last dim, or None for a model without RoPE. Caches need a unit stride
-    in their last dim. num_heads may be 0: K/V alone (hidden-cache re-projection)."""
+    in their last dim. num_heads may be 0: K/V alone (hidden-cache re-projection).
+    qk_norm: (q_norm [D], k_norm [D]) RMSNorm weights applied to each head before RoPE, with
+    eps (q_norm None when num_heads is 0)."""
     num_tokens = qkv.shape[0]
     assert head_dim % 2 == 0 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
     assert qkv.stride(1) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1
@@ -106,13 +125,16 @@ def rope_and_write_kv(
     if has_rope:
         assert cos_sin.shape[1] == head_dim and cos_sin.stride(1) == 1
     half = head_dim // 2
+    q_norm, k_norm = qk_norm if qk_norm is not None else (None, None)
     _rope_write_kernel[(num_tokens,)](
         qkv, positions, cos_sin if has_rope else qkv, slot_mapping, k_cache, v_cache, q,
+        q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv, eps,
         qkv.stride(0), cos_sin.stride(0) if has_rope else 0,
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
         HALF_PAD=triton.next_power_of_2(half), H_PAD=triton.next_power_of_2(max(num_heads, 1)),
         KVH_PAD=triton.next_power_of_2(num_kv_heads), HAS_ROPE=has_rope,
+        HAS_NORM=qk_norm is not None,
         num_warps=4 if num_heads * head_dim >= 2048 else 2,
     )
     return q
@@ -122,10 +144,15 @@ def rope_and_write_kv_reference(
     qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor | None,
     slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_heads: int, num_kv_heads: int, head_dim: int,
+    qk_norm: tuple[torch.Tensor | None, torch.Tensor] | None = None, eps: float = 0.0,
 ) -> torch.Tensor:
     """The torch definition `rope_and_write_kv` is tested against (same contract)."""
     t = qkv.shape[0]
     q, k, v = qkv.view(t, -1, head_dim).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    if qk_norm is not None:
+        if num_heads:
+            q = rms_norm_reference(q, qk_norm[0], eps)
+        k = rms_norm_reference(k, qk_norm[1], eps)
     if cos_sin is not None:
         half = head_dim // 2
         cs = cos_sin[positions].float()
