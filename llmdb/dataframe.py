@@ -114,13 +114,27 @@ def _check_call(session: Session, function: str, call: dict[str, Any]) -> None:
         raise ValueError(f"llmdb.{function.removeprefix('llm_')}: {e}") from None
 
 
-def _columns(df: Any, names: list[str]) -> dict[str, list]:
-    kind = _kind(df)
-    present = list(df.columns) if kind != "pyarrow" else df.column_names
+def check_columns(names: list[str], present: list[str]) -> None:
+    """KeyError naming the columns a call reads that the table lacks."""
     missing = [n for n in names if n not in present]
     if missing:
         raise KeyError(f"column(s) {', '.join(missing)} not in the table "
                        f"(columns: {', '.join(map(str, present))})")
+
+
+def columns_read(function: str, args: tuple, options: dict[str, Any]) -> list[str]:
+    """The columns llmdb.<function>(df, *args, **options) reads."""
+    first = args[0] if args else options.get("column" if function == "classify" else "template")
+    if function == "classify":
+        return [first]
+    if function == "complete" and options.get("fields"):
+        return list(options["fields"])
+    return value_text.template_fields(first) if isinstance(first, str) else []
+
+
+def _columns(df: Any, names: list[str]) -> dict[str, list]:
+    kind = _kind(df)
+    check_columns(names, list(df.columns) if kind != "pyarrow" else df.column_names)
     if kind == "pandas":
         return {n: [None if _is_missing(v) else v for v in df[n].tolist()] for n in names}
     if kind == "polars":

@@ -150,6 +150,13 @@ def map_rows(rows: ray.data.Dataset | pa.Table, function: str, *args: Any,
     if function not in FUNCTIONS:
         raise ValueError(f"function must be one of {FUNCTIONS}, got {function!r}")
     Options.from_kwargs(**_split_options(function, options)[1])  # fail here, not in a worker
+    # A column the call reads that the rows lack: said here, not by every worker after its
+    # model loads (where Ray would wrap the error). A dataset whose schema is not known
+    # without running it is checked by the workers.
+    schema = rows.schema if isinstance(rows, pa.Table) else rows.schema(fetch_if_missing=False)
+    if schema is not None:
+        dataframe.check_columns(dataframe.columns_read(function, args, options),
+                                list(schema.names))
     if isinstance(rows, pa.Table):
         rows = _dataset(rows, batch_size)
     resources = {k: v for k, v in (("num_cpus", num_cpus), ("num_gpus", num_gpus))

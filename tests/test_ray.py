@@ -119,6 +119,15 @@ def test_bad_arguments_fail_on_the_driver():
         llmdb.ray.map_rows(_rows(), "summarize", "{name}")
     with pytest.raises(TypeError, match="unknown llmdb option.*max_token"):
         llmdb.ray.map_rows(_rows(), "complete", "{name}", max_token=4)
+    # A column the rows lack, as the same call in one process says it (no worker starts).
+    for function, args, options in [("complete", ("Hi {nme}.",), {}),
+                                    ("complete", ("Greet.",), {"fields": ["name", "age"]}),
+                                    ("filter", (), {"template": "{nme}?"}),
+                                    ("classify", ("nme", ["a", "b"]), {})]:
+        with pytest.raises(KeyError, match=r"column\(s\) (nme|age) not in the table"):
+            llmdb.ray.map_rows(_rows(), function, *args, **options)
+        with pytest.raises(KeyError, match=r"column\(s\) (nme|age) not in the table"):
+            getattr(llmdb, function)(_rows(), *args, **options)
 
 
 LONG = "word " * 9000  # longer than the model's context: the row fails at submit
