@@ -166,7 +166,8 @@ def _one_column(df: Any, name: str) -> tuple[Any, str | None]:
 
 def _texts(df: Any, cols: dict[str, list]) -> dict[str, list[str | None]]:
     """Each column's values as prompt text (value_text.column_text)."""
-    return {n: value_text.column_text(values, *_one_column(df, n)) for n, values in cols.items()}
+    return {n: value_text.column_text(values, functools.partial(_one_column, df, n))
+            for n, values in cols.items()}
 
 
 def _render(df: Any, template: str) -> list[str | None]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 import string
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import duckdb
@@ -55,17 +55,19 @@ def _zone_name(zone: str | None) -> str:
     return "GMT" + offset[1] if offset else zone
 
 
-def column_text(values: Sequence[Any], column: Any, time_zone: str | None = None
+def column_text(values: Sequence[Any], column: Callable[[], tuple[Any, str | None]]
                 ) -> Sequence[str | None]:
     """The text of each value of a table column (None where the value is NULL).
 
-    values: the column as Python values, None for NULL; column: the same column as a
-    one-column pandas, polars or pyarrow table, which DuckDB reads; time_zone: the zone of
-    a tz-aware timestamp column (its values are written in it)."""
+    values: the column as Python values, None for NULL; column: makes the same column as a
+    one-column pandas, polars or pyarrow table, which DuckDB reads, and the zone of a
+    tz-aware timestamp column (its values are written in it), or None. Called only for a
+    column that is not all text."""
     if all(v is None or isinstance(v, str) for v in values):
-        return values  # text is its own text: no copy, no DuckDB
+        return values  # text is its own text: no copy, no table, no DuckDB
+    table, time_zone = column()
     try:
-        texts = _duckdb_text(column, _zone_name(time_zone))
+        texts = _duckdb_text(table, _zone_name(time_zone))
     except duckdb.Error:
         # A column DuckDB cannot read, so SQL cannot see it either: Python's str is the only
         # text it has.

@@ -235,10 +235,14 @@ def test_an_unreadable_column_falls_back_to_python_str(prompts):
 
 def test_text_columns_do_not_go_through_duckdb():
     """The common path: a text column is its own text, the very list of its values (no
-    copy, no DuckDB query, no wrapped values), so the template is a str.format over them."""
+    copy, no one-column table, no DuckDB query, no wrapped values), so the template is a
+    str.format over them."""
+    def no_table():
+        raise AssertionError("a text column was made into a table for DuckDB")
+
     for df in (pa.table({"a": ["x", None, "{y}"]}), pd.DataFrame({"a": ["x", None, "{y}"]}),
                pl.DataFrame({"a": ["x", None, "{y}"]})):
         values = dataframe._columns(df, ["a"])["a"]
-        assert value_text.column_text(values, dataframe._one_column(df, "a")[0]) is values
+        assert value_text.column_text(values, no_table) is values
     assert dataframe._render(pa.table({"a": ["x", None, "{y}"]}), "<{a}>") == [
         "<x>", None, "<{y}>"]
