@@ -66,7 +66,9 @@ class LLMEngine:
     they are not), False turns it off.
     launch_ahead (None: on GPUs) schedules and launches each step before reading the one
     before, so the host's work overlaps the device's; a request that stops then computes one
-    token more, discarded. On the CPU a step runs inline, so there is nothing to overlap."""
+    token more, discarded. On the CPU a step runs inline, so there is nothing to overlap.
+    max_context: the longest prompt plus output served (None: the model's context, for a
+    LongRoPE model such as Phi-3.5 its pretrained one: models/rope.py says why)."""
 
     def __init__(
         self,
@@ -88,6 +90,7 @@ class LLMEngine:
         cuda_graphs: bool = True,
         hidden_cache: bool | None = None,
         launch_ahead: bool | None = None,
+        max_context: int | None = None,
     ):
         t0 = time.perf_counter()
         self.model_name = model
@@ -98,7 +101,7 @@ class LLMEngine:
             max_num_batched_tokens = 8192 if self.device.type == "cuda" else 1024
         # Weights and caches are made on the compute thread, where the steps will run.
         num_blocks = run_on_device(self.device, self._load, model, threads, kv_cache_bytes,
-                                   block_size)
+                                   block_size, max_context)
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
         self._context, self._eos = self.config.max_context, self.config.eos_token_ids
         supported, self.hidden_cache_reason = self.config.hidden_cache_support()
@@ -145,10 +148,11 @@ class LLMEngine:
         self.step_log: list[tuple[str, float, float]] | None = None
 
     def _load(self, model: str, threads: int | None, kv_cache_bytes: int | None,
-              block_size: int) -> int:
+              block_size: int, max_context: int | None) -> int:
         torch.set_num_threads(threads or os.cpu_count() or 1)
         loaded = load_model(resolve_model(model))
-        self.config, self.tokenizer = loaded.config, loaded.tokenizer
+        self.config, self.tokenizer = loaded.config.serving(max_context), loaded.tokenizer
+        self.model_context = loaded.config.max_context  # (what max_context may go up to)
         self.fingerprint = loaded.fingerprint
         model_cls = {"llama": LlamaModel, "opt": OPTModel}[self.config.arch]
         self.model = model_cls(self.config, loaded.weights, self.dtype, self.device,
@@ -235,7 +239,7 @@ class LLMEngine:
         ctx = self.config.max_context
         if num_tokens > ctx:
             raise ValueError(
-                f"{what} is {num_tokens:,} tokens, longer than the model's context of {ctx:,}"
+                f"{what} is {num_tokens:,} tokens, longer than {self._context_served()}"
             )
         capacity = self.pool.num_blocks * self.pool.block_size
         if num_tokens > capacity:
@@ -243,6 +247,13 @@ class LLMEngine:
                 f"{what} needs {num_tokens:,} tokens of KV cache but the whole pool holds "
                 f"{capacity:,}; raise kv_cache_bytes"
             )
+
+    def _context_served(self) -> str:
+        ctx = self.config.max_context
+        if ctx == self.model_context:
+            return f"the model's context of {ctx:,}"
+        return (f"the context of {ctx:,} served (LLMEngine(max_context=...) serves up to the "
+                f"model's {self.model_context:,})")
 
     def _submit(self, req: Request, priority: str) -> str:
         if priority not in ("RT", "BE"):
@@ -274,8 +285,8 @@ class LLMEngine:
         self._check_fits(len(ids), "prompt")
         if len(ids) >= self.config.max_context:
             raise ValueError(
-                f"prompt is {len(ids):,} tokens: no room to generate in the model's context of "
-                f"{self.config.max_context:,}"
+                f"prompt is {len(ids):,} tokens: no room to generate in "
+                f"{self._context_served()}"
             )
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         need = min(len(ids) + params.max_tokens, self.config.max_context)

@@ -403,10 +403,10 @@ def test_legacy_rope_scaling_key_is_read(hf_dirs, tmp_path):
 
 
 @pytest.mark.parametrize("where", ["rope_scaling", "rope_parameters"])
-@pytest.mark.parametrize("kind", ["yarn", "dynamic", "longrope"])
+@pytest.mark.parametrize("kind", ["yarn", "dynamic"])
 def test_other_rope_scaling_is_refused_by_name(hf_dirs, tmp_path, where, kind):
-    """Schemes that rescale attention or depend on the length: running them unscaled would
-    be silently wrong."""
+    """Schemes that depend on the sequence's length: running them unscaled would be silently
+    wrong. (LongRoPE: tests/test_phi3.py.)"""
     scaled = {"rope_type": kind, "factor": 2.0, "rope_theta": 10000.0}
     d = _edit_config(hf_dirs["llama-gqa-tied"], tmp_path / "scaled",
                      lambda cfg: cfg.update({where: scaled}))

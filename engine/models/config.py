@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -21,11 +21,34 @@ class ModelConfig:
     # One divisor per rotary frequency where the model extends its context by rescaling
     # them (linear, Llama 3's scheme: see rope.py); empty: unscaled.
     rope_divisors: tuple[float, ...] = ()
+    # LongRoPE (rope.py): the divisors for contexts longer than rope_original_context (then
+    # rope_divisors are its short ones), and the factor on cos and sin.
+    rope_long_divisors: tuple[float, ...] = ()
+    rope_original_context: int = 0
+    rope_attention_factor: float = 1.0
     tie_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     position_offset: int = 0  # OPT only: learned positions start at this offset
     norm_before: bool = True
+
+    def serving(self, max_context: int | None = None) -> ModelConfig:
+        """This config for an engine that serves sequences of at most max_context tokens
+        (None: the model's context; a LongRoPE model's pretrained one, see rope.py)."""
+        if max_context is None:
+            return self.serving(self.rope_original_context if self.rope_long_divisors
+                                else self.max_context)
+        if not 0 < max_context <= self.max_context:
+            raise ValueError(f"max_context {max_context:,} is not within the model's context "
+                             f"(1 to {self.max_context:,})")
+        return replace(self, max_context=max_context)
+
+    def served_rope(self) -> tuple[tuple[float, ...], float]:
+        """(the divisor of each rotary frequency, the factor on cos and sin) for the context
+        this config serves: LongRoPE's long set only past its pretrained context."""
+        long = self.rope_long_divisors and self.max_context > self.rope_original_context
+        return (self.rope_long_divisors if long else self.rope_divisors,
+                self.rope_attention_factor)
 
     @property
     def kv_elems_per_token(self) -> int:

@@ -11,12 +11,14 @@ from tokenizers import Tokenizer
 
 from .config import ModelConfig
 from .errors import ModelLoadError
-from .rope import hf_divisors
+from .rope import LONGROPE_KINDS, hf_divisors, hf_longrope
 from .tokenizer import ModelTokenizer
 
-# Mistral, Qwen2 and Qwen3 are Llama's decoder, read into its config (Qwen2's Q/K/V biases
-# and Qwen3's per-head Q/K norms, like any bias a Llama checkpoint has, come with the weights).
-LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Mistral, Qwen2, Qwen3 and Phi-3 are Llama's decoder, read into its config (Qwen2's Q/K/V
+# biases, Qwen3's per-head Q/K norms and Phi-3's fused qkv_proj and gate_up_proj, like any
+# bias a Llama checkpoint has, come with the weights).
+LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+              "Phi3ForCausalLM")
 SUPPORTED_ARCHITECTURES = (*LLAMA_LIKE, "OPTForCausalLM")
 
 
@@ -84,6 +86,19 @@ def read_hf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
         # ...}; older configs have top-level rope_theta and rope_scaling.
         rope = cfg.get("rope_parameters") or {}
         theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling = cfg.get("rope_scaling") or rope
+        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise ModelLoadError(f"{path}: RoPE over part of each head (partial_rotary_factor "
+                                 f"{partial}) is not supported")
+        longrope = None
+        if scaling.get("rope_type", scaling.get("type")) in LONGROPE_KINDS:
+            # (Phi-3 writes the pretrained context beside rope_scaling; transformers prefers it.)
+            original = cfg.get("original_max_position_embeddings",
+                               scaling.get("original_max_position_embeddings",
+                                           common["max_context"]))
+            longrope = hf_longrope(scaling, head_dim, common["max_context"], original,
+                                   str(path))
         config = ModelConfig(
             arch="llama",
             num_kv_heads=cfg.get("num_key_value_heads", heads),
@@ -91,8 +106,8 @@ def read_hf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
             ffn_size=cfg["intermediate_size"],
             norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
-            rope_divisors=hf_divisors(cfg.get("rope_scaling") or rope, head_dim, theta,
-                                      str(path)),
+            **(longrope.config_fields() if longrope else
+               {"rope_divisors": hf_divisors(scaling, head_dim, theta, str(path))}),
             tie_embeddings=cfg.get("tie_word_embeddings", False),
             **common,
         )

@@ -69,6 +69,14 @@ class LlamaModel:
                 return None
             return torch.cat([w(n + ".bias") for n in names])
 
+        def fused(name: str, parts: list[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
+            """Weight and bias of projections that run as one matmul: as the checkpoint
+            stores them fused (Phi-3's qkv_proj and gate_up_proj), or its parts
+            concatenated in the same order."""
+            if name + ".weight" in weights:
+                return w(name + ".weight"), b(name)
+            return torch.cat([w(n + ".weight") for n in parts]), b(*parts)
+
         # Qwen3: an RMSNorm over each Q and each K head (one weight per projection), before
         # RoPE. None where the checkpoint has none.
         self.qk_norms: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -87,30 +95,32 @@ class LlamaModel:
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             # One matmul for Q, K and V and one for gate and up: fewer, larger GEMMs.
-            qkv_names = [p + f"self_attn.{n}_proj" for n in "qkv"]
-            qkv = torch.cat([w(n + ".weight") for n in qkv_names])
-            qkv_bias = b(*qkv_names)
+            qkv, qkv_bias = fused(p + "self_attn.qkv_proj",
+                                  [p + f"self_attn.{n}_proj" for n in "qkv"])
             if hidden_cache:
                 q_rows = c.num_heads * c.head_dim
                 self.kv_projs.append(linear(qkv[q_rows:], None if qkv_bias is None
                                             else qkv_bias[q_rows:]))
-            mlp = [p + "mlp.gate_proj", p + "mlp.up_proj"]
-            gate_up = torch.cat([w(n + ".weight") for n in mlp])
+            gate_up, gate_up_bias = fused(p + "mlp.gate_up_proj",
+                                          [p + "mlp.gate_proj", p + "mlp.up_proj"])
             self.layers.append((
                 w(p + "input_layernorm.weight"),
                 linear(qkv, qkv_bias),
                 linear(w(p + "self_attn.o_proj.weight"), b(p + "self_attn.o_proj")),
                 w(p + "post_attention_layernorm.weight"),
-                linear(gate_up, b(*mlp)),
+                linear(gate_up, gate_up_bias),
                 linear(w(p + "mlp.down_proj.weight"), b(p + "mlp.down_proj")),
             ))
-        inv_freq = torch.tensor(frequencies(c.head_dim, c.rope_theta, c.rope_divisors),
+        divisors, scale = c.served_rope()
+        inv_freq = torch.tensor(frequencies(c.head_dim, c.rope_theta, divisors),
                                 dtype=torch.float64)
         angles = torch.arange(c.max_context).double()[:, None] * inv_freq[None, :]
+        # (LongRoPE scales cos and sin, and so the rotated Q and K, by its attention factor.)
+        cos, sin = angles.cos() * scale, angles.sin() * scale
         if kernels == "triton":  # one [positions, head_dim] table: cos half, sin half
-            self.cos_sin = torch.cat([angles.cos(), angles.sin()], -1).float().to(device)
+            self.cos_sin = torch.cat([cos, sin], -1).float().to(device)
         else:
-            self.cos, self.sin = angles.cos().float(), angles.sin().float()
+            self.cos, self.sin = cos.float(), sin.float()
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

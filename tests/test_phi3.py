@@ -1,0 +1,338 @@
+"""Phi-3 (Phi-3-mini, Phi-3.5-mini: Hugging Face Phi3ForCausalLM; GGUF architecture phi3)
+against transformers and llama.cpp, on tiny random models built here.
+
+Phi-3 is Llama's decoder with Q, K and V fused into one qkv_proj and gate and up into one
+gate_up_proj (llama.cpp: attn_qkv and a double-height ffn_up), and, for 128k contexts,
+LongRoPE: short and long divisors per rotary frequency and a factor on cos and sin. An engine
+serves one set (models/rope.py says why): the short one within the pretrained context, its
+default, where every row gets transformers' numbers; the long one when asked for more
+(max_context), where a sequence past the pretrained context gets transformers' numbers and
+every sequence llama.cpp's with an n_ctx that long.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from llmdb.engine.engine import LLMEngine
+from llmdb.engine.models import ModelLoadError, load_model
+from llmdb.engine.params import SamplingParams
+
+from .test_hf_models import WORDS, _assert_close, _assert_same_greedy, _randomize, _ref_logits
+
+CONTEXT = 256
+ORIGINAL = 64  # the LongRoPE models' pretrained context
+# LongRoPE's factors as Phi-3.5-mini's look: short ones near 1, long ones growing to the
+# low frequencies.
+SHORT = [1.0, 1.02, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3]
+LONG = [round(1.5**i, 3) for i in range(8)]
+SPECIALS = ["<unk>", "<s>", "</s>", "<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>",
+            "<|system|>"]
+ENDOFTEXT, ASSISTANT, END = 3, 4, 5
+VOCAB = {t: i for i, t in enumerate(SPECIALS + sorted(set(WORDS) - {""}))}
+VOCAB_SIZE = len(VOCAB)
+# Phi-3-mini-instruct's chat format; without a generation prompt the text ends in EOS.
+PHI3_CHAT = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+
+
+def _rope(theta: float, longrope: bool) -> dict:
+    if not longrope:
+        return {"rope_type": "default", "rope_theta": theta}
+    return {"rope_type": "longrope", "rope_theta": theta, "short_factor": SHORT,
+            "long_factor": LONG}
+
+
+def _phi3_config(vocab_size: int, *, kv_heads: int, tie: bool, theta: float = 10000.0,
+                 longrope: bool = False, context: int = CONTEXT) -> transformers.Phi3Config:
+    return transformers.Phi3Config(
+        vocab_size=vocab_size, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=kv_heads, intermediate_size=96, max_position_embeddings=context,
+        original_max_position_embeddings=ORIGINAL if longrope else context,
+        rms_norm_eps=1e-5, rope_parameters=_rope(theta, longrope), tie_word_embeddings=tie,
+        sliding_window=None, bos_token_id=1, eos_token_id=ENDOFTEXT, pad_token_id=0,
+    )
+
+
+def _phi3(vocab_size: int, seed: int, **kw) -> transformers.Phi3ForCausalLM:
+    torch.manual_seed(seed)
+    model = transformers.Phi3ForCausalLM(_phi3_config(vocab_size, **kw))
+    _randomize(model, seed)
+    model.config._attn_implementation = "eager"
+    return model.eval()
+
+
+# name -> the model's shape. Phi-3-mini and Phi-3.5-mini are MHA (32 heads of 96 = hidden);
+# Phi-3-medium has GQA; Phi-4-mini ties its embeddings.
+VARIANTS = {
+    "phi3": dict(kv_heads=4, tie=False),
+    "phi3-gqa-tied": dict(kv_heads=2, tie=True, theta=250000.0),
+    "phi3-longrope": dict(kv_heads=4, tie=False, longrope=True),
+}
+
+
+def _modes(name: str) -> list[tuple[int | None, list[int]]]:
+    """(the engine's max_context, prompt lengths to compare): a LongRoPE model served by
+    default (its pretrained context: short set) on sequences within it, and with the whole
+    context (long set) on sequences past it, where transformers uses the long set too."""
+    if "longrope" in name:
+        return [(None, [1, 9, 40, ORIGINAL]), (CONTEXT, [ORIGINAL + 1, 130, 240])]
+    return [(None, [1, 9, 53, 240])]
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed * 1000 + n)
+    return [rng.randrange(VOCAB_SIZE) for _ in range(n)]
+
+
+def _tokenizer() -> Tokenizer:
+    tok = Tokenizer(models.WordLevel(VOCAB, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(SPECIALS)
+    return tok
+
+
+def _save(model, path: Path) -> Path:
+    model.save_pretrained(path, safe_serialization=True)
+    # Phi-3's generation config stops at <|endoftext|>, <|assistant|> and <|end|>.
+    (path / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 1, "eos_token_id": [ENDOFTEXT, ASSISTANT, END], "pad_token_id": 0}))
+    _tokenizer().save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+        "eos_token": "<|endoftext|>", "unk_token": "<unk>", "pad_token": "<unk>",
+        "add_bos_token": False, "chat_template": PHI3_CHAT, "model_max_length": CONTEXT}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("phi3")
+    return {name: _save(_phi3(VOCAB_SIZE, seed, **kw), root / name)
+            for seed, (name, kw) in enumerate(VARIANTS.items())}
+
+
+@pytest.fixture(scope="module")
+def hf_ref(hf_dirs):
+    """name -> transformers' model reloaded from the directory (eager, fp32, no EOS)."""
+    cache: dict[str, torch.nn.Module] = {}
+
+    def get(name: str):
+        if name not in cache:
+            m = transformers.AutoModelForCausalLM.from_pretrained(
+                hf_dirs[name], dtype=torch.float32, attn_implementation="eager").eval()
+            m.generation_config.eos_token_id = None
+            cache[name] = m
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def engines(hf_dirs):
+    cache: dict[tuple, LLMEngine] = {}
+
+    def get(name: str, max_context: int | None = None, attention: str = "cpu", **kw):
+        key = (name, max_context, attention, *sorted(kw.items()))
+        if key not in cache:
+            cache[key] = LLMEngine(model=str(hf_dirs[name]), dtype="fp32",
+                                   kv_cache_bytes=4 << 20, attention=attention, threads=2,
+                                   max_context=max_context, **kw)
+        return cache[key]
+
+    return get
+
+
+# ---- Hugging Face directories against transformers -------------------------------------------
+
+
+@pytest.mark.parametrize("attention", ["reference", "cpu"])
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_logits_match_transformers(name, attention, hf_ref, engines):
+    for max_context, lengths in _modes(name):
+        engine = engines(name, max_context, attention)
+        for n in lengths:
+            ids = _ids(n, seed=1)
+            ref = _ref_logits(hf_ref(name), ids)
+            assert float(ref.std()) > 0.5
+            _assert_close(engine.logits(ids), ref, f"{name}/{attention} ctx {max_context} "
+                          f"len {n}")
+        assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_longrope_serves_one_set_by_context(hf_dirs, hf_ref, engines):
+    """The config holds both sets and transformers' factor on cos and sin; the default
+    engine serves the pretrained context; the sets differ enough that serving the wrong one
+    fails the comparisons above by far."""
+    ref_model = hf_ref("phi3-longrope")
+    c = load_model(hf_dirs["phi3-longrope"]).config
+    assert (c.rope_divisors, c.rope_long_divisors) == (tuple(SHORT), tuple(LONG))
+    assert (c.max_context, c.rope_original_context) == (CONTEXT, ORIGINAL)
+    assert c.rope_attention_factor == pytest.approx(ref_model.model.rotary_emb.attention_scaling)
+    assert c.rope_attention_factor > 1.1
+    assert engines("phi3-longrope").config.max_context == ORIGINAL
+    ids = _ids(40, seed=2)
+    long_logits = engines("phi3-longrope", CONTEXT).logits(ids)
+    assert float((long_logits - _ref_logits(ref_model, ids)).abs().max()) > 0.1
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_chunked_prefill_logits_match_transformers(name, hf_ref, engines):
+    """Prompts split over 24-token steps attend to cached K/V at offset positions."""
+    for max_context, lengths in _modes(name):
+        engine = engines(name, max_context, max_num_batched_tokens=24)
+        ids = _ids(lengths[-1], seed=3)
+        _assert_close(engine.logits(ids), _ref_logits(hf_ref(name), ids), f"{name} chunked")
+
+
+@pytest.mark.parametrize("attention", ["reference", "cpu"])
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_greedy_generation_matches_transformers(name, attention, hf_ref, engines):
+    ref_model = hf_ref(name)
+    for max_context, _ in _modes(name):
+        # Within the pretrained context even after 10 tokens, or past it from the start.
+        prompts = [_ids(n, seed=4) for n in ((1, 6, 21) if max_context is None
+                                             else (ORIGINAL + 1, 100))]
+        results = engines(name, max_context, attention).generate(
+            prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+        for prompt, res in zip(prompts, results, strict=True):
+            with torch.inference_mode():
+                out = ref_model.generate(
+                    torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                                                                      dtype=torch.long),
+                    max_new_tokens=10, do_sample=False, pad_token_id=0)
+            _assert_same_greedy(ref_model, prompt, out[0, len(prompt):].tolist(), res.token_ids)
+
+
+@pytest.mark.parametrize("name", ["phi3", "phi3-longrope"])
+def test_triton_path_matches_transformers(name, hf_dirs, hf_ref, engines):
+    """The GPU kernels (RoPE from the scaled cos/sin table, fused with the K/V write), under
+    Triton's interpreter in CI: transformers' logits, whole and chunked, and the CPU path's
+    greedy tokens. (The default context only: the long set changes the table, built for
+    both paths alike, and the interpreter takes seconds a step.)"""
+    pytest.importorskip("triton", reason="triton is not installed")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = LLMEngine(model=str(hf_dirs[name]), device=device, attention="triton",
+                       dtype="fp32", kv_cache_bytes=4 << 20, threads=2,
+                       max_num_batched_tokens=24)
+    ids = _ids(40, seed=5)
+    _assert_close(engine.logits(ids), _ref_logits(hf_ref(name), ids), f"{name}/triton")
+    prompts = [_ids(n, seed=6) for n in (1, 9)]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    assert ([r.token_ids for r in engine.generate(prompts, params)]
+            == [r.token_ids for r in engines(name).generate(prompts, params)])
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_metadata_tokenizer_and_chat_template(hf_dirs):
+    """Config numbers, EOS ids (generation_config's list) and the chat format as
+    transformers reads them."""
+    loaded = load_model(hf_dirs["phi3-gqa-tied"])
+    cfg, ours = loaded.config, loaded.tokenizer
+    hf_cfg = transformers.AutoConfig.from_pretrained(hf_dirs["phi3-gqa-tied"])
+    assert (cfg.arch, cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.ffn_size) == (
+        "llama", VOCAB_SIZE, hf_cfg.hidden_size, hf_cfg.num_hidden_layers,
+        hf_cfg.intermediate_size)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (4, 2, 16)
+    assert cfg.tie_embeddings and cfg.rope_theta == 250000.0
+    assert (cfg.rope_divisors, cfg.rope_long_divisors, cfg.rope_attention_factor) == ((), (), 1.0)
+    assert cfg.eos_token_ids == (ENDOFTEXT, ASSISTANT, END)
+    hf_tok = transformers.PreTrainedTokenizerFast.from_pretrained(hf_dirs["phi3-gqa-tied"])
+    messages = [{"role": "system", "content": "be good"},
+                {"role": "user", "content": "select count from table"}]
+    rendered = ours.apply_chat_template(messages)
+    assert rendered == hf_tok.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=True)
+    assert rendered == ("<|system|>\nbe good<|end|>\n<|user|>\nselect count from table<|end|>\n"
+                        "<|assistant|>\n")
+    ids = ours.encode(rendered)
+    assert ids == hf_tok(rendered, add_special_tokens=False)["input_ids"]
+    assert ids.count(END) == 2 and ids[-1] == ASSISTANT
+
+
+def test_generation_stops_at_end_of_turn(hf_dirs, tmp_path):
+    """<|end|> ends an answer where transformers' generate (with Phi-3's generation config)
+    ends it. The model is made to say <|end|> a few tokens in: its output row is a scaled
+    copy of the row of the token greedy decoding picks third."""
+    prompt = _ids(12, seed=7)
+    src = hf_dirs["phi3"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    free = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    d = tmp_path / "ends"
+    d.mkdir()
+    for f in src.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    weights = load_file(str(d / "model.safetensors"))
+    weights["lm_head.weight"][END] = 1.3 * weights["lm_head.weight"][free[2]]
+    save_file(weights, str(d / "model.safetensors"), metadata={"format": "pt"})
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    ref = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
+                         pad_token_id=0)[0, len(prompt):].tolist()
+    assert ref[-1] == END and len(ref) > 1, ref
+    engine = LLMEngine(model=str(d), dtype="fp32", kv_cache_bytes=4 << 20, threads=2)
+    res = engine.generate([prompt], SamplingParams(max_tokens=20))[0]
+    assert (res.token_ids, res.finish_reason) == (ref, "stop")
+
+
+# ---- refusals and the served context ---------------------------------------------------------
+
+
+def _edited(src: Path, dst: Path, edit) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((dst / "config.json").read_text())
+    edit(cfg)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_legacy_su_config_is_read(hf_dirs, tmp_path):
+    """Phi-3-mini-128k's first configs: rope_scaling {"type": "su", ...} beside top-level
+    rope_theta and original_max_position_embeddings."""
+    def legacy(cfg):
+        rope = cfg.pop("rope_parameters")
+        cfg["rope_theta"] = rope["rope_theta"]
+        cfg["rope_scaling"] = {"type": "su", "short_factor": rope["short_factor"],
+                               "long_factor": rope["long_factor"]}
+
+    d = _edited(hf_dirs["phi3-longrope"], tmp_path / "su", legacy)
+    assert load_model(d).config == load_model(hf_dirs["phi3-longrope"]).config
+
+
+@pytest.mark.parametrize("edit, pattern", [
+    (lambda c: c["rope_parameters"].update(partial_rotary_factor=0.75),
+     r"partial_rotary_factor 0\.75\) is not supported"),
+    (lambda c: c["rope_parameters"].pop("long_factor"), "'longrope' lacks 'long_factor'"),
+    (lambda c: c["rope_parameters"].update(short_factor=SHORT[:6]),
+     "short_factor has 6 values for 8 rotary frequencies"),
+], ids=["partial-rotary", "no-long-factor", "short-factor-count"])
+def test_what_we_do_not_run_is_refused_by_name(hf_dirs, tmp_path, edit, pattern):
+    d = _edited(hf_dirs["phi3-longrope"], tmp_path / "bad", edit)
+    with pytest.raises(ModelLoadError, match=pattern):
+        load_model(d)
+
+
+def test_the_served_context(hf_dirs, engines):
+    """A prompt past the served context is refused, saying how to serve more; no engine
+    serves more than the model's context."""
+    with pytest.raises(ValueError, match=r"longer than the context of 64 served \(LLMEngine"
+                                         r"\(max_context=\.\.\.\) serves up to the model's 256"):
+        engines("phi3-longrope").add_request(_ids(70, seed=8))
+    assert engines("phi3", 100).config.max_context == 100
+    with pytest.raises(ValueError, match="max_context 257 is not within the model's context"):
+        LLMEngine(model=str(hf_dirs["phi3"]), dtype="fp32", kv_cache_bytes=4 << 20,
+                  max_context=CONTEXT + 1)
