@@ -16,6 +16,8 @@ import json
 import random
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -26,6 +28,8 @@ from llmdb.engine.engine import LLMEngine
 from llmdb.engine.models import ModelLoadError, load_model
 from llmdb.engine.params import SamplingParams
 
+from .test_gguf_loader import _train_bpe
+from .test_gguf_loader import _vocab as _bpe_vocab
 from .test_hf_models import WORDS, _assert_close, _assert_same_greedy, _randomize, _ref_logits
 
 CONTEXT = 256
@@ -56,11 +60,12 @@ def _rope(theta: float, longrope: bool) -> dict:
 
 
 def _phi3_config(vocab_size: int, *, kv_heads: int, tie: bool, theta: float = 10000.0,
-                 longrope: bool = False, context: int = CONTEXT) -> transformers.Phi3Config:
+                 longrope: bool = False, context: int = CONTEXT, original: int = ORIGINAL
+                 ) -> transformers.Phi3Config:
     return transformers.Phi3Config(
         vocab_size=vocab_size, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=kv_heads, intermediate_size=96, max_position_embeddings=context,
-        original_max_position_embeddings=ORIGINAL if longrope else context,
+        original_max_position_embeddings=original if longrope else context,
         rms_norm_eps=1e-5, rope_parameters=_rope(theta, longrope), tie_word_embeddings=tie,
         sliding_window=None, bos_token_id=1, eos_token_id=ENDOFTEXT, pad_token_id=0,
     )
@@ -92,9 +97,9 @@ def _modes(name: str) -> list[tuple[int | None, list[int]]]:
     return [(None, [1, 9, 53, 240])]
 
 
-def _ids(n: int, seed: int) -> list[int]:
+def _ids(n: int, seed: int, vocab_size: int = VOCAB_SIZE) -> list[int]:
     rng = random.Random(seed * 1000 + n)
-    return [rng.randrange(VOCAB_SIZE) for _ in range(n)]
+    return [rng.randrange(vocab_size) for _ in range(n)]
 
 
 def _tokenizer() -> Tokenizer:
@@ -336,3 +341,220 @@ def test_the_served_context(hf_dirs, engines):
     with pytest.raises(ValueError, match="max_context 257 is not within the model's context"):
         LLMEngine(model=str(hf_dirs["phi3"]), dtype="fp32", kv_cache_bytes=4 << 20,
                   max_context=CONTEXT + 1)
+
+
+# ---- GGUF files (llama.cpp's phi3 architecture) ----------------------------------------------
+
+# llama.cpp rounds its context up to a multiple of 256 before it compares it with the
+# pretrained one: the pretrained context here is 256 (Phi-3's is 4,096).
+GGUF_CONTEXT, GGUF_ORIGINAL = 512, 256
+# Phi-3's turn markers, control tokens after the byte-level vocabulary.
+CHAT_TOKENS = ["<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
+# Hugging Face names -> llama.cpp's for phi3: Q/K/V as one attn_qkv; gate and up as one
+# ffn_up, twice as tall.
+GGUF_NAMES = {
+    "input_layernorm": "attn_norm", "self_attn.qkv_proj": "attn_qkv",
+    "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+GGUF_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def _gguf_name(hf_name: str) -> str:
+    base, _, kind = hf_name.rpartition(".")
+    if base.startswith("model.layers."):
+        i, rest = base.removeprefix("model.layers.").split(".", 1)
+        return f"blk.{i}.{GGUF_NAMES[rest]}.{kind}"
+    return f"{GGUF_TOP[base]}.{kind}"
+
+
+@pytest.fixture(scope="module")
+def vocab() -> tuple[list[str], list[int], list[str]]:
+    """tokenizer.ggml.tokens, .token_type and .merges: a byte-level BPE (Phi-4-mini's kind;
+    Phi-3's is SentencePiece, tests/test_gguf_spm.py) with Phi-3's turn markers."""
+    tokens, types, merges = _bpe_vocab(_train_bpe())
+    return tokens + CHAT_TOKENS, types + [3] * len(CHAT_TOKENS), merges
+
+
+def _write_phi3_gguf(path: Path, model, vocab, *, rotary_dim: int | None = None) -> Path:
+    """As llama.cpp's converter writes a Phi-3: its metadata (the pretrained context and
+    LongRoPE's factor on cos and sin, the sliding window), tensors unpermuted, LongRoPE's
+    factors as two tensors."""
+    cfg, rope = model.config, model.config.rope_parameters
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    w = gguf.GGUFWriter(str(path), "phi3")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_dimension_count(rotary_dim or head_dim)
+    w.add_rope_freq_base(float(rope["rope_theta"]))
+    w.add_sliding_window(0)
+    w.add_file_type(int(gguf.LlamaFileType.ALL_F32))
+    tokens, types, merges = vocab
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(0)  # <|endoftext|>, as Phi-3's eos
+    w.add_add_bos_token(False)
+    w.add_chat_template(PHI3_CHAT)
+    for name, p in model.state_dict().items():
+        if not (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            w.add_tensor(_gguf_name(name), p.detach().float().numpy().copy())
+    if rope["rope_type"] == "longrope":
+        w.add_rope_scaling_attn_factors(model.model.rotary_emb.attention_scaling)
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+GGUF_VARIANTS = {"phi3-gqa-tied": dict(kv_heads=2, tie=True, theta=250000.0),
+                 "phi3-longrope": dict(kv_heads=4, tie=False, longrope=True)}
+
+
+@pytest.fixture(scope="module")
+def gguf_models(vocab, tmp_path_factory):
+    """name -> (the transformers model, its GGUF file)."""
+    root = tmp_path_factory.mktemp("phi3-gguf")
+    out = {}
+    for seed, (name, kw) in enumerate(GGUF_VARIANTS.items(), start=10):
+        model = _phi3(len(vocab[0]), seed, context=GGUF_CONTEXT, original=GGUF_ORIGINAL, **kw)
+        out[name] = model, _write_phi3_gguf(root / f"{name}.gguf", model, vocab)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _own_cache_dir(tmp_path, monkeypatch):
+    """Dequantized GGUF weights are cached per test."""
+    monkeypatch.setenv("LLMDB_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _gguf_engine(path: Path, max_context: int | None = None) -> LLMEngine:
+    return LLMEngine(model=str(path), dtype="fp32", kv_cache_bytes=4 << 20, threads=2,
+                     max_context=max_context)
+
+
+def _gguf_modes(name: str) -> list[tuple[int | None, list[int]]]:
+    """(max_context, prompt lengths) as _modes says."""
+    if "longrope" in name:
+        return [(None, [1, 9, GGUF_ORIGINAL - 6]), (GGUF_CONTEXT, [GGUF_ORIGINAL + 1, 300])]
+    return [(None, [1, 9, 300])]
+
+
+@pytest.mark.parametrize("name", list(GGUF_VARIANTS))
+def test_gguf_logits_match_transformers(name, gguf_models, vocab):
+    model, path = gguf_models[name]
+    for max_context, lengths in _gguf_modes(name):
+        engine = _gguf_engine(path, max_context)
+        for ids in (_ids(n, seed=9, vocab_size=len(vocab[0])) for n in lengths):
+            _assert_close(engine.logits(ids), _ref_logits(model, ids), f"{name} len {len(ids)}")
+
+
+@pytest.mark.parametrize("name", list(GGUF_VARIANTS))
+def test_gguf_metadata_becomes_model_config(name, gguf_models):
+    model, path = gguf_models[name]
+    cfg, hf = load_model(path).config, model.config
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.ffn_size) == (
+        hf.vocab_size, hf.hidden_size, hf.num_hidden_layers, hf.intermediate_size)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (4, hf.num_key_value_heads, 16)
+    assert cfg.tie_embeddings == hf.tie_word_embeddings
+    assert cfg.max_context == GGUF_CONTEXT
+    longrope = "longrope" in name
+    # (As float32, as the file stores them.)
+    assert cfg.rope_divisors == pytest.approx(tuple(SHORT) if longrope else ())
+    assert cfg.rope_long_divisors == pytest.approx(tuple(LONG) if longrope else ())
+    assert cfg.rope_original_context == (GGUF_ORIGINAL if longrope else 0)
+    assert cfg.rope_attention_factor == pytest.approx(model.model.rotary_emb.attention_scaling)
+
+
+def test_gguf_chat_template_and_end_of_turn(gguf_models, vocab):
+    """The file's template renders Phi-3's turns; <|end|> is a single token and, with
+    <|endoftext|>, ends generation."""
+    tok = load_model(gguf_models["phi3-longrope"][1]).tokenizer
+    rendered = tok.apply_chat_template([{"role": "user", "content": "What is 17 times 23?"}])
+    assert rendered == "<|user|>\nWhat is 17 times 23?<|end|>\n<|assistant|>\n"
+    end, assistant = tok.token_id("<|end|>"), tok.token_id("<|assistant|>")
+    ids = tok.encode(rendered)
+    assert ids.count(end) == 1 and ids[-2:] == [assistant, tok.encode("\n")[0]]
+    eos = load_model(gguf_models["phi3-longrope"][1]).config.eos_token_ids
+    assert eos[0] == vocab[0].index("<|endoftext|>") and end in eos
+
+
+def test_partial_rotary_gguf_is_refused_by_name(gguf_models, vocab, tmp_path):
+    """Phi-4-mini rotates 96 of its 128 head dimensions; its file says so only in
+    rope.dimension_count (no key_length: heads are hidden / heads wide)."""
+    model, _ = gguf_models["phi3-gqa-tied"]
+    path = _write_phi3_gguf(tmp_path / "partial.gguf", model, vocab, rotary_dim=12)
+    with pytest.raises(ModelLoadError, match="RoPE over 12 of 16 head dimensions"):
+        load_model(path)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("name", list(GGUF_VARIANTS))
+def test_exported_phi3_runs_in_transformers(name, gguf_models, tmp_path):
+    """export_hf writes a Phi3ForCausalLM directory (fused tensors, LongRoPE) that
+    transformers reads as the same model."""
+    from llmdb.engine.models.export import export_hf
+
+    model, path = gguf_models[name]
+    out = export_hf(load_model(path), tmp_path / "hf", dtype=torch.float32)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float32, attn_implementation="eager").eval()
+    assert type(exported).__name__ == "Phi3ForCausalLM"
+    for max_context, lengths in _gguf_modes(name):
+        ids = _ids(lengths[-1], seed=10, vocab_size=model.config.vocab_size)
+        _assert_close(_gguf_engine(path, max_context).logits(ids), _ref_logits(exported, ids),
+                      f"{name} exported, len {len(ids)}")
+
+
+# ---- llama.cpp on the same files ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_cpp():
+    return pytest.importorskip(
+        "llama_cpp", reason="llama-cpp-python is not installed: the second reference")
+
+
+def _llama_cpp(llama_cpp, path: Path, n_ctx: int):
+    # verbose=True: verbose=False crashes llama-cpp-python on this machine; F32 KV cache.
+    return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=1,
+                           logits_all=True, verbose=True, type_k=0, type_v=0)
+
+
+@pytest.mark.parametrize("name", list(GGUF_VARIANTS))
+def test_llama_cpp_agrees_on_phi3_files(name, gguf_models, llama_cpp):
+    """llama.cpp picks LongRoPE's set by its context size, as our max_context does: serving
+    the pretrained context (short set) or the whole one (long set, short sequences too),
+    both give its logits."""
+    _, path = gguf_models[name]
+    for max_context, lengths in _gguf_modes(name):
+        served = _gguf_engine(path, max_context)
+        llm = _llama_cpp(llama_cpp, path, served.config.max_context)
+        for n in (9, lengths[-1]):
+            ids = _ids(n, seed=11, vocab_size=400)
+            llm.reset()
+            llm.eval(ids)
+            theirs = torch.from_numpy(np.array(llm.scores[:n], dtype=np.float32))
+            err = float((served.logits(ids) - theirs).norm() / theirs.norm())
+            assert err <= 1e-5, f"{name} ctx {max_context} len {n}: {err:.3g} from llama.cpp"
+
+
+def test_end_of_turn_tokens_are_llama_cpps(gguf_models, llama_cpp):
+    """Generation ends on the tokens llama.cpp ends it on (its end-of-generation set)."""
+    path = gguf_models["phi3-longrope"][1]
+    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=True)
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    eog = {i for i in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, i)}
+    assert set(load_model(path).config.eos_token_ids) == eog

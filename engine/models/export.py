@@ -17,13 +17,20 @@ def export_hf(model: LoadedModel, out_dir: str | Path, dtype: torch.dtype = torc
     c, tok = model.config, model.tokenizer
     if c.arch != "llama":
         raise ValueError(f"export supports llama models, not {c.arch}")
-    # Per-head Q/K norms: Qwen3's architecture; Q/K/V biases: Qwen2's (a Llama without them
-    # would drop them).
-    family = ("qwen3" if "model.layers.0.self_attn.q_norm.weight" in model.weights else
+    # Fused Q/K/V: Phi-3's architecture; per-head Q/K norms: Qwen3's; Q/K/V biases: Qwen2's
+    # (a Llama without them would drop them).
+    family = ("phi3" if "model.layers.0.self_attn.qkv_proj.weight" in model.weights else
+              "qwen3" if "model.layers.0.self_attn.q_norm.weight" in model.weights else
               "qwen2" if "model.layers.0.self_attn.q_proj.bias" in model.weights else "llama")
     # RoPE in the keys transformers 4 wrote (vLLM's reads them; transformers 5 too).
     rope: dict = {"rope_theta": c.rope_theta}
-    if c.rope_divisors:
+    if c.rope_long_divisors:
+        # Phi-3's LongRoPE, its pretrained context beside it as Phi-3's configs have it.
+        rope["rope_scaling"] = {"rope_type": "longrope", "short_factor": list(c.rope_divisors),
+                                "long_factor": list(c.rope_long_divisors),
+                                "attention_factor": c.rope_attention_factor}
+        rope["original_max_position_embeddings"] = c.rope_original_context
+    elif c.rope_divisors:
         if len(set(c.rope_divisors)) > 1:  # (Llama 3's parameters are not kept, only these)
             raise ValueError("export supports linear RoPE scaling only, not per-frequency "
                              "divisors (a Llama 3.1 GGUF's rope_freqs)")
@@ -35,8 +42,8 @@ def export_hf(model: LoadedModel, out_dir: str | Path, dtype: torch.dtype = torc
         weights.pop("lm_head.weight", None)  # vLLM expects no lm_head for tied embeddings
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = {
-        "architectures": [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(
-            family, "LlamaForCausalLM")],
+        "architectures": [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                           "phi3": "Phi3ForCausalLM"}.get(family, "LlamaForCausalLM")],
         "model_type": family,
         "vocab_size": c.vocab_size,
         "hidden_size": c.hidden_size,
@@ -51,6 +58,8 @@ def export_hf(model: LoadedModel, out_dir: str | Path, dtype: torch.dtype = torc
         "tie_word_embeddings": c.tie_embeddings,
         "bos_token_id": c.bos_token_id,
         "eos_token_id": list(c.eos_token_ids),
+        # (Phi-3's config class would otherwise pad with token 32000, outside small vocabularies.)
+        "pad_token_id": None,
         "hidden_act": "silu",
         "torch_dtype": str(dtype).removeprefix("torch."),
     }

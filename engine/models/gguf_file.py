@@ -1,5 +1,6 @@
 """Llama-architecture GGUF files (llama; qwen2: Llama with Q/K/V biases; qwen3: with per-head
-Q/K norms): config, dequantized weights (HF names and layout), tokenizer."""
+Q/K norms; phi3: with fused Q/K/V and gate/up, and LongRoPE): config, dequantized weights (HF
+names and layout), tokenizer."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from .config import ModelConfig
 from .errors import ModelLoadError
+from .rope import LongRope
 from .spm import spm_tokenizer
 from .tokenizer import ModelTokenizer
 
@@ -144,7 +146,7 @@ def _tokenizer(reader) -> ModelTokenizer:
     )
 
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
 
 
 def _architecture(reader) -> str:
@@ -153,6 +155,37 @@ def _architecture(reader) -> str:
         raise ModelLoadError(f"unsupported GGUF architecture {arch!r} "
                              f"(supported: {', '.join(ARCHITECTURES)})")
     return arch
+
+
+def _tensor_values(reader, name: str, count: int) -> tuple[float, ...] | None:
+    """A small F32 tensor's values (None where the file has no such tensor)."""
+    t = next((t for t in reader.tensors if t.name == name), None)
+    if t is None:
+        return None
+    values = [float(x) for x in np.asarray(t.data, dtype=np.float32).reshape(-1)]
+    if len(values) != count:
+        raise ModelLoadError(f"{name} has {len(values)} values for {count} rotary frequencies")
+    return tuple(values)
+
+
+def _rope_fields(reader, arch: str, head_dim: int, context: int) -> dict:
+    """ModelConfig's RoPE fields. Phi-3's LongRoPE (rope.py) is a pair of tensors,
+    rope_factors_short and rope_factors_long, with the pretrained context and the factor
+    on cos and sin in metadata; llama.cpp takes the factor as written, 1 when absent."""
+    divisors = _rope_divisors(reader, arch, head_dim)
+    long = _tensor_values(reader, "rope_factors_long.weight", head_dim // 2)
+    if long is None:
+        return {"rope_divisors": divisors}
+    if divisors:
+        raise ModelLoadError("GGUF LongRoPE (rope_factors_long) with another RoPE scaling "
+                             "(rope_freqs or a linear factor) is not supported")
+    short = _tensor_values(reader, "rope_factors_short.weight", head_dim // 2)
+    if short is None:
+        raise ModelLoadError("GGUF LongRoPE: rope_factors_long without rope_factors_short")
+    return LongRope(
+        short, long, int(_field(reader, f"{arch}.rope.scaling.original_context_length", context)),
+        float(_field(reader, f"{arch}.rope.scaling.attn_factor", 1.0)),
+    ).config_fields()
 
 
 def _rope_divisors(reader, arch: str, head_dim: int) -> tuple[float, ...]:
@@ -166,14 +199,9 @@ def _rope_divisors(reader, arch: str, head_dim: int) -> tuple[float, ...]:
         raise ModelLoadError(
             f"GGUF RoPE scaling {scaling!r} (factor {factor}) is not supported (supported: "
             f"linear, and Llama 3's frequency factors)")
-    half = head_dim // 2
-    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    if freqs is None:
-        return () if factor == 1.0 else (factor,) * half
-    factors = [float(x) for x in np.asarray(freqs.data, dtype=np.float32).reshape(-1)]
-    if len(factors) != half:
-        raise ModelLoadError(f"rope_freqs.weight has {len(factors)} values for {half} "
-                             f"rotary frequencies")
+    factors = _tensor_values(reader, "rope_freqs.weight", head_dim // 2)
+    if factors is None:
+        return () if factor == 1.0 else (factor,) * (head_dim // 2)
     return tuple(factor * f for f in factors)
 
 
@@ -186,17 +214,20 @@ def _config(reader, arch: str, tokenizer: ModelTokenizer, has_output: bool) -> M
 
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
     # Qwen3's heads are not hidden / heads wide: key_length says (llama.cpp writes it then).
-    head_dim = int(get("attention.key_length", get("rope.dimension_count", hidden // heads)))
+    head_dim = int(get("attention.key_length", hidden // heads))
     rotary = int(get("rope.dimension_count", head_dim))
     if rotary != head_dim:
         raise ModelLoadError(f"GGUF RoPE over {rotary} of {head_dim} head dimensions (partial "
                              f"rotary) is not supported")
     eos = [tokenizer.token_id(tokenizer.eos_token)] if tokenizer.eos_token else []
     # Chat models end a turn with their own token; stopping there is what users expect.
-    for end_of_turn in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>"):
+    for end_of_turn in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>",
+                        "<|endoftext|>"):
         i = tokenizer.token_id(end_of_turn)
         if i is not None and i not in eos:
             eos.append(i)
+    context = int(get("context_length"))
+    # (Phi-3-mini-4k's file names a sliding window, which llama.cpp ignores for phi3.)
     return ModelConfig(
         arch="llama",
         vocab_size=len(_field(reader, "tokenizer.ggml.tokens")),
@@ -206,10 +237,10 @@ def _config(reader, arch: str, tokenizer: ModelTokenizer, has_output: bool) -> M
         num_kv_heads=int(get("attention.head_count_kv", heads)),
         head_dim=head_dim,
         ffn_size=int(get("feed_forward_length")),
-        max_context=int(get("context_length")),
+        max_context=context,
         norm_eps=float(get("attention.layer_norm_rms_epsilon")),
         rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_divisors=_rope_divisors(reader, arch, head_dim),
+        **_rope_fields(reader, arch, head_dim, context),
         tie_embeddings=not has_output,
         bos_token_id=tokenizer.token_id(tokenizer.bos_token) if tokenizer.bos_token else None,
         eos_token_ids=tuple(eos),
@@ -224,6 +255,7 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3's fused Q, K and V rows
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -235,14 +267,19 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Phi-3's ffn_up is its gate_up_proj: gate rows then up rows, as ggml's swiglu reads them.
+_ARCH_LAYER_NAMES = {"phi3": {**_LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"}}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# RoPE scaling tensors: read into the config (its rope fields), not weights.
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, arch: str) -> str:
     base, _, suffix = gguf_name.rpartition(".")
     parts = base.split(".")
-    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    layer_names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{suffix}"
     if base in _TOP_NAMES:
         return f"{_TOP_NAMES[base]}.{suffix}"
     raise ModelLoadError(f"unexpected tensor {gguf_name!r} in a GGUF file")
@@ -270,12 +307,14 @@ def read_gguf_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor
     import gguf
 
     reader = _open(path)
+    arch = _architecture(reader)
     # llama.cpp's converter interleaves the RoPE halves of Llama's Q/K rows (its rotation is
-    # GPT-J's there); Qwen2's it leaves alone (rotated NeoX style, as in Hugging Face).
-    permuted = _architecture(reader) == "llama"
+    # GPT-J's there); Qwen's and Phi-3's it leaves alone (rotated NeoX style, as in Hugging
+    # Face).
+    permuted = arch == "llama"
     weights = {}
     for t in reader.tensors:
-        if t.name == "rope_freqs.weight":  # in the config (rope_divisors)
+        if t.name in _ROPE_TENSORS:
             continue
         kind = t.tensor_type.name
         if kind not in SUPPORTED_TYPES:
@@ -295,5 +334,5 @@ def read_gguf_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor
             w = _unpermute(w, config.num_heads)
         elif permuted and t.name.endswith("attn_k.weight"):
             w = _unpermute(w, config.num_kv_heads)
-        weights[_hf_name(t.name)] = torch.from_numpy(np.require(w, requirements=["C", "W"]))
+        weights[_hf_name(t.name, arch)] = torch.from_numpy(np.require(w, requirements=["C", "W"]))
     return weights
