@@ -1,8 +1,8 @@
 """Write a Hugging Face model directory with seeded random weights of a real model's shape.
 
-GPU benchmarks need the published shapes (SmolLM2-135M, Llama-3.2-1B, Llama-2-7B, OPT-125M,
-OPT-1.3B, OPT-13B), but the GPU machine has no internet and the real checkpoints are too large
-to carry.
+GPU benchmarks need the published shapes (SmolLM2-135M, Llama-3.2-1B, Llama-2-7B, Phi-3-mini,
+OPT-125M, OPT-1.3B, OPT-13B), but the GPU machine has no internet and the real checkpoints are
+too large to carry.
 Speed does not depend on the weight values, so a directory with random weights of the right
 shape serves every engine (ours, transformers, the bare decoder) with the same bytes.
 
@@ -42,13 +42,21 @@ CHATML = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+PHI3_CHAT = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
 
 
 @dataclass(frozen=True)
 class Shape:
     """One model's published dimensions and special tokens (what config.json needs)."""
 
-    arch: str  # "llama", "qwen2" (Llama with Q/K/V biases), "qwen3" (per-head Q/K norms), "opt"
+    # "llama", "qwen2" (Llama with Q/K/V biases), "qwen3" (per-head Q/K norms), "phi3" (fused
+    # Q/K/V and gate/up, LongRoPE) or "opt"
+    arch: str
     vocab: int
     hidden: int
     layers: int
@@ -67,6 +75,7 @@ class Shape:
     norm_eps: float = 1e-5
     chat_template: str | None = None
     rope_scaling: dict | None = None  # config.json's, as published
+    original_max_pos: int | None = None  # Phi-3's pretrained context, beside rope_scaling
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -76,6 +85,14 @@ class Shape:
 
 _LLAMA2_SPECIALS = {0: "<unk>", 1: "<s>", 2: "</s>"}
 _OPT_SPECIALS = {0: "<s>", 1: "<pad>", 2: "</s>", 3: "<unk>"}
+
+
+def _longrope(rotary_dim: int, stretch: float) -> dict:
+    """A LongRoPE entry of Phi-3's form. Made-up factors (short near 1, long growing to
+    `stretch` at the lowest frequency): speed does not depend on their values."""
+    half = rotary_dim // 2
+    return {"type": "longrope", "short_factor": [1.0 + 0.1 * i / half for i in range(half)],
+            "long_factor": [stretch ** (i / (half - 1)) for i in range(half)]}
 
 SHAPES: dict[str, Shape] = {
     # HuggingFaceTB/SmolLM2-135M-Instruct
@@ -103,6 +120,14 @@ SHAPES: dict[str, Shape] = {
         head_dim=128, max_pos=40960, rope_theta=1000000.0, norm_eps=1e-6, bos=151643,
         eos=151645, pad=151643, add_bos=False, chat_template=CHATML,
         specials={151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"}),
+    # microsoft/Phi-3-mini-128k-instruct and Phi-3.5-mini-instruct (MHA: 32 heads of 96 =
+    # hidden; Phi-3-mini-4k's sliding window aside, its shape too)
+    "phi3-mini": Shape(
+        "phi3", vocab=32064, hidden=3072, layers=32, heads=32, kv_heads=32, ffn=8192,
+        max_pos=131072, original_max_pos=4096, rope_scaling=_longrope(96, 60.0), tie=False,
+        bos=1, eos=32000, pad=32000, add_bos=False, chat_template=PHI3_CHAT,
+        specials={0: "<unk>", 1: "<s>", 2: "</s>", 32000: "<|endoftext|>",
+                  32001: "<|assistant|>", 32007: "<|end|>", 32010: "<|user|>"}),
     # meta-llama/Llama-2-7b-hf
     "llama2-7b": Shape(
         "llama", vocab=32000, hidden=4096, layers=32, heads=32, kv_heads=32, ffn=11008,
@@ -141,6 +166,12 @@ SHAPES: dict[str, Shape] = {
         "qwen3", vocab=320, hidden=64, layers=3, heads=4, kv_heads=4, ffn=160, head_dim=32,
         max_pos=512, rope_theta=100000.0, tie=False, bos=1, eos=2, pad=0, add_bos=False,
         specials=_LLAMA2_SPECIALS),
+    # Phi-3's fused weights and LongRoPE on the MHA shape: re-projected K/V come from the fused
+    # weight's rows and rotate by the scaled table.
+    "tiny-phi3": Shape(
+        "phi3", vocab=320, hidden=64, layers=3, heads=4, kv_heads=4, ffn=160, max_pos=512,
+        original_max_pos=128, rope_scaling=_longrope(16, 8.0), tie=False, bos=1, eos=2, pad=0,
+        add_bos=False, specials=_LLAMA2_SPECIALS),
     "tiny-opt": Shape(
         "opt", vocab=288, hidden=64, layers=3, heads=4, kv_heads=4, ffn=160, max_pos=512,
         bos=2, eos=2, pad=1, add_bos=True, specials=_OPT_SPECIALS),
@@ -152,7 +183,7 @@ SHAPES: dict[str, Shape] = {
 
 def tensor_shapes(s: Shape) -> dict[str, tuple[int, ...]]:
     """Every parameter's Hugging Face name and shape, in checkpoint order."""
-    if s.arch in ("llama", "qwen2", "qwen3"):
+    if s.arch in ("llama", "qwen2", "qwen3", "phi3"):
         return _llama_shapes(s)
     if s.arch == "opt":
         return _opt_shapes(s)
@@ -164,15 +195,19 @@ def _llama_shapes(s: Shape) -> dict[str, tuple[int, ...]]:
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (s.vocab, h)}
     for i in range(s.layers):
         p = f"model.layers.{i}."
+        if s.arch == "phi3":
+            attn = {p + "self_attn.qkv_proj.weight": (q + 2 * kv, h)}
+            mlp = {p + "mlp.gate_up_proj.weight": (2 * f, h)}
+        else:
+            attn = {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                    p + "self_attn.v_proj.weight": (kv, h)}
+            mlp = {p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h)}
         out |= {
             p + "input_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
+            **attn,
             p + "self_attn.o_proj.weight": (h, q),
             p + "post_attention_layernorm.weight": (h,),
-            p + "mlp.gate_proj.weight": (f, h),
-            p + "mlp.up_proj.weight": (f, h),
+            **mlp,
             p + "mlp.down_proj.weight": (h, f),
         }
         if s.arch == "qwen2":
@@ -276,6 +311,10 @@ def config_json(s: Shape, dtype: torch.dtype) -> dict:
     if s.arch == "qwen3":
         return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **common,
                 **llama_like, "attention_bias": False, "use_sliding_window": False}
+    if s.arch == "phi3":
+        return {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", **common,
+                **llama_like, "original_max_position_embeddings": s.original_max_pos,
+                "sliding_window": None, "resid_pdrop": 0.0, "embd_pdrop": 0.0}
     return {
         "architectures": ["OPTForCausalLM"], "model_type": "opt", **common,
         "ffn_dim": s.ffn, "word_embed_proj_dim": s.hidden, "do_layer_norm_before": True,

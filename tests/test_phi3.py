@@ -241,6 +241,50 @@ def test_triton_path_matches_transformers(name, hf_dirs, hf_ref, engines):
     assert engine.pool.num_free == engine.pool.num_blocks
 
 
+def _serve(engine: LLMEngine, prompts: list[list[int]], cache_types: list[str],
+           max_tokens: int) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and their logprobs, each request kept in the given cache type."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    ids = [engine.add_request(p, params) for p in prompts]
+    for i, kind in zip(ids, cache_types, strict=True):
+        engine._requests[i].cache_type = kind
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.pool.num_free == engine.pool.num_blocks
+    return [(r.token_ids, [lp for lp, _ in r.logprobs]) for r in map(engine.wait, ids)]
+
+
+def _assert_same_answers(got, want) -> None:
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want, strict=True):
+        assert tokens == want_tokens
+        assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("max_context", [None, CONTEXT], ids=["short-set", "long-set"])
+def test_hidden_cache_gives_the_kv_answers(max_context, hf_dirs):
+    """Phi-3 is MHA (Phi-3-mini: 32 heads of 96 = hidden), so the hidden cache (Apt-Serve) is
+    on: K/V re-projected from hidden states (the fused weight's K/V rows, rotated by the
+    scaled table) give the KV cache's tokens and logprobs, alone and beside KV requests."""
+    eng = LLMEngine(str(hf_dirs["phi3-longrope"]), dtype="fp32", kv_cache_bytes=1 << 21,
+                    block_size=4, threads=2, max_context=max_context)
+    assert eng.describe()["hidden_cache"]["enabled"]
+    prompts = [_ids(n, seed=12) for n in ((3, 17, 30) if max_context is None else (70, 80, 90))]
+    want = _serve(eng, prompts, ["kv"] * 3, 12)
+    _assert_same_answers(_serve(eng, prompts, ["hidden"] * 3, 12), want)
+    _assert_same_answers(_serve(eng, prompts, ["kv", "hidden", "hidden"], 12), want)
+
+
+def test_triton_path_serves_hidden_mode(hf_dirs):
+    """The same under the GPU kernels (the re-projected K rotated inside rope_and_write_kv)."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    eng = LLMEngine(str(hf_dirs["phi3-longrope"]), dtype="fp32", kv_cache_bytes=1 << 21,
+                    block_size=4, attention="triton", cuda_graphs=False,
+                    device="cuda" if torch.cuda.is_available() else "cpu")
+    prompts = [_ids(n, seed=13) for n in (3, 11)]
+    _assert_same_answers(_serve(eng, prompts, ["kv", "hidden"], 4),
+                         _serve(eng, prompts, ["kv", "kv"], 4))
+
+
 def test_metadata_tokenizer_and_chat_template(hf_dirs):
     """Config numbers, EOS ids (generation_config's list) and the chat format as
     transformers reads them."""

@@ -30,8 +30,8 @@ from bare_decoder import BareDecoder, run_bare  # noqa: E402
 from random_model import SHAPES, write_random_model  # noqa: E402
 
 TINY = ["tiny-llama", "tiny-opt"]
-# (The bare decoder has no Q/K/V biases or Q/K norms.)
-LOADED = [*TINY, "tiny-qwen2-mha", "tiny-qwen3-mha"]
+# (The bare decoder has no Q/K/V biases, Q/K norms or fused weights.)
+LOADED = [*TINY, "tiny-qwen2-mha", "tiny-qwen3-mha", "tiny-phi3"]
 LOGIT_ATOL = 1e-4  # fp32 on both sides: the implementations agree to ~1e-6 here
 
 
@@ -79,6 +79,7 @@ def test_real_shapes_have_the_published_sizes():
     assert round(millions["opt-13b"]) == 12853
     assert round(millions["qwen2.5-0.5b"]) == 494
     assert round(millions["qwen3-0.6b"]) == 596
+    assert round(millions["phi3-mini"]) == 3821
 
 
 @pytest.mark.parametrize("name", LOADED)
