@@ -52,22 +52,25 @@ PHI3_CHAT = (
 )
 
 
-def _rope(theta: float, longrope: bool) -> dict:
+def _rope(theta: float, longrope: bool, partial: float) -> dict:
+    rope = {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": partial}
     if not longrope:
-        return {"rope_type": "default", "rope_theta": theta}
-    return {"rope_type": "longrope", "rope_theta": theta, "short_factor": SHORT,
-            "long_factor": LONG}
+        return rope
+    pairs = int(16 * partial) // 2  # (heads 16 wide)
+    return {**rope, "rope_type": "longrope", "short_factor": SHORT[:pairs],
+            "long_factor": LONG[:pairs]}
 
 
 def _phi3_config(vocab_size: int, *, kv_heads: int, tie: bool, theta: float = 10000.0,
-                 longrope: bool = False, context: int = CONTEXT, original: int = ORIGINAL
-                 ) -> transformers.Phi3Config:
+                 longrope: bool = False, partial: float = 1.0, context: int = CONTEXT,
+                 original: int = ORIGINAL) -> transformers.Phi3Config:
     return transformers.Phi3Config(
         vocab_size=vocab_size, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=kv_heads, intermediate_size=96, max_position_embeddings=context,
         original_max_position_embeddings=original if longrope else context,
-        rms_norm_eps=1e-5, rope_parameters=_rope(theta, longrope), tie_word_embeddings=tie,
-        sliding_window=None, bos_token_id=1, eos_token_id=ENDOFTEXT, pad_token_id=0,
+        rms_norm_eps=1e-5, rope_parameters=_rope(theta, longrope, partial),
+        tie_word_embeddings=tie, sliding_window=None, bos_token_id=1, eos_token_id=ENDOFTEXT,
+        pad_token_id=0,
     )
 
 
@@ -80,11 +83,13 @@ def _phi3(vocab_size: int, seed: int, **kw) -> transformers.Phi3ForCausalLM:
 
 
 # name -> the model's shape. Phi-3-mini and Phi-3.5-mini are MHA (32 heads of 96 = hidden);
-# Phi-3-medium has GQA; Phi-4-mini ties its embeddings.
+# Phi-3-medium has GQA; Phi-4-mini has GQA, ties its embeddings and rotates 96 of each head's
+# 128 dimensions (here 12 of 16).
 VARIANTS = {
     "phi3": dict(kv_heads=4, tie=False),
     "phi3-gqa-tied": dict(kv_heads=2, tie=True, theta=250000.0),
     "phi3-longrope": dict(kv_heads=4, tie=False, longrope=True),
+    "phi4-mini-like": dict(kv_heads=2, tie=True, theta=250000.0, longrope=True, partial=0.75),
 }
 
 
@@ -92,7 +97,7 @@ def _modes(name: str) -> list[tuple[int | None, list[int]]]:
     """(the engine's max_context, prompt lengths to compare): a LongRoPE model served by
     default (its pretrained context: short set) on sequences within it, and with the whole
     context (long set) on sequences past it, where transformers uses the long set too."""
-    if "longrope" in name:
+    if VARIANTS[name].get("longrope"):
         return [(None, [1, 9, 40, ORIGINAL]), (CONTEXT, [ORIGINAL + 1, 130, 240])]
     return [(None, [1, 9, 53, 240])]
 
@@ -221,7 +226,7 @@ def test_greedy_generation_matches_transformers(name, attention, hf_ref, engines
             _assert_same_greedy(ref_model, prompt, out[0, len(prompt):].tolist(), res.token_ids)
 
 
-@pytest.mark.parametrize("name", ["phi3", "phi3-longrope"])
+@pytest.mark.parametrize("name", ["phi3", "phi3-longrope", "phi4-mini-like"])
 def test_triton_path_matches_transformers(name, hf_dirs, hf_ref, engines):
     """The GPU kernels (RoPE from the scaled cos/sin table, fused with the K/V write), under
     Triton's interpreter in CI: transformers' logits, whole and chunked, and the CPU path's
@@ -363,12 +368,10 @@ def test_legacy_su_config_is_read(hf_dirs, tmp_path):
 
 
 @pytest.mark.parametrize("edit, pattern", [
-    (lambda c: c["rope_parameters"].update(partial_rotary_factor=0.75),
-     r"partial_rotary_factor 0\.75\) is not supported"),
     (lambda c: c["rope_parameters"].pop("long_factor"), "'longrope' lacks 'long_factor'"),
     (lambda c: c["rope_parameters"].update(short_factor=SHORT[:6]),
      "short_factor has 6 values for 8 rotary frequencies"),
-], ids=["partial-rotary", "no-long-factor", "short-factor-count"])
+], ids=["no-long-factor", "short-factor-count"])
 def test_what_we_do_not_run_is_refused_by_name(hf_dirs, tmp_path, edit, pattern):
     d = _edited(hf_dirs["phi3-longrope"], tmp_path / "bad", edit)
     with pytest.raises(ModelLoadError, match=pattern):
@@ -420,13 +423,12 @@ def vocab() -> tuple[list[str], list[int], list[str]]:
     return tokens + CHAT_TOKENS, types + [3] * len(CHAT_TOKENS), merges
 
 
-def _write_phi3_gguf(path: Path, model, vocab, *, rotary_dim: int | None = None) -> Path:
+def _write_phi3_gguf(path: Path, model, vocab, arch: str = "phi3") -> Path:
     """As llama.cpp's converter writes a Phi-3: its metadata (the pretrained context and
-    LongRoPE's factor on cos and sin, the sliding window), tensors unpermuted, LongRoPE's
-    factors as two tensors."""
+    LongRoPE's factor on cos and sin, the sliding window, the rotated part of a head),
+    tensors unpermuted, LongRoPE's factors as two tensors."""
     cfg, rope = model.config, model.config.rope_parameters
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    w = gguf.GGUFWriter(str(path), "phi3")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -435,7 +437,8 @@ def _write_phi3_gguf(path: Path, model, vocab, *, rotary_dim: int | None = None)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_dimension_count(rotary_dim or head_dim)
+    w.add_rope_dimension_count(int(rope["partial_rotary_factor"] * cfg.hidden_size)
+                               // cfg.num_attention_heads)
     w.add_rope_freq_base(float(rope["rope_theta"]))
     w.add_sliding_window(0)
     w.add_file_type(int(gguf.LlamaFileType.ALL_F32))
@@ -463,8 +466,8 @@ def _write_phi3_gguf(path: Path, model, vocab, *, rotary_dim: int | None = None)
     return path
 
 
-GGUF_VARIANTS = {"phi3-gqa-tied": dict(kv_heads=2, tie=True, theta=250000.0),
-                 "phi3-longrope": dict(kv_heads=4, tie=False, longrope=True)}
+GGUF_VARIANTS = {name: VARIANTS[name] for name in ("phi3-gqa-tied", "phi3-longrope",
+                                                   "phi4-mini-like")}
 
 
 @pytest.fixture(scope="module")
@@ -491,7 +494,7 @@ def _gguf_engine(path: Path, max_context: int | None = None) -> LLMEngine:
 
 def _gguf_modes(name: str) -> list[tuple[int | None, list[int]]]:
     """(max_context, prompt lengths) as _modes says."""
-    if "longrope" in name:
+    if VARIANTS[name].get("longrope"):
         return [(None, [1, 9, GGUF_ORIGINAL - 6]), (GGUF_CONTEXT, [GGUF_ORIGINAL + 1, 300])]
     return [(None, [1, 9, 300])]
 
@@ -514,10 +517,13 @@ def test_gguf_metadata_becomes_model_config(name, gguf_models):
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (4, hf.num_key_value_heads, 16)
     assert cfg.tie_embeddings == hf.tie_word_embeddings
     assert cfg.max_context == GGUF_CONTEXT
-    longrope = "longrope" in name
+    partial = hf.rope_parameters["partial_rotary_factor"]
+    assert cfg.rotary_dim == (0 if partial == 1.0 else 12)
+    longrope = "longrope" in hf.rope_parameters["rope_type"]
+    pairs = int(16 * partial) // 2
     # (As float32, as the file stores them.)
-    assert cfg.rope_divisors == pytest.approx(tuple(SHORT) if longrope else ())
-    assert cfg.rope_long_divisors == pytest.approx(tuple(LONG) if longrope else ())
+    assert cfg.rope_divisors == pytest.approx(tuple(SHORT[:pairs]) if longrope else ())
+    assert cfg.rope_long_divisors == pytest.approx(tuple(LONG[:pairs]) if longrope else ())
     assert cfg.rope_original_context == (GGUF_ORIGINAL if longrope else 0)
     assert cfg.rope_attention_factor == pytest.approx(model.model.rotary_emb.attention_scaling)
 
@@ -535,12 +541,13 @@ def test_gguf_chat_template_and_end_of_turn(gguf_models, vocab):
     assert eos[0] == vocab[0].index("<|endoftext|>") and end in eos
 
 
-def test_partial_rotary_gguf_is_refused_by_name(gguf_models, vocab, tmp_path):
-    """Phi-4-mini rotates 96 of its 128 head dimensions; its file says so only in
-    rope.dimension_count (no key_length: heads are hidden / heads wide)."""
-    model, _ = gguf_models["phi3-gqa-tied"]
-    path = _write_phi3_gguf(tmp_path / "partial.gguf", model, vocab, rotary_dim=12)
-    with pytest.raises(ModelLoadError, match="RoPE over 12 of 16 head dimensions"):
+def test_partial_rotary_llama_gguf_is_refused_by_name(gguf_models, vocab, tmp_path):
+    """llama.cpp's converter permutes a Llama's Q/K rows for its own rotation of whole heads:
+    a llama file that rotates part of a head is refused."""
+    model, _ = gguf_models["phi4-mini-like"]
+    path = _write_phi3_gguf(tmp_path / "partial.gguf", model, vocab, arch="llama")
+    with pytest.raises(ModelLoadError, match="GGUF llama RoPE over 12 of 16 head dimensions "
+                                             "is not supported"):
         load_model(path)
 
 

@@ -193,16 +193,18 @@ def _cos_sin(max_pos: int, dim: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rope,norm", [(True, False), (False, False), (True, True)])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 32), (0, 2, 32)])
-def test_rope_and_write_kv_equals_reference(heads, kv_heads, dim, rope, norm, dtype):
+@pytest.mark.parametrize("heads,kv_heads,dim,rotary", [
+    (9, 3, 64, 64), (4, 2, 32, 32), (0, 2, 32, 32), (3, 1, 128, 96), (0, 2, 32, 24)])
+def test_rope_and_write_kv_equals_reference(heads, kv_heads, dim, rotary, rope, norm, dtype):
     """heads 0: K/V alone (the hidden cache's re-projection); norm: Qwen3's per-head Q/K
-    RMSNorm before RoPE, fused."""
+    RMSNorm before RoPE, fused; rotary < dim: only the first `rotary` dimensions of a head
+    rotate (Phi-4-mini's 96 of 128)."""
     g = torch.Generator().manual_seed(heads + dim)
     t, slots = 7, 8 * BLOCK
     qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, generator=g).to(DEVICE, dtype)
     positions = torch.tensor([0, 5, 17, 63, 1, 0, 40], device=DEVICE)
     slot_mapping = torch.tensor([3, 17, -1, 100, 64, -1, 127], device=DEVICE)
-    cos_sin = _cos_sin(64, dim) if rope else None
+    cos_sin = _cos_sin(64, rotary) if rope else None
     kc = torch.randn(slots, kv_heads, dim, generator=g).to(DEVICE, dtype)
     vc = torch.randn(slots, kv_heads, dim, generator=g).to(DEVICE, dtype)
     kc_ref, vc_ref = kc.clone(), vc.clone()
@@ -222,6 +224,8 @@ def test_rope_and_write_kv_equals_reference(heads, kv_heads, dim, rope, norm, dt
     assert torch.equal(vc, vc_ref)  # V is copied as is; untouched slots stay as they were
     if not rope:
         assert torch.equal(q.flatten(1), qkv[:, : heads * dim])
+    elif rotary < dim and not norm:  # the dimensions past `rotary` pass as they are
+        assert torch.equal(q[..., rotary:], qkv[:, : heads * dim].view(t, heads, dim)[..., rotary:])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -18,6 +18,9 @@ class ModelConfig:
     max_context: int
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # The first rotary_dim dimensions of each head rotate, the rest pass (0: all of them;
+    # Phi-4-mini rotates 96 of 128).
+    rotary_dim: int = 0
     # One divisor per rotary frequency where the model extends its context by rescaling
     # them (linear, Llama 3's scheme: see rope.py); empty: unscaled.
     rope_divisors: tuple[float, ...] = ()

@@ -24,6 +24,8 @@ def export_hf(model: LoadedModel, out_dir: str | Path, dtype: torch.dtype = torc
               "qwen2" if "model.layers.0.self_attn.q_proj.bias" in model.weights else "llama")
     # RoPE in the keys transformers 4 wrote (vLLM's reads them; transformers 5 too).
     rope: dict = {"rope_theta": c.rope_theta}
+    if c.rotary_dim:
+        rope["partial_rotary_factor"] = c.rotary_dim / c.head_dim
     if c.rope_long_divisors:
         # Phi-3's LongRoPE, its pretrained context beside it as Phi-3's configs have it.
         rope["rope_scaling"] = {"rope_type": "longrope", "short_factor": list(c.rope_divisors),

@@ -168,18 +168,19 @@ def _tensor_values(reader, name: str, count: int) -> tuple[float, ...] | None:
     return tuple(values)
 
 
-def _rope_fields(reader, arch: str, head_dim: int, context: int) -> dict:
-    """ModelConfig's RoPE fields. Phi-3's LongRoPE (rope.py) is a pair of tensors,
-    rope_factors_short and rope_factors_long, with the pretrained context and the factor
-    on cos and sin in metadata; llama.cpp takes the factor as written, 1 when absent."""
-    divisors = _rope_divisors(reader, arch, head_dim)
-    long = _tensor_values(reader, "rope_factors_long.weight", head_dim // 2)
+def _rope_fields(reader, arch: str, rotary: int, context: int) -> dict:
+    """ModelConfig's RoPE fields for heads that rotate `rotary` dimensions. Phi-3's
+    LongRoPE (rope.py) is a pair of tensors, rope_factors_short and rope_factors_long, with
+    the pretrained context and the factor on cos and sin in metadata; llama.cpp takes the
+    factor as written, 1 when absent."""
+    divisors = _rope_divisors(reader, arch, rotary)
+    long = _tensor_values(reader, "rope_factors_long.weight", rotary // 2)
     if long is None:
         return {"rope_divisors": divisors}
     if divisors:
         raise ModelLoadError("GGUF LongRoPE (rope_factors_long) with another RoPE scaling "
                              "(rope_freqs or a linear factor) is not supported")
-    short = _tensor_values(reader, "rope_factors_short.weight", head_dim // 2)
+    short = _tensor_values(reader, "rope_factors_short.weight", rotary // 2)
     if short is None:
         raise ModelLoadError("GGUF LongRoPE: rope_factors_long without rope_factors_short")
     return LongRope(
@@ -188,7 +189,7 @@ def _rope_fields(reader, arch: str, head_dim: int, context: int) -> dict:
     ).config_fields()
 
 
-def _rope_divisors(reader, arch: str, head_dim: int) -> tuple[float, ...]:
+def _rope_divisors(reader, arch: str, rotary: int) -> tuple[float, ...]:
     """The divisor of each rotary frequency (rope.py): llama.cpp divides them by the
     `rope_freqs` tensor (Llama 3.1's scheme, written by its converter) and by a linear
     scaling factor; other scaling types are refused."""
@@ -199,9 +200,9 @@ def _rope_divisors(reader, arch: str, head_dim: int) -> tuple[float, ...]:
         raise ModelLoadError(
             f"GGUF RoPE scaling {scaling!r} (factor {factor}) is not supported (supported: "
             f"linear, and Llama 3's frequency factors)")
-    factors = _tensor_values(reader, "rope_freqs.weight", head_dim // 2)
+    factors = _tensor_values(reader, "rope_freqs.weight", rotary // 2)
     if factors is None:
-        return () if factor == 1.0 else (factor,) * (head_dim // 2)
+        return () if factor == 1.0 else (factor,) * (rotary // 2)
     return tuple(factor * f for f in factors)
 
 
@@ -215,10 +216,12 @@ def _config(reader, arch: str, tokenizer: ModelTokenizer, has_output: bool) -> M
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
     # Qwen3's heads are not hidden / heads wide: key_length says (llama.cpp writes it then).
     head_dim = int(get("attention.key_length", hidden // heads))
+    # Phi-4-mini rotates 96 of its 128 head dimensions: the first ones, in Hugging Face's
+    # layout; Llama's rows are permuted for another rotation (_unpermute), whole heads only.
     rotary = int(get("rope.dimension_count", head_dim))
-    if rotary != head_dim:
-        raise ModelLoadError(f"GGUF RoPE over {rotary} of {head_dim} head dimensions (partial "
-                             f"rotary) is not supported")
+    if rotary != head_dim and (arch == "llama" or not 0 < rotary < head_dim or rotary % 2):
+        raise ModelLoadError(f"GGUF {arch} RoPE over {rotary} of {head_dim} head dimensions "
+                             f"is not supported")
     eos = [tokenizer.token_id(tokenizer.eos_token)] if tokenizer.eos_token else []
     # Chat models end a turn with their own token; stopping there is what users expect.
     for end_of_turn in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>",
@@ -240,7 +243,8 @@ def _config(reader, arch: str, tokenizer: ModelTokenizer, has_output: bool) -> M
         max_context=context,
         norm_eps=float(get("attention.layer_norm_rms_epsilon")),
         rope_theta=float(get("rope.freq_base", 10000.0)),
-        **_rope_fields(reader, arch, head_dim, context),
+        rotary_dim=0 if rotary == head_dim else rotary,
+        **_rope_fields(reader, arch, rotary, context),
         tie_embeddings=not has_output,
         bos_token_id=tokenizer.token_id(tokenizer.bos_token) if tokenizer.bos_token else None,
         eos_token_ids=tuple(eos),

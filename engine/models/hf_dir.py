@@ -87,17 +87,16 @@ def read_hf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
         rope = cfg.get("rope_parameters") or {}
         theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         scaling = cfg.get("rope_scaling") or rope
-        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-        if partial != 1.0:
-            raise ModelLoadError(f"{path}: RoPE over part of each head (partial_rotary_factor "
-                                 f"{partial}) is not supported")
+        # Phi-4-mini rotates 96 of its 128 head dimensions (as transformers rounds them).
+        rotary = int(head_dim * rope.get("partial_rotary_factor",
+                                         cfg.get("partial_rotary_factor", 1.0)))
         longrope = None
         if scaling.get("rope_type", scaling.get("type")) in LONGROPE_KINDS:
             # (Phi-3 writes the pretrained context beside rope_scaling; transformers prefers it.)
             original = cfg.get("original_max_position_embeddings",
                                scaling.get("original_max_position_embeddings",
                                            common["max_context"]))
-            longrope = hf_longrope(scaling, head_dim, common["max_context"], original,
+            longrope = hf_longrope(scaling, rotary, common["max_context"], original,
                                    str(path))
         config = ModelConfig(
             arch="llama",
@@ -106,8 +105,9 @@ def read_hf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
             ffn_size=cfg["intermediate_size"],
             norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
+            rotary_dim=0 if rotary == head_dim else rotary,
             **(longrope.config_fields() if longrope else
-               {"rope_divisors": hf_divisors(scaling, head_dim, theta, str(path))}),
+               {"rope_divisors": hf_divisors(scaling, rotary, theta, str(path))}),
             tie_embeddings=cfg.get("tie_word_embeddings", False),
             **common,
         )

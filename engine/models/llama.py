@@ -112,25 +112,28 @@ class LlamaModel:
                 linear(w(p + "mlp.down_proj.weight"), b(p + "mlp.down_proj")),
             ))
         divisors, scale = c.served_rope()
-        inv_freq = torch.tensor(frequencies(c.head_dim, c.rope_theta, divisors),
+        inv_freq = torch.tensor(frequencies(c.rotary_dim or c.head_dim, c.rope_theta, divisors),
                                 dtype=torch.float64)
         angles = torch.arange(c.max_context).double()[:, None] * inv_freq[None, :]
         # (LongRoPE scales cos and sin, and so the rotated Q and K, by its attention factor.)
         cos, sin = angles.cos() * scale, angles.sin() * scale
-        if kernels == "triton":  # one [positions, head_dim] table: cos half, sin half
+        if kernels == "triton":  # one [positions, rotary dims] table: cos half, sin half
             self.cos_sin = torch.cat([cos, sin], -1).float().to(device)
         else:
             self.cos, self.sin = cos.float(), sin.float()
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate-half RoPE (Hugging Face layout) in fp32, written into one output buffer."""
+        """Rotate-half RoPE (Hugging Face layout) in fp32, written into one output buffer,
+        over the first 2 x cos.shape[-1] dimensions of each head; the rest pass (partial
+        rotary)."""
         xf = x.float()
-        half = xf.shape[-1] // 2
-        x1, x2 = xf[..., :half], xf[..., half:]
+        half = cos.shape[-1]
+        x1, x2 = xf[..., :half], xf[..., half:2 * half]
         out = torch.empty_like(xf)
         torch.mul(x1, cos, out=out[..., :half]).addcmul_(x2, sin, value=-1.0)
-        torch.mul(x2, cos, out=out[..., half:]).addcmul_(x1, sin)
+        torch.mul(x2, cos, out=out[..., half:2 * half]).addcmul_(x1, sin)
+        out[..., 2 * half:] = xf[..., 2 * half:]
         return out.to(x.dtype)
 
     def _norm_heads(self, x: torch.Tensor, first: int, heads: int, weight: torch.Tensor
