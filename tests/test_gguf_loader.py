@@ -24,7 +24,7 @@ import pytest
 import torch
 import transformers
 from gguf import GGMLQuantizationType as QT
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from llmdb.engine.engine import LLMEngine
 from llmdb.engine.models import ModelLoadError, load_model
@@ -744,8 +744,46 @@ def test_tekken_splits_words_at_case_changes(vocab_file):
     assert [w for w, _ in split] == ["Camel", "Case", "ĠHTTPServer", "Ġx", "/y", "Ġ", "4", "2"]
 
 
+# o200k's split, from GPT-4o's and Phi-4-mini's tokenizer.json.
+GPT4O_REGEX = (
+    "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]+"
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+"
+    "[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\\p{N}{1,3}"
+    "| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+)
+
+
+def test_gpt4o_keeps_contractions_and_splits_digits_in_threes(vocab_file, hf_models,
+                                                               tmp_path, llama_cpp):
+    """GPT-4o's pre-tokenizer (Phi-4-mini): Tekken's case-aware words, but a contraction
+    stays on its word and digits go three at a time. A vocabulary trained with that split
+    (merges across "don" + "'t" and digit triples) encodes as its tokenizer.json and as
+    llama.cpp do."""
+    _, tok = read_gguf_metadata(vocab_file("gpt-4o"))
+    split = tok.tokenizer.pre_tokenizer.pre_tokenize_str("CamelCase don't WE'RE 12345")
+    assert [w for w, _ in split] == ["Camel", "Case", "Ġdon't", "ĠWE'RE", "Ġ", "123", "45"]
+
+    trained = Tokenizer(models.BPE())
+    trained.pre_tokenizer = pre_tokenizers.Sequence([  # as Phi-4-mini's tokenizer.json has it
+        pre_tokenizers.Split(Regex(GPT4O_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    trained.decoder = decoders.ByteLevel()
+    corpus = ["I don't know, we're sure it's 123456 or 789012.", "They'll say HE'S 2024."]
+    trained.train_from_iterator(corpus * 50, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=SPECIALS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    assert trained.token_to_id("Ġdon't") is not None and trained.token_to_id("123") is not None
+    path = _write_gguf(tmp_path / "gpt4o.gguf", hf_models["untied"], trained, pre="gpt-4o",
+                       with_tensors=False)
+    _, ours = read_gguf_metadata(path)
+    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=True)
+    for text in [*corpus, "you don't, I'd 9876543 they'VE"]:
+        ids = trained.encode(text).ids
+        assert ours.encode(text) == ids == llm.tokenize(text.encode(), add_bos=False), text
+
+
 @pytest.mark.parametrize("pre", ["smollm", "default", None, "gpt-2", "llama-bpe", "smaug-bpe",
-                                 "starcoder", "qwen2", "tekken"])
+                                 "starcoder", "qwen2", "tekken", "gpt-4o"])
 def test_tokenization_matches_llama_cpp(pre, vocab_file, llama_cpp):
     path = vocab_file(pre)
     _, tok = read_gguf_metadata(path)

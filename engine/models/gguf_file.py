@@ -47,13 +47,24 @@ _TEKKEN_SPLIT = (
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# GPT-4o's (o200k; Phi-4-mini): Tekken's words with English contractions kept on them, and
+# digits in threes. Its tokenizer.json's regex, which llama.cpp approximates as it does
+# Tekken's.
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # Vocabularies whose whole pieces are looked up before merging (llama.cpp's ignore_merges,
 # as tiktoken does).
 _IGNORE_MERGES = (*_LLAMA3_PRES, "tekken")
 
 # Pre-tokenizers that are one regex split, then bytes to symbols.
 _ONE_SPLIT = {**dict.fromkeys((*_LLAMA3_PRES, "smaug-bpe"), _LLAMA3_SPLIT),
-              "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "tekken": _TEKKEN_SPLIT}
+              "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "tekken": _TEKKEN_SPLIT,
+              "gpt-4o": _GPT4O_SPLIT}
 
 
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
