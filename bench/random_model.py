@@ -94,6 +94,7 @@ def _longrope(rotary_dim: int, stretch: float) -> dict:
     return {"type": "longrope", "short_factor": [1.0 + 0.1 * i / half for i in range(half)],
             "long_factor": [stretch ** (i / (half - 1)) for i in range(half)]}
 
+
 SHAPES: dict[str, Shape] = {
     # HuggingFaceTB/SmolLM2-135M-Instruct
     "smollm2-135m": Shape(

@@ -1,5 +1,5 @@
-"""Phi-3 (Phi-3-mini, Phi-3.5-mini: Hugging Face Phi3ForCausalLM; GGUF architecture phi3)
-against transformers and llama.cpp, on tiny random models built here.
+"""Phi-3 (Phi-3-mini, Phi-3.5-mini, Phi-4-mini: Hugging Face Phi3ForCausalLM; GGUF
+architecture phi3) against transformers and llama.cpp, on tiny random models built here.
 
 Phi-3 is Llama's decoder with Q, K and V fused into one qkv_proj and gate and up into one
 gate_up_proj (llama.cpp: attn_qkv and a double-height ffn_up), and, for 128k contexts,
@@ -30,7 +30,15 @@ from llmdb.engine.params import SamplingParams
 
 from .test_gguf_loader import _train_bpe
 from .test_gguf_loader import _vocab as _bpe_vocab
-from .test_hf_models import WORDS, _assert_close, _assert_same_greedy, _randomize, _ref_logits
+from .test_hf_models import (
+    WORDS,
+    _assert_close,
+    _assert_same_greedy,
+    _copy_dir,
+    _edit_config,
+    _randomize,
+    _ref_logits,
+)
 
 CONTEXT = 256
 ORIGINAL = 64  # the LongRoPE models' pretrained context
@@ -325,10 +333,7 @@ def test_generation_stops_at_end_of_turn(hf_dirs, tmp_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     free = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    d = tmp_path / "ends"
-    d.mkdir()
-    for f in src.iterdir():
-        (d / f.name).write_bytes(f.read_bytes())
+    d = _copy_dir(src, tmp_path / "ends")
     weights = load_file(str(d / "model.safetensors"))
     weights["lm_head.weight"][END] = 1.3 * weights["lm_head.weight"][free[2]]
     save_file(weights, str(d / "model.safetensors"), metadata={"format": "pt"})
@@ -344,16 +349,6 @@ def test_generation_stops_at_end_of_turn(hf_dirs, tmp_path):
 # ---- refusals and the served context ---------------------------------------------------------
 
 
-def _edited(src: Path, dst: Path, edit) -> Path:
-    dst.mkdir()
-    for f in src.iterdir():
-        (dst / f.name).write_bytes(f.read_bytes())
-    cfg = json.loads((dst / "config.json").read_text())
-    edit(cfg)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
-
-
 def test_legacy_su_config_is_read(hf_dirs, tmp_path):
     """Phi-3-mini-128k's first configs: rope_scaling {"type": "su", ...} beside top-level
     rope_theta and original_max_position_embeddings."""
@@ -363,7 +358,7 @@ def test_legacy_su_config_is_read(hf_dirs, tmp_path):
         cfg["rope_scaling"] = {"type": "su", "short_factor": rope["short_factor"],
                                "long_factor": rope["long_factor"]}
 
-    d = _edited(hf_dirs["phi3-longrope"], tmp_path / "su", legacy)
+    d = _edit_config(hf_dirs["phi3-longrope"], tmp_path / "su", legacy)
     assert load_model(d).config == load_model(hf_dirs["phi3-longrope"]).config
 
 
@@ -373,7 +368,7 @@ def test_legacy_su_config_is_read(hf_dirs, tmp_path):
      "short_factor has 6 values for 8 rotary frequencies"),
 ], ids=["no-long-factor", "short-factor-count"])
 def test_what_we_do_not_run_is_refused_by_name(hf_dirs, tmp_path, edit, pattern):
-    d = _edited(hf_dirs["phi3-longrope"], tmp_path / "bad", edit)
+    d = _edit_config(hf_dirs["phi3-longrope"], tmp_path / "bad", edit)
     with pytest.raises(ModelLoadError, match=pattern):
         load_model(d)
 

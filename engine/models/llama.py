@@ -133,7 +133,8 @@ class LlamaModel:
         out = torch.empty_like(xf)
         torch.mul(x1, cos, out=out[..., :half]).addcmul_(x2, sin, value=-1.0)
         torch.mul(x2, cos, out=out[..., half:2 * half]).addcmul_(x1, sin)
-        out[..., 2 * half:] = xf[..., 2 * half:]
+        if 2 * half < xf.shape[-1]:
+            out[..., 2 * half:] = xf[..., 2 * half:]
         return out.to(x.dtype)
 
     def _norm_heads(self, x: torch.Tensor, first: int, heads: int, weight: torch.Tensor

@@ -77,13 +77,12 @@ def _rope_write_kernel(
     qkv_ptr, positions_ptr, cos_sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_out_ptr,
     q_norm_ptr, k_norm_ptr, eps,
     stride_qkv, stride_cs, stride_ks, stride_kh, stride_vs, stride_vh,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     HALF_PAD: tl.constexpr, ROT_HALF: tl.constexpr, ROT_PAD: tl.constexpr,
     REST_PAD: tl.constexpr, H_PAD: tl.constexpr, KVH_PAD: tl.constexpr,
     HAS_ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
-    D: tl.constexpr = 2 * HALF
     rots = tl.arange(0, ROT_PAD)
     rot_ok = rots < ROT_HALF
     rest = tl.arange(0, REST_PAD)
@@ -136,8 +135,8 @@ def rope_and_write_kv(
 
     positions [T] int64, slot_mapping [T] int64 (-1: do not write), cos_sin fp32 [P, R] with
     unit stride in its last dim (R <= D: the first R dimensions of each head rotate), or None
-    for a model without RoPE. Caches need a unit stride
-    in their last dim. num_heads may be 0: K/V alone (hidden-cache re-projection).
+    for a model without RoPE. Caches need a unit stride in their last dim. num_heads may be
+    0: K/V alone (hidden-cache re-projection).
     qk_norm: (q_norm [D], k_norm [D]) RMSNorm weights applied to each head before RoPE, with
     eps (q_norm None when num_heads is 0)."""
     num_tokens = qkv.shape[0]
@@ -158,7 +157,7 @@ def rope_and_write_kv(
         q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv, eps,
         qkv.stride(0), cos_sin.stride(0) if has_rope else 0,
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, D=head_dim, HALF=half,
         HALF_PAD=triton.next_power_of_2(half), ROT_HALF=rotary // 2,
         ROT_PAD=triton.next_power_of_2(rotary // 2),
         REST_PAD=triton.next_power_of_2(max(head_dim - rotary, 1)),
