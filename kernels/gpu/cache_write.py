@@ -11,9 +11,10 @@ angles a, out = (x1 cos a - x2 sin a, x2 cos a + x1 sin a). The table cos_sin [p
 holds cos a in its first D/2 columns and sin a in its last D/2. A slot < 0 marks a padding
 row: its Q is still written, its K/V are not.
 
-With q_norm/k_norm (Qwen3), each Q and K head is RMS-normalized before it is rotated, in the
-same pass, rounded as the unfused path rounds: normalize in fp32, round to the dtype, times
-the weight, round again.
+With q_norm/k_norm (Qwen3, Gemma 3), each Q and K head is RMS-normalized before it is
+rotated, in the same pass, rounded as the unfused path rounds: Llama's norm (Qwen3)
+normalizes in fp32, rounds to the dtype, multiplies by the weight and rounds again; Gemma's
+(fp32_scale) multiplies by an fp32 scale and rounds once.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
-from llmdb.kernels.elementwise import rms_norm_reference
+from llmdb.kernels.elementwise import rms_norm_fp32, rms_norm_reference
 
 
 @triton.jit
 def _rotate_heads(x_ptr, head_idx, head_ok, cos, sin, halves, half_ok, norm_ptr, eps,
-                  HALF: tl.constexpr, HAS_ROPE: tl.constexpr, HAS_NORM: tl.constexpr):
+                  HALF: tl.constexpr, HAS_ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
+                  FP32_SCALE: tl.constexpr):
     """Load heads [NH_PAD, D] of one token as two halves and return them (normalized, with
     HAS_NORM, then) rotated, in fp32."""
     base = x_ptr + head_idx[:, None] * (2 * HALF) + halves[None, :]
@@ -39,8 +41,13 @@ def _rotate_heads(x_ptr, head_idx, head_ok, cos, sin, halves, half_ok, norm_ptr,
         rms = tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)
         w1 = tl.load(norm_ptr + halves, mask=half_ok, other=0.0).to(tl.float32)
         w2 = tl.load(norm_ptr + HALF + halves, mask=half_ok, other=0.0).to(tl.float32)
-        x1 = ((x1 / rms[:, None]).to(dt).to(tl.float32) * w1[None, :]).to(dt).to(tl.float32)
-        x2 = ((x2 / rms[:, None]).to(dt).to(tl.float32) * w2[None, :]).to(dt).to(tl.float32)
+        x1 = x1 / rms[:, None]
+        x2 = x2 / rms[:, None]
+        if not FP32_SCALE:
+            x1 = x1.to(dt).to(tl.float32)
+            x2 = x2.to(dt).to(tl.float32)
+        x1 = (x1 * w1[None, :]).to(dt).to(tl.float32)
+        x2 = (x2 * w2[None, :]).to(dt).to(tl.float32)
     if HAS_ROPE:
         y1 = x1 * cos[None, :] - x2 * sin[None, :]
         x2 = x2 * cos[None, :] + x1 * sin[None, :]
@@ -55,7 +62,7 @@ def _rope_write_kernel(
     stride_qkv, stride_cs, stride_ks, stride_kh, stride_vs, stride_vh,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
     HALF_PAD: tl.constexpr, H_PAD: tl.constexpr, KVH_PAD: tl.constexpr,
-    HAS_ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
+    HAS_ROPE: tl.constexpr, HAS_NORM: tl.constexpr, FP32_SCALE: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     halves = tl.arange(0, HALF_PAD)
@@ -73,7 +80,7 @@ def _rope_write_kernel(
     q_heads = tl.arange(0, H_PAD)
     q_ok = q_heads < NUM_HEADS
     q1, q2 = _rotate_heads(row, q_heads, q_ok, cos, sin, halves, half_ok, q_norm_ptr, eps,
-                           HALF, HAS_ROPE, HAS_NORM)
+                           HALF, HAS_ROPE, HAS_NORM, FP32_SCALE)
     q_out = q_out_ptr + tok * (NUM_HEADS * 2 * HALF) + q_heads[:, None] * (2 * HALF)
     q_out += halves[None, :]
     mask = q_ok[:, None] & half_ok[None, :]
@@ -87,7 +94,7 @@ def _rope_write_kernel(
         kv_mask = kv_ok[:, None] & half_ok[None, :]
         k_row = row + NUM_HEADS * 2 * HALF
         k1, k2 = _rotate_heads(k_row, kv_heads, kv_ok, cos, sin, halves, half_ok, k_norm_ptr,
-                               eps, HALF, HAS_ROPE, HAS_NORM)
+                               eps, HALF, HAS_ROPE, HAS_NORM, FP32_SCALE)
         k_dst = k_cache_ptr + slot * stride_ks + kv_heads[:, None] * stride_kh + halves[None, :]
         tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
         tl.store(k_dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
@@ -106,6 +113,7 @@ def rope_and_write_kv(
     slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_heads: int, num_kv_heads: int, head_dim: int,
     qk_norm: tuple[torch.Tensor | None, torch.Tensor] | None = None, eps: float = 0.0,
+    fp32_scale: bool = False,
 ) -> torch.Tensor:
     """qkv [T, (H + 2 KVH) D] (unit stride in the last dim) -> rotated q [T, H, D], contiguous,
     in qkv's dtype; K (rotated) and V land in k_cache/v_cache [slots, KVH, D] at slot_mapping.
@@ -114,7 +122,8 @@ def rope_and_write_kv(
     unit stride in its last dim, or None for a model without RoPE. Caches need a unit stride
     in their last dim. num_heads may be 0: K/V alone (hidden-cache re-projection).
     qk_norm: (q_norm [D], k_norm [D]) RMSNorm weights applied to each head before RoPE, with
-    eps (q_norm None when num_heads is 0)."""
+    eps (q_norm None when num_heads is 0); fp32_scale: Gemma's norm, the weights fp32
+    scales."""
     num_tokens = qkv.shape[0]
     assert head_dim % 2 == 0 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
     assert qkv.stride(1) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1
@@ -134,7 +143,7 @@ def rope_and_write_kv(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
         HALF_PAD=triton.next_power_of_2(half), H_PAD=triton.next_power_of_2(max(num_heads, 1)),
         KVH_PAD=triton.next_power_of_2(num_kv_heads), HAS_ROPE=has_rope,
-        HAS_NORM=qk_norm is not None,
+        HAS_NORM=qk_norm is not None, FP32_SCALE=fp32_scale,
         num_warps=4 if num_heads * head_dim >= 2048 else 2,
     )
     return q
@@ -145,14 +154,16 @@ def rope_and_write_kv_reference(
     slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_heads: int, num_kv_heads: int, head_dim: int,
     qk_norm: tuple[torch.Tensor | None, torch.Tensor] | None = None, eps: float = 0.0,
+    fp32_scale: bool = False,
 ) -> torch.Tensor:
     """The torch definition `rope_and_write_kv` is tested against (same contract)."""
     t = qkv.shape[0]
     q, k, v = qkv.view(t, -1, head_dim).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
     if qk_norm is not None:
+        norm = rms_norm_fp32 if fp32_scale else rms_norm_reference
         if num_heads:
-            q = rms_norm_reference(q, qk_norm[0], eps)
-        k = rms_norm_reference(k, qk_norm[1], eps)
+            q = norm(q, qk_norm[0], eps)
+        k = norm(k, qk_norm[1], eps)
     if cos_sin is not None:
         half = head_dim // 2
         cs = cos_sin[positions].float()
