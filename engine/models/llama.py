@@ -8,6 +8,8 @@ also runnable on CPU tensors under TRITON_INTERPRET=1, which is how CI tests thi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -38,6 +40,61 @@ def cpu_attention(kernels: str):
     return paged_attention_reference if kernels == "reference" else paged_attention
 
 
+def fused_weight(w: Callable[[str], torch.Tensor], weights: dict[str, torch.Tensor],
+                 names: list[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weights of projections that share an input, concatenated (one GEMM instead of
+    several), and their biases so concatenated, or None where the checkpoint has none
+    (Llama; Qwen2 has them on Q, K and V). w: a weight by name, on the model's device and in
+    its dtype."""
+    weight = torch.cat([w(n + ".weight") for n in names])
+    if names[0] + ".bias" not in weights:
+        return weight, None
+    return weight, torch.cat([w(n + ".bias") for n in names])
+
+
+@dataclass(frozen=True)
+class RopeTable:
+    """cos and sin of one RoPE's angles at every position: [P, D/2] each for the CPU path,
+    or for the Triton kernel one [P, D] table, cos half then sin half (cos_sin)."""
+
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+    cos_sin: torch.Tensor | None
+
+    @classmethod
+    def build(cls, config: ModelConfig, theta: float, divisors: tuple[float, ...],
+              triton: bool, device: torch.device) -> RopeTable:
+        inv_freq = torch.tensor(frequencies(config.head_dim, theta, divisors),
+                                dtype=torch.float64)
+        angles = torch.arange(config.max_context).double()[:, None] * inv_freq[None, :]
+        if triton:
+            return cls(None, None, torch.cat([angles.cos(), angles.sin()], -1).float().to(device))
+        return cls(angles.cos().float(), angles.sin().float(), None)
+
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [T, 1, D/2] of the CPU path at `positions`, to rotate [T, heads, D]."""
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (Hugging Face layout) in fp32, written into one output buffer."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    x1, x2 = xf[..., :half], xf[..., half:]
+    out = torch.empty_like(xf)
+    torch.mul(x1, cos, out=out[..., :half]).addcmul_(x2, sin, value=-1.0)
+    torch.mul(x2, cos, out=out[..., half:]).addcmul_(x1, sin)
+    return out.to(x.dtype)
+
+
+def norm_heads(x: torch.Tensor, first: int, heads: int, head_dim: int, weight: torch.Tensor,
+               eps: float, norm: Callable = rms_norm) -> None:
+    """`norm` (an RMSNorm), in place, over each of `heads` heads of x [T, ...] from head
+    `first` on: per-head Q/K norms (Qwen3, Gemma 3) on the packed QKV projection."""
+    part = x[:, first * head_dim:(first + heads) * head_dim]
+    part.copy_(norm(part.reshape(-1, head_dim), weight, eps).view(part.shape))
+
+
 def vocab_projection(hidden: torch.Tensor, lm_head: Linear,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     if hidden.shape[0] <= _VOCAB_SLICE_ROWS or hidden.device.type != "cpu":
@@ -62,13 +119,6 @@ class LlamaModel:
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device, dtype).contiguous()
 
-        def b(*names: str) -> torch.Tensor | None:
-            """The projections' biases, concatenated as their weights are; None where the
-            checkpoint has none (Llama; Qwen2 has them on Q, K and V)."""
-            if names[0] + ".bias" not in weights:
-                return None
-            return torch.cat([w(n + ".bias") for n in names])
-
         # Qwen3: an RMSNorm over each Q and each K head (one weight per projection), before
         # RoPE. None where the checkpoint has none.
         self.qk_norms: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -87,57 +137,30 @@ class LlamaModel:
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             # One matmul for Q, K and V and one for gate and up: fewer, larger GEMMs.
-            qkv_names = [p + f"self_attn.{n}_proj" for n in "qkv"]
-            qkv = torch.cat([w(n + ".weight") for n in qkv_names])
-            qkv_bias = b(*qkv_names)
+            qkv, qkv_bias = fused_weight(w, weights, [p + f"self_attn.{n}_proj" for n in "qkv"])
             if hidden_cache:
                 q_rows = c.num_heads * c.head_dim
                 self.kv_projs.append(linear(qkv[q_rows:], None if qkv_bias is None
                                             else qkv_bias[q_rows:]))
-            mlp = [p + "mlp.gate_proj", p + "mlp.up_proj"]
-            gate_up = torch.cat([w(n + ".weight") for n in mlp])
             self.layers.append((
                 w(p + "input_layernorm.weight"),
                 linear(qkv, qkv_bias),
-                linear(w(p + "self_attn.o_proj.weight"), b(p + "self_attn.o_proj")),
+                linear(*fused_weight(w, weights, [p + "self_attn.o_proj"])),
                 w(p + "post_attention_layernorm.weight"),
-                linear(gate_up, b(*mlp)),
-                linear(w(p + "mlp.down_proj.weight"), b(p + "mlp.down_proj")),
+                linear(*fused_weight(w, weights, [p + "mlp.gate_proj", p + "mlp.up_proj"])),
+                linear(*fused_weight(w, weights, [p + "mlp.down_proj"])),
             ))
-        inv_freq = torch.tensor(frequencies(c.head_dim, c.rope_theta, c.rope_divisors),
-                                dtype=torch.float64)
-        angles = torch.arange(c.max_context).double()[:, None] * inv_freq[None, :]
-        if kernels == "triton":  # one [positions, head_dim] table: cos half, sin half
-            self.cos_sin = torch.cat([angles.cos(), angles.sin()], -1).float().to(device)
-        else:
-            self.cos, self.sin = angles.cos().float(), angles.sin().float()
-
-    @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate-half RoPE (Hugging Face layout) in fp32, written into one output buffer."""
-        xf = x.float()
-        half = xf.shape[-1] // 2
-        x1, x2 = xf[..., :half], xf[..., half:]
-        out = torch.empty_like(xf)
-        torch.mul(x1, cos, out=out[..., :half]).addcmul_(x2, sin, value=-1.0)
-        torch.mul(x2, cos, out=out[..., half:]).addcmul_(x1, sin)
-        return out.to(x.dtype)
-
-    def _norm_heads(self, x: torch.Tensor, first: int, heads: int, weight: torch.Tensor
-                    ) -> None:
-        """RMSNorm, in place, over each of `heads` heads of x [T, ...] from head `first`
-        on (Qwen3's q_norm / k_norm on the packed projection; the Triton path does it inside
-        rope_and_write_kv)."""
-        d = self.config.head_dim
-        part = x[:, first * d:(first + heads) * d]
-        part.copy_(rms_norm(part.reshape(-1, d), weight, self.config.norm_eps).view(part.shape))
+        self.rope = RopeTable.build(c, c.rope_theta, c.rope_divisors, kernels == "triton",
+                                    device)
 
     def _norm_qk(self, qkv: torch.Tensor, layer: int) -> None:
-        """Qwen3's per-head norms of Q and K, in place on the [T, (Hq + 2 Hk) * D] projection."""
+        """Qwen3's per-head norms of Q and K, in place on the [T, (Hq + 2 Hk) * D] projection
+        (the Triton path does it inside rope_and_write_kv)."""
         if self.qk_norms is not None:
+            c = self.config
             q_norm, k_norm = self.qk_norms[layer]
-            self._norm_heads(qkv, 0, self.config.num_heads, q_norm)
-            self._norm_heads(qkv, self.config.num_heads, self.config.num_kv_heads, k_norm)
+            norm_heads(qkv, 0, c.num_heads, c.head_dim, q_norm, c.norm_eps)
+            norm_heads(qkv, c.num_heads, c.num_kv_heads, c.head_dim, k_norm, c.norm_eps)
 
     def forward(
         self,
@@ -157,7 +180,7 @@ class LlamaModel:
         c = self.config
         t = input_ids.shape[0]
         hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
-        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        cos, sin = self.rope.at(positions)
         scale = d**-0.5
         nk = t if hidden is None else hidden.first_row
         x = self.embed[input_ids]
@@ -169,7 +192,7 @@ class LlamaModel:
             self._norm_qk(qkv, i)
             qk, v = qkv.split([(hq + hk) * d, hk * d], dim=-1)
             # Q and K heads rotate together: one pass over both.
-            q, k = self._rope(qk.view(t, hq + hk, d), cos, sin).split([hq, hk], dim=1)
+            q, k = rotate(qk.view(t, hq + hk, d), cos, sin).split([hq, hk], dim=1)
             write_kv(k_cache, v_cache, k[:nk], v.reshape(t, hk, d)[:nk], batch.slot_mapping[:nk])
             if hidden is None:
                 o = attention(q, k_cache, v_cache, batch, scale)
@@ -212,7 +235,7 @@ class LlamaModel:
                 h, residual = add_rms_norm(x, residual, ln1, c.norm_eps)
             # Hidden-cache rows have slot -1: their K/V are not written. (Qwen3's Q/K norms
             # run inside the same kernel.)
-            q = rope_and_write_kv(qkv_proj(h), positions, self.cos_sin, batch.slot_mapping,
+            q = rope_and_write_kv(qkv_proj(h), positions, self.rope.cos_sin, batch.slot_mapping,
                                   k_cache, v_cache, hq, hk, d,
                                   self.qk_norms[i] if self.qk_norms else None, c.norm_eps)
             if hidden is None:
@@ -237,14 +260,13 @@ class LlamaModel:
             k, v = (torch.empty(r, hk, d, dtype=kv.dtype, device=kv.device) for _ in "kv")
             slots = torch.arange(r, device=kv.device)
             norm = (None, self.qk_norms[layer][1]) if self.qk_norms else None
-            rope_and_write_kv(kv, positions, self.cos_sin, slots, k, v, 0, hk, d, norm,
+            rope_and_write_kv(kv, positions, self.rope.cos_sin, slots, k, v, 0, hk, d, norm,
                               c.norm_eps)
             return k, v
         if self.qk_norms is not None:
-            self._norm_heads(kv, 0, hk, self.qk_norms[layer][1])
+            norm_heads(kv, 0, hk, d, self.qk_norms[layer][1], c.norm_eps)
         kv = kv.view(r, 2 * hk, d)
-        k = self._rope(kv[:, :hk], self.cos[positions][:, None, :],
-                       self.sin[positions][:, None, :])
+        k = rotate(kv[:, :hk], *self.rope.at(positions))
         return k, kv[:, hk:].contiguous()
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
