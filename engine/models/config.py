@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str  # "llama" or "opt"
+    arch: str  # "llama", "opt", "gemma2" or "gemma3"
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -26,6 +26,21 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     position_offset: int = 0  # OPT only: learned positions start at this offset
     norm_before: bool = True
+    # The attention scores' scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar **
+    # -0.5).
+    attn_scale: float | None = None
+    # Gemma 2: the logits are capped as cap * tanh(logits / cap); 0: not capped.
+    logit_softcap: float = 0.0
+    # One entry per layer (empty: every layer attends to the whole context): 0 = the whole
+    # context, w = a query at position p sees keys p-w+1..p (sliding-window layers).
+    layer_windows: tuple[int, ...] = ()
+    # Gemma 3: the RoPE base of the sliding-window layers, which are unscaled (the others
+    # take rope_theta and rope_divisors); 0: one RoPE for every layer.
+    rope_local_theta: float = 0.0
+
+    @property
+    def attention_scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
 
     @property
     def kv_elems_per_token(self) -> int:
@@ -37,7 +52,7 @@ class ModelConfig:
         """Weights of one layer's linear maps (Q, K, V, O, MLP); norms and biases are noise."""
         h, q = self.hidden_size, self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
-        mlp = (3 if self.arch == "llama" else 2) * h * self.ffn_size  # gated MLP: 3 matrices
+        mlp = (2 if self.arch == "opt" else 3) * h * self.ffn_size  # gated MLP: 3 matrices
         return h * q + 2 * h * kv + q * h + mlp
 
     @property
@@ -62,5 +77,7 @@ class ModelConfig:
         if self.hidden_size > kv_dim:
             return False, (f"hidden states ({self.hidden_size}) do not fit one K/V slot "
                            f"({kv_dim})")
+        if self.arch.startswith("gemma"):  # (every published Gemma is refused above)
+            return False, "Gemma's K/V re-projection from hidden states is not implemented"
         return True, (f"hidden states ({self.hidden_size} values a token and layer) take half "
                       f"the memory of K and V ({2 * kv_dim})")

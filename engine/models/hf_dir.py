@@ -17,7 +17,8 @@ from .tokenizer import ModelTokenizer
 # Mistral, Qwen2 and Qwen3 are Llama's decoder, read into its config (Qwen2's Q/K/V biases
 # and Qwen3's per-head Q/K norms, like any bias a Llama checkpoint has, come with the weights).
 LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-SUPPORTED_ARCHITECTURES = (*LLAMA_LIKE, "OPTForCausalLM")
+GEMMA = {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
+SUPPORTED_ARCHITECTURES = (*LLAMA_LIKE, *GEMMA, "OPTForCausalLM")
 
 
 def _read_json(path: Path) -> dict:
@@ -77,13 +78,13 @@ def read_hf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
         eos_token_ids=eos_ids,
         max_context=cfg.get("max_position_embeddings", 2048),
     )
-    if arch in LLAMA_LIKE:
+    if arch in GEMMA:
+        config = _gemma_config(cfg, GEMMA[arch], path, common)
+    elif arch in LLAMA_LIKE:
         _check_full_attention(cfg, arch, path)
         head_dim = cfg.get("head_dim") or hidden // heads
-        # transformers >= 5 writes RoPE settings as rope_parameters = {rope_type, rope_theta,
-        # ...}; older configs have top-level rope_theta and rope_scaling.
         rope = cfg.get("rope_parameters") or {}
-        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        theta = _rope_theta(rope, cfg, "rope_theta", 10000.0)
         config = ModelConfig(
             arch="llama",
             num_kv_heads=cfg.get("num_key_value_heads", heads),
@@ -110,6 +111,70 @@ def read_hf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
             **common,
         )
     return config, tokenizer
+
+
+def _rope_theta(rope: dict, cfg: dict, legacy_key: str, default: float) -> float:
+    """transformers >= 5 writes RoPE settings as rope_parameters = {rope_type, rope_theta,
+    ...}; older configs have top-level keys (rope_theta, rope_scaling)."""
+    return float(rope.get("rope_theta", cfg.get(legacy_key, default)))
+
+
+def _gemma_config(cfg: dict, arch: str, path: Path, common: dict) -> ModelConfig:
+    """Gemma 2 and Gemma 3 (text): see gemma.py for what their settings mean."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ModelLoadError(f"{path}: Gemma activation {act!r} is not supported "
+                             f"(supported: gelu_pytorch_tanh)")
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{path}: bidirectional attention (an embedding model) is not "
+                             f"supported")
+    layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    # Which layers slide: layer_types where the config lists them (transformers >= 4.53
+    # writes them); otherwise the last of every `pattern` layers is global.
+    pattern = 2 if arch == "gemma2" else cfg.get("sliding_window_pattern", 6)
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    window = cfg.get("sliding_window") or 0
+    windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    # Gemma 3: rope_parameters per layer type (transformers >= 5), or rope_theta and
+    # rope_scaling for the global layers and rope_local_base_freq for the sliding ones.
+    rope = cfg.get("rope_parameters") or {}
+    if arch == "gemma3":
+        global_rope = rope.get("full_attention") or cfg.get("rope_scaling") or {}
+        local_rope = rope.get("sliding_attention") or {}
+        theta = _rope_theta(global_rope, cfg, "rope_theta", 1_000_000.0)
+        local_theta = _rope_theta(local_rope, cfg, "rope_local_base_freq", 10_000.0)
+        if hf_divisors(local_rope, head_dim, local_theta, str(path)):
+            raise ModelLoadError(f"{path}: RoPE scaling on Gemma's sliding-window layers is "
+                                 f"not supported")
+    else:
+        global_rope = cfg.get("rope_scaling") or rope
+        theta, local_theta = _rope_theta(rope, cfg, "rope_theta", 10_000.0), 0.0
+    # Gemma 3's attention ignores attn_logit_softcapping (transformers and llama.cpp alike).
+    attn_softcap = (cfg.get("attn_logit_softcapping") or 0.0) if arch == "gemma2" else 0.0
+    if attn_softcap:
+        raise ModelLoadError(f"{path}: attention logit softcapping ({attn_softcap}) is not "
+                             f"supported")
+    max_context = common["max_context"]
+    if any(0 < w < max_context for w in windows):
+        raise ModelLoadError(f"{path}: sliding-window attention (window {window}) is not "
+                             f"supported")
+    return ModelConfig(
+        arch=arch,
+        num_kv_heads=cfg.get("num_key_value_heads", heads),
+        head_dim=head_dim,
+        ffn_size=cfg["intermediate_size"],
+        norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_divisors=hf_divisors(global_rope, head_dim, theta, str(path)),
+        tie_embeddings=cfg.get("tie_word_embeddings", True),
+        attn_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+        logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
+        layer_windows=windows,
+        rope_local_theta=local_theta,
+        **common,
+    )
 
 
 def _check_full_attention(cfg: dict, arch: str, path: Path) -> None:
