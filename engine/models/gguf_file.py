@@ -1,5 +1,6 @@
-"""Llama-architecture GGUF files (llama; qwen2: Llama with Q/K/V biases; qwen3: with per-head
-Q/K norms): config, dequantized weights (HF names and layout), tokenizer."""
+"""GGUF files of the Llama architecture (llama; qwen2: Llama with Q/K/V biases; qwen3: with
+per-head Q/K norms) and of Gemma 2 and 3 (gemma2, gemma3): config, dequantized weights (HF
+names and layout), tokenizer."""
 
 from __future__ import annotations
 
@@ -144,7 +145,8 @@ def _tokenizer(reader) -> ModelTokenizer:
     )
 
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+LLAMA_LIKE = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = (*LLAMA_LIKE, "gemma2", "gemma3")
 
 
 def _architecture(reader) -> str:
@@ -177,6 +179,34 @@ def _rope_divisors(reader, arch: str, head_dim: int) -> tuple[float, ...]:
     return tuple(factor * f for f in factors)
 
 
+def _gemma_settings(arch: str, get, layers: int, hidden: int, heads: int, head_dim: int,
+                    context: int) -> dict:
+    """ModelConfig's Gemma fields as llama.cpp sets them: some from the file, some fixed by
+    llama.cpp for the architecture (the pattern of sliding layers, Gemma 3's local RoPE base,
+    the attention scale, softcap defaults)."""
+    # llama.cpp scales scores by head_dim ** -0.5, except in the 27B models (told by their
+    # layer count), whose query_pre_attn_scalar is hidden / heads; the files do not say.
+    big = layers == (46 if arch == "gemma2" else 62)
+    scale = (hidden // heads if big else head_dim) ** -0.5
+    # Sliding layers: every other one from the first (Gemma 2), five in six (Gemma 3).
+    pattern = 2 if arch == "gemma2" else 6
+    window = int(get("attention.sliding_window", 4096 if arch == "gemma2" else None))
+    windows = tuple(window if (i + 1) % pattern else 0 for i in range(layers))
+    attn_softcap = float(get("attn_logit_softcapping", 50.0)) if arch == "gemma2" else 0.0
+    if attn_softcap:
+        raise ModelLoadError(f"GGUF {arch}: attention logit softcapping ({attn_softcap}) is "
+                             f"not supported")
+    if any(0 < w < context for w in windows):
+        raise ModelLoadError(f"GGUF {arch}: sliding-window attention (window {window}) is not "
+                             f"supported")
+    return dict(
+        attn_scale=scale,
+        logit_softcap=float(get("final_logit_softcapping", 30.0 if arch == "gemma2" else 0.0)),
+        layer_windows=windows,
+        rope_local_theta=10_000.0 if arch == "gemma3" else 0.0,
+    )
+
+
 def _config(reader, arch: str, tokenizer: ModelTokenizer, has_output: bool) -> ModelConfig:
     def get(key: str, default=None):
         v = _field(reader, f"{arch}.{key}", default)
@@ -191,6 +221,9 @@ def _config(reader, arch: str, tokenizer: ModelTokenizer, has_output: bool) -> M
     if rotary != head_dim:
         raise ModelLoadError(f"GGUF RoPE over {rotary} of {head_dim} head dimensions (partial "
                              f"rotary) is not supported")
+    layers, context = int(get("block_count")), int(get("context_length"))
+    gemma = {} if arch in LLAMA_LIKE else _gemma_settings(arch, get, layers, hidden, heads,
+                                                           head_dim, context)
     eos = [tokenizer.token_id(tokenizer.eos_token)] if tokenizer.eos_token else []
     # Chat models end a turn with their own token; stopping there is what users expect.
     for end_of_turn in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>"):
@@ -198,21 +231,22 @@ def _config(reader, arch: str, tokenizer: ModelTokenizer, has_output: bool) -> M
         if i is not None and i not in eos:
             eos.append(i)
     return ModelConfig(
-        arch="llama",
+        arch=arch if gemma else "llama",
         vocab_size=len(_field(reader, "tokenizer.ggml.tokens")),
         hidden_size=hidden,
-        num_layers=int(get("block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
         head_dim=head_dim,
         ffn_size=int(get("feed_forward_length")),
-        max_context=int(get("context_length")),
+        max_context=context,
         norm_eps=float(get("attention.layer_norm_rms_epsilon")),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_divisors=_rope_divisors(reader, arch, head_dim),
         tie_embeddings=not has_output,
         bos_token_id=tokenizer.token_id(tokenizer.bos_token) if tokenizer.bos_token else None,
         eos_token_ids=tuple(eos),
+        **gemma,
     )
 
 
@@ -235,14 +269,23 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma's four norms a layer: llama.cpp's ffn_norm is the norm before the MLP, which Llama's
+# checkpoints call post_attention_layernorm and Gemma's pre_feedforward_layernorm.
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, arch: str) -> str:
     base, _, suffix = gguf_name.rpartition(".")
     parts = base.split(".")
-    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    names = _LAYER_NAMES if arch in LLAMA_LIKE else _GEMMA_LAYER_NAMES
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
     if base in _TOP_NAMES:
         return f"{_TOP_NAMES[base]}.{suffix}"
     raise ModelLoadError(f"unexpected tensor {gguf_name!r} in a GGUF file")
@@ -270,9 +313,14 @@ def read_gguf_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor
     import gguf
 
     reader = _open(path)
+    arch = _architecture(reader)
     # llama.cpp's converter interleaves the RoPE halves of Llama's Q/K rows (its rotation is
-    # GPT-J's there); Qwen2's it leaves alone (rotated NeoX style, as in Hugging Face).
-    permuted = _architecture(reader) == "llama"
+    # GPT-J's there); Qwen2's and Gemma's it leaves alone (rotated NeoX style, as in Hugging
+    # Face).
+    permuted = arch == "llama"
+    # It stores Gemma's norm weights w as the 1 + w they scale by: back to w, in fp32 (exact
+    # for the stored values from 0.5 up; below, within an ulp of what llama.cpp scales by).
+    norm_shift = 0.0 if arch in LLAMA_LIKE else 1.0
     weights = {}
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":  # in the config (rope_divisors)
@@ -295,5 +343,7 @@ def read_gguf_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor
             w = _unpermute(w, config.num_heads)
         elif permuted and t.name.endswith("attn_k.weight"):
             w = _unpermute(w, config.num_kv_heads)
-        weights[_hf_name(t.name)] = torch.from_numpy(np.require(w, requirements=["C", "W"]))
+        elif t.name.endswith("norm.weight") and norm_shift:
+            w = w - np.float32(norm_shift)
+        weights[_hf_name(t.name, arch)] = torch.from_numpy(np.require(w, requirements=["C", "W"]))
     return weights
