@@ -1,8 +1,8 @@
 """Write a Hugging Face model directory with seeded random weights of a real model's shape.
 
 GPU benchmarks need the published shapes (SmolLM2-135M, Llama-3.2-1B, Llama-2-7B, OPT-125M,
-OPT-1.3B, OPT-13B), but the GPU machine has no internet and the real checkpoints are too large
-to carry.
+OPT-1.3B, OPT-13B, Qwen2.5, Qwen3, Gemma 2 and 3), but the GPU machine has no internet and the
+real checkpoints are too large to carry.
 Speed does not depend on the weight values, so a directory with random weights of the right
 shape serves every engine (ours, transformers, the bare decoder) with the same bytes.
 
@@ -48,7 +48,9 @@ CHATML = (
 class Shape:
     """One model's published dimensions and special tokens (what config.json needs)."""
 
-    arch: str  # "llama", "qwen2" (Llama with Q/K/V biases), "qwen3" (per-head Q/K norms), "opt"
+    # "llama", "qwen2" (Llama with Q/K/V biases), "qwen3" (per-head Q/K norms), "gemma2",
+    # "gemma3", "opt"
+    arch: str
     vocab: int
     hidden: int
     layers: int
@@ -67,6 +69,8 @@ class Shape:
     norm_eps: float = 1e-5
     chat_template: str | None = None
     rope_scaling: dict | None = None  # config.json's, as published
+    # config.json's keys beyond Llama's (Gemma's windows, softcaps, attention scale, ...)
+    extra: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -76,6 +80,8 @@ class Shape:
 
 _LLAMA2_SPECIALS = {0: "<unk>", 1: "<s>", 2: "</s>"}
 _OPT_SPECIALS = {0: "<s>", 1: "<pad>", 2: "</s>", 3: "<unk>"}
+_GEMMA_SPECIALS = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 105: "<start_of_turn>",
+                   106: "<end_of_turn>"}
 
 SHAPES: dict[str, Shape] = {
     # HuggingFaceTB/SmolLM2-135M-Instruct
@@ -141,6 +147,36 @@ SHAPES: dict[str, Shape] = {
         "qwen3", vocab=320, hidden=64, layers=3, heads=4, kv_heads=4, ffn=160, head_dim=32,
         max_pos=512, rope_theta=100000.0, tie=False, bos=1, eos=2, pad=0, add_bos=False,
         specials=_LLAMA2_SPECIALS),
+    # google/gemma-3-1b-pt (the -it model's generation_config also stops at <end_of_turn>)
+    "gemma3-1b": Shape(
+        "gemma3", vocab=262144, hidden=1152, layers=26, heads=4, kv_heads=1, ffn=6912,
+        head_dim=256, max_pos=32768, rope_theta=1000000.0, norm_eps=1e-6, bos=2, eos=1,
+        pad=0, add_bos=True, specials=_GEMMA_SPECIALS,
+        extra={"query_pre_attn_scalar": 256, "sliding_window": 512,
+               "sliding_window_pattern": 6, "rope_local_base_freq": 10000.0,
+               "attn_logit_softcapping": None, "final_logit_softcapping": None}),
+    # google/gemma-2-2b
+    "gemma2-2b": Shape(
+        "gemma2", vocab=256000, hidden=2304, layers=26, heads=8, kv_heads=4, ffn=9216,
+        head_dim=256, max_pos=8192, norm_eps=1e-6, bos=2, eos=1, pad=0, add_bos=True,
+        specials={**_GEMMA_SPECIALS, 106: "<start_of_turn>", 107: "<end_of_turn>"},
+        extra={"query_pre_attn_scalar": 256, "sliding_window": 4096,
+               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
+    # Gemma at test size: wider heads than hidden / heads, one K/V head (Gemma 3 1B's), a
+    # query_pre_attn_scalar of its own, a logit cap (Gemma 2), the local RoPE (Gemma 3); the
+    # windows as long as the context.
+    "tiny-gemma2": Shape(
+        "gemma2", vocab=320, hidden=64, layers=4, heads=4, kv_heads=2, ffn=160, head_dim=32,
+        max_pos=512, norm_eps=1e-6, bos=2, eos=1, pad=0, add_bos=True,
+        specials=_GEMMA_SPECIALS,
+        extra={"query_pre_attn_scalar": 24, "sliding_window": 512,
+               "attn_logit_softcapping": None, "final_logit_softcapping": 30.0}),
+    "tiny-gemma3": Shape(
+        "gemma3", vocab=320, hidden=64, layers=6, heads=4, kv_heads=1, ffn=160, head_dim=32,
+        max_pos=512, rope_theta=1000000.0, norm_eps=1e-6, bos=2, eos=1, pad=0, add_bos=True,
+        specials=_GEMMA_SPECIALS,
+        extra={"query_pre_attn_scalar": 24, "sliding_window": 512,
+               "sliding_window_pattern": 6, "rope_local_base_freq": 100.0}),
     "tiny-opt": Shape(
         "opt", vocab=288, hidden=64, layers=3, heads=4, kv_heads=4, ffn=160, max_pos=512,
         bos=2, eos=2, pad=1, add_bos=True, specials=_OPT_SPECIALS),
@@ -152,7 +188,7 @@ SHAPES: dict[str, Shape] = {
 
 def tensor_shapes(s: Shape) -> dict[str, tuple[int, ...]]:
     """Every parameter's Hugging Face name and shape, in checkpoint order."""
-    if s.arch in ("llama", "qwen2", "qwen3"):
+    if s.arch in ("llama", "qwen2", "qwen3", "gemma2", "gemma3"):
         return _llama_shapes(s)
     if s.arch == "opt":
         return _opt_shapes(s)
@@ -178,9 +214,12 @@ def _llama_shapes(s: Shape) -> dict[str, tuple[int, ...]]:
         if s.arch == "qwen2":
             out |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                     p + "self_attn.v_proj.bias": (kv,)}
-        if s.arch == "qwen3":
+        if s.arch in ("qwen3", "gemma3"):
             out |= {p + "self_attn.q_norm.weight": (s.dim,),
                     p + "self_attn.k_norm.weight": (s.dim,)}
+        if s.arch in ("gemma2", "gemma3"):  # norms of the sublayers' outputs too
+            out |= {p + "pre_feedforward_layernorm.weight": (h,),
+                    p + "post_feedforward_layernorm.weight": (h,)}
     out["model.norm.weight"] = (h,)
     if not s.tie:
         out["lm_head.weight"] = (s.vocab, h)
@@ -218,16 +257,17 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def make_tensor(name: str, shape: tuple[int, ...], seed: int, device: torch.device,
-                dtype: torch.dtype) -> torch.Tensor:
+                dtype: torch.dtype, norm_weight: float = 1.0) -> torch.Tensor:
     """One parameter, seeded by (seed, name) so that sharding never changes a value.
 
-    Norm weights are 1 and norm biases 0, as a freshly initialized model has them; every
-    other tensor is N(0, STD). CPU and CUDA generators give different numbers for one seed:
-    a directory's weights depend on the device that wrote it (its marker records which).
+    Norm weights are norm_weight (1; 0 for Gemma, whose norms scale by 1 + w) and norm biases
+    0, as a freshly initialized model has them; every other tensor is N(0, STD). CPU and CUDA
+    generators give different numbers for one seed: a directory's weights depend on the
+    device that wrote it (its marker records which).
     """
     is_norm = "norm" in name
     if is_norm:
-        fill = 1.0 if name.endswith("weight") else 0.0
+        fill = norm_weight if name.endswith("weight") else 0.0
         return torch.full(shape, fill, dtype=dtype)
     g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     t = torch.randn(shape, generator=g, device=device, dtype=torch.float32).mul_(STD)
@@ -276,6 +316,12 @@ def config_json(s: Shape, dtype: torch.dtype) -> dict:
     if s.arch == "qwen3":
         return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **common,
                 **llama_like, "attention_bias": False, "use_sliding_window": False}
+    if s.arch in ("gemma2", "gemma3"):
+        names = {"gemma2": ("Gemma2ForCausalLM", "gemma2"),
+                 "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}[s.arch]
+        return {"architectures": [names[0]], "model_type": names[1], **common, **llama_like,
+                "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+                "attention_bias": False, **s.extra}
     return {
         "architectures": ["OPTForCausalLM"], "model_type": "opt", **common,
         "ffn_dim": s.ffn, "word_embed_proj_dim": s.hidden, "do_layer_norm_before": True,
@@ -361,6 +407,7 @@ def write_random_model(shape: str, out_dir: str | Path, seed: int = 0,
 def _write_weights(s: Shape, out: Path, seed: int, dtype: torch.dtype, dev: torch.device,
                    max_shard_bytes: int, log) -> None:
     shapes = tensor_shapes(s)
+    norm_weight = 0.0 if s.arch in ("gemma2", "gemma3") else 1.0
     elem = torch.tensor([], dtype=dtype).element_size()
     shards = plan_shards(shapes, elem, max_shard_bytes)
     n = len(shards)
@@ -368,7 +415,7 @@ def _write_weights(s: Shape, out: Path, seed: int, dtype: torch.dtype, dev: torc
              else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
     weight_map = {}
     for fname, shard in zip(names, shards, strict=True):
-        tensors = {k: make_tensor(k, shapes[k], seed, dev, dtype) for k in shard}
+        tensors = {k: make_tensor(k, shapes[k], seed, dev, dtype, norm_weight) for k in shard}
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         weight_map |= dict.fromkeys(shard, fname)
         if log:

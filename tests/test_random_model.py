@@ -31,7 +31,7 @@ from random_model import SHAPES, write_random_model  # noqa: E402
 
 TINY = ["tiny-llama", "tiny-opt"]
 # (The bare decoder has no Q/K/V biases or Q/K norms.)
-LOADED = [*TINY, "tiny-qwen2-mha", "tiny-qwen3-mha"]
+LOADED = [*TINY, "tiny-qwen2-mha", "tiny-qwen3-mha", "tiny-gemma2", "tiny-gemma3"]
 LOGIT_ATOL = 1e-4  # fp32 on both sides: the implementations agree to ~1e-6 here
 
 
@@ -79,6 +79,8 @@ def test_real_shapes_have_the_published_sizes():
     assert round(millions["opt-13b"]) == 12853
     assert round(millions["qwen2.5-0.5b"]) == 494
     assert round(millions["qwen3-0.6b"]) == 596
+    assert random_model.num_params(SHAPES["gemma3-1b"]) == 999_885_952  # as published
+    assert random_model.num_params(SHAPES["gemma2-2b"]) == 2_614_341_888
 
 
 @pytest.mark.parametrize("name", LOADED)
@@ -89,8 +91,9 @@ def test_both_loaders_open_it(name, model_dirs):
     assert not any(info.values()), info  # no missing, unexpected or mismatched tensors
     loaded = load_model(path)
     c = loaded.config
+    arch = shape.arch if shape.arch in ("opt", "gemma2", "gemma3") else "llama"
     assert (c.arch, c.vocab_size, c.hidden_size, c.num_layers) == (
-        "opt" if shape.arch == "opt" else "llama", shape.vocab, shape.hidden, shape.layers)
+        arch, shape.vocab, shape.hidden, shape.layers)
     assert (c.num_heads, c.num_kv_heads, c.ffn_size) == (shape.heads, shape.kv_heads, shape.ffn)
     assert c.eos_token_ids == (shape.eos,)
     tok = loaded.tokenizer
