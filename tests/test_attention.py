@@ -121,6 +121,21 @@ def test_reference_window_and_softcap_equal_dense_attention(window, softcap):
                                   softcap=softcap), dense[-9:], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("qlen,ctx,window", [(37, 37, 6), (9, 37, 6), (1, 37, 6), (8, 8, 1),
+                                             (5, 20, 19), (5, 20, 20)])
+def test_window_is_transformers_sliding_window(qlen, ctx, window):
+    """The reference's mask is the one transformers builds for Mistral's layers and the local
+    layers of Qwen2 and Gemma 2/3 (sliding_window_causal_mask_function), for a chunk of qlen
+    queries after ctx - qlen cached keys. (llama.cpp's standard n_swa masks the same keys:
+    p1 - p0 >= n_swa.)"""
+    masking = pytest.importorskip("transformers.masking_utils")
+    theirs = masking.sdpa_mask(
+        batch_size=1, q_length=qlen, kv_length=ctx, q_offset=ctx - qlen,
+        mask_function=masking.sliding_window_causal_mask_function(window),
+        allow_is_causal_skip=False)[0, 0]
+    assert torch.equal(attention._causal_mask(qlen, ctx, window=window), theirs)
+
+
 # (query lengths, context lengths after the step) of a step; block size 16.
 WINDOW_CASES = {
     # Decodes whose context ends on, and one past, a block edge.

@@ -9,8 +9,10 @@ bench/random_model.py.
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import shutil
 import sys
 from pathlib import Path
 
@@ -40,12 +42,23 @@ BLOCK = 4
 TRITON = (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
 
 
+WINDOW = 5
+
+
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hidden_models")
-    return {name: write_random_model(name, root / name, seed=5, dtype=torch.float32,
+    dirs = {name: write_random_model(name, root / name, seed=5, dtype=torch.float32,
                                      device="cpu")
             for name in [*MODELS, "tiny-llama", "tiny-qwen2-mha", "tiny-qwen3-mha"]}
+    # The MHA Llama as a Mistral with sliding-window attention (Llama's weights and names).
+    windowed = shutil.copytree(dirs["tiny-llama-mha"], root / "tiny-mistral-window-mha")
+    cfg = json.loads((windowed / "config.json").read_text())
+    cfg.update(architectures=["MistralForCausalLM"], model_type="mistral",
+               sliding_window=WINDOW)
+    (windowed / "config.json").write_text(json.dumps(cfg))
+    dirs["tiny-mistral-window-mha"] = windowed
+    return dirs
 
 
 def _engine(path: Path, **kw) -> LLMEngine:
@@ -214,7 +227,8 @@ def test_attention_over_reprojected_kv_equals_kv_cache():
 
 # ---- the engine ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", [*MODELS, "tiny-qwen2-mha", "tiny-qwen3-mha"])
+@pytest.mark.parametrize("name", [*MODELS, "tiny-qwen2-mha", "tiny-qwen3-mha",
+                                  "tiny-mistral-window-mha"])
 def test_hidden_mode_generates_the_kv_tokens(name, model_dirs):
     eng = _engine(model_dirs[name])
     assert eng.describe()["hidden_cache"]["enabled"]
@@ -237,8 +251,19 @@ def test_reference_attention_serves_hidden_mode(model_dirs):
     assert _generate(eng, prompts, ["hidden"] * 3) == _generate(eng, prompts, ["kv"] * 3)
 
 
+def test_window_changes_the_tokens_hidden_mode_serves(model_dirs):
+    """The windowed model's prompts and generations run to several windows, and the window
+    changes their tokens: the test above is not passed by attending to everything."""
+    windowed = _engine(model_dirs["tiny-mistral-window-mha"])
+    assert windowed.config.layer_windows == (WINDOW,) * 3
+    prompts = _prompts(6, 280)
+    assert max(map(len, prompts)) + GREEDY.max_tokens > 4 * WINDOW
+    full = _generate(_engine(model_dirs["tiny-llama-mha"]), prompts, ["kv"] * 6)
+    assert _generate(windowed, prompts, ["kv"] * 6) != full
+
+
 @pytest.mark.skipif(not TRITON, reason="triton needs a GPU or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("name", [*MODELS, "tiny-qwen3-mha"])
+@pytest.mark.parametrize("name", [*MODELS, "tiny-qwen3-mha", "tiny-mistral-window-mha"])
 def test_triton_path_serves_hidden_mode(name, model_dirs):
     pytest.importorskip("triton", reason="triton is not installed")
     device = "cuda" if torch.cuda.is_available() else "cpu"
