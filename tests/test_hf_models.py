@@ -7,6 +7,7 @@ directory. Our teacher-forced logits and greedy tokens must match `transformers`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -498,3 +499,21 @@ def test_generation_stops_at_the_context_length(engines):
     assert r.finish_reason == "length"
     assert len(prompt) + len(r.token_ids) == ctx  # prompt plus output fill the context
     assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_attention_softcap_reaches_every_kernel_set(hf_dirs):
+    """attn_softcap (Gemma 2's; no architecture here has one) goes to every layer's attention
+    call: a small cap changes the logits, the same way with the C++ kernels, the reference
+    and the Triton path (with a window too)."""
+    ids = _sequences(seed=13)[2]
+    logits = {}
+    for attention in ("cpu", "reference", "triton"):
+        engine = LLMEngine(model=str(hf_dirs["qwen2-window"]), dtype="fp32", threads=2,
+                           kv_cache_bytes=4 << 20, attention=attention)
+        model = engine.model
+        uncapped = engine.logits(ids)
+        model.config = dataclasses.replace(model.config, attn_softcap=0.5)
+        logits[attention] = engine.logits(ids)
+        assert float((logits[attention] - uncapped).abs().max()) > 0.1
+    _assert_close(logits["cpu"], logits["reference"], "cpu vs reference")
+    _assert_close(logits["triton"], logits["reference"], "triton vs reference")
