@@ -9,10 +9,8 @@ bench/random_model.py.
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import shutil
 import sys
 from pathlib import Path
 
@@ -34,15 +32,15 @@ from llmdb.kernels.hidden_cache import (
     write_hidden,
 )
 
+from .helpers import as_windowed_mistral
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from random_model import write_random_model  # noqa: E402
 
 MODELS = ["tiny-opt", "tiny-llama-mha"]
 BLOCK = 4
 TRITON = (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
-
-
-WINDOW = 5
+WINDOW = 5  # of the sliding-window model
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +49,8 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
     dirs = {name: write_random_model(name, root / name, seed=5, dtype=torch.float32,
                                      device="cpu")
             for name in [*MODELS, "tiny-llama", "tiny-qwen2-mha", "tiny-qwen3-mha"]}
-    # The MHA Llama as a Mistral with sliding-window attention (Llama's weights and names).
-    windowed = shutil.copytree(dirs["tiny-llama-mha"], root / "tiny-mistral-window-mha")
-    cfg = json.loads((windowed / "config.json").read_text())
-    cfg.update(architectures=["MistralForCausalLM"], model_type="mistral",
-               sliding_window=WINDOW)
-    (windowed / "config.json").write_text(json.dumps(cfg))
-    dirs["tiny-mistral-window-mha"] = windowed
+    dirs["tiny-mistral-window-mha"] = as_windowed_mistral(
+        dirs["tiny-llama-mha"], root / "tiny-mistral-window-mha", WINDOW)
     return dirs
 
 

@@ -6,7 +6,6 @@ The captured graphs themselves are compared with eager steps in tests/gpu."""
 
 from __future__ import annotations
 
-import json
 import random
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ from llmdb.engine.cuda_graphs import StepGraphs
 from llmdb.engine.engine import LLMEngine
 from llmdb.engine.params import SamplingParams
 
-from .helpers import assert_same_tokens
+from .helpers import as_windowed_mistral, assert_same_tokens
 
 pytest.importorskip("triton", reason="triton is not installed: the GPU kernels are not tested")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -93,12 +92,9 @@ def test_sliding_windows_in_graph_shaped_steps(tmp_path):
     Mistral): decode and mixed graphs, their padding rows and sequences included, give the
     eager tokens. (Each layer's window is a host value its launch is made with, as a
     captured graph would keep it.)"""
-    path = write_random_model("tiny-llama", tmp_path / "m", seed=3, dtype=torch.float32,
-                              device="cpu")
-    cfg = json.loads((path / "config.json").read_text())
-    cfg.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=6)
-    (path / "config.json").write_text(json.dumps(cfg))
-    engine = _engine(path)
+    llama = write_random_model("tiny-llama", tmp_path / "m", seed=3, dtype=torch.float32,
+                               device="cpu")
+    engine = _engine(as_windowed_mistral(llama, tmp_path / "windowed", 6))
     assert engine.config.layer_windows == (6,) * engine.config.num_layers
     prompts, params = _prompts(engine, 5)
     eager = engine.generate(prompts, params)
