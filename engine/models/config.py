@@ -5,6 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def sliding_windows(sliding: list[bool], window: int | None, max_context: int
+                    ) -> tuple[int, ...]:
+    """ModelConfig.layer_windows from which layers slide and the window they share: () where
+    no layer is left with a window (none given, or one not smaller than the context, which
+    no query can exceed)."""
+    if not window or window >= max_context or not any(sliding):
+        return ()
+    return tuple(window if s else 0 for s in sliding)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     arch: str  # "llama" or "opt"
@@ -26,6 +36,18 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     position_offset: int = 0  # OPT only: learned positions start at this offset
     norm_before: bool = True
+    # Sliding-window attention, per layer: empty, every layer attends to its whole context;
+    # else one entry a layer, 0 for the whole context and w > 0 for a query at position p
+    # seeing keys p - w + 1 .. p only (transformers' `sliding_window`, llama.cpp's n_swa).
+    # (The cache keeps every block of a sequence all the same: engine/cache/block_pool.py.)
+    layer_windows: tuple[int, ...] = ()
+    # Attention logit soft-capping (Gemma 2's attn_logit_softcapping): the scaled scores s
+    # become attn_softcap * tanh(s / attn_softcap) before the softmax; 0: none.
+    attn_softcap: float = 0.0
+
+    def layer_window(self, layer: int) -> int:
+        """The window of one layer (0: its whole context)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     @property
     def kv_elems_per_token(self) -> int:

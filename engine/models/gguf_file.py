@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from .config import ModelConfig
+from .config import ModelConfig, sliding_windows
 from .errors import ModelLoadError
 from .spm import spm_tokenizer
 from .tokenizer import ModelTokenizer
@@ -177,6 +177,33 @@ def _rope_divisors(reader, arch: str, head_dim: int) -> tuple[float, ...]:
     return tuple(factor * f for f in factors)
 
 
+# Architectures whose sliding windows llama.cpp reads ({arch}.attention.sliding_window), with
+# its default layer pattern (every n-th layer global, 0: all local). llama, qwen2 and qwen3
+# are not among them: llama.cpp runs them with full attention whatever the metadata says (a
+# Mistral 7B v0.1 GGUF, arch llama, included), and so do we.
+SLIDING_PATTERNS: dict[str, int] = {}
+
+
+def _layer_windows(reader, arch: str, num_layers: int, context: int) -> tuple[int, ...]:
+    """ModelConfig.layer_windows as llama.cpp reads them: the window, and which layers slide
+    from {arch}.attention.sliding_window_pattern, a flag a layer or a number n (layer i
+    slides unless i % n == n - 1: llama.cpp's set_swa_pattern)."""
+    if arch not in SLIDING_PATTERNS:
+        return ()
+    window = int(_field(reader, f"{arch}.attention.sliding_window", 0))
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern",
+                     SLIDING_PATTERNS[arch])
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers:
+            raise ModelLoadError(f"{arch}.attention.sliding_window_pattern has {len(pattern)} "
+                                 f"flags for {num_layers} layers")
+        sliding = [bool(f) for f in pattern]
+    else:
+        n = int(pattern)
+        sliding = [n == 0 or i % n < n - 1 for i in range(num_layers)]
+    return sliding_windows(sliding, window, context)
+
+
 def _config(reader, arch: str, tokenizer: ModelTokenizer, has_output: bool) -> ModelConfig:
     def get(key: str, default=None):
         v = _field(reader, f"{arch}.{key}", default)
@@ -197,22 +224,24 @@ def _config(reader, arch: str, tokenizer: ModelTokenizer, has_output: bool) -> M
         i = tokenizer.token_id(end_of_turn)
         if i is not None and i not in eos:
             eos.append(i)
+    num_layers, context = int(get("block_count")), int(get("context_length"))
     return ModelConfig(
         arch="llama",
         vocab_size=len(_field(reader, "tokenizer.ggml.tokens")),
         hidden_size=hidden,
-        num_layers=int(get("block_count")),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
         head_dim=head_dim,
         ffn_size=int(get("feed_forward_length")),
-        max_context=int(get("context_length")),
+        max_context=context,
         norm_eps=float(get("attention.layer_norm_rms_epsilon")),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_divisors=_rope_divisors(reader, arch, head_dim),
         tie_embeddings=not has_output,
         bos_token_id=tokenizer.token_id(tokenizer.bos_token) if tokenizer.bos_token else None,
         eos_token_ids=tuple(eos),
+        layer_windows=_layer_windows(reader, arch, num_layers, context),
     )
 
 

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from .config import ModelConfig
+from .config import ModelConfig, sliding_windows
 from .errors import ModelLoadError
 from .rope import hf_divisors
 from .tokenizer import ModelTokenizer
@@ -78,7 +78,6 @@ def read_hf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
         max_context=cfg.get("max_position_embeddings", 2048),
     )
     if arch in LLAMA_LIKE:
-        _check_full_attention(cfg, arch, path)
         head_dim = cfg.get("head_dim") or hidden // heads
         # transformers >= 5 writes RoPE settings as rope_parameters = {rope_type, rope_theta,
         # ...}; older configs have top-level rope_theta and rope_scaling.
@@ -94,6 +93,8 @@ def read_hf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
             rope_divisors=hf_divisors(cfg.get("rope_scaling") or rope, head_dim, theta,
                                       str(path)),
             tie_embeddings=cfg.get("tie_word_embeddings", False),
+            layer_windows=_layer_windows(cfg, arch, path, common["num_layers"],
+                                         common["max_context"]),
             **common,
         )
     else:
@@ -112,19 +113,36 @@ def read_hf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
     return config, tokenizer
 
 
-def _check_full_attention(cfg: dict, arch: str, path: Path) -> None:
-    """Sliding-window attention (Mistral 7B v0.1, Qwen2 with use_sliding_window) sees only
-    the last tokens; our kernels attend to the whole context, which would be silently
-    different once a sequence is longer than the window."""
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
-    else:
-        window = cfg.get("sliding_window")
-    if window is None and "sliding_attention" in (cfg.get("layer_types") or ()):
-        window = cfg.get("sliding_window")
-    if window is not None and window < cfg.get("max_position_embeddings", 2048):
-        raise ModelLoadError(f"{path}: sliding-window attention (window {window}) is not "
-                             f"supported")
+def windows_from_layer_types(layer_types: list[str], window: int | None, num_layers: int,
+                             max_context: int, path: Path) -> tuple[int, ...]:
+    """ModelConfig.layer_windows from a config's `layer_types` ("sliding_attention" or
+    "full_attention", one a layer), the list transformers 5 keys each layer's mask by."""
+    if len(layer_types) != num_layers:
+        raise ModelLoadError(f"{path}: layer_types lists {len(layer_types)} layers for "
+                             f"{num_layers}")
+    other = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+    if other:
+        raise ModelLoadError(f"{path}: attention layer type {other[0]!r} is not supported")
+    return sliding_windows([t == "sliding_attention" for t in layer_types], window,
+                           max_context)
+
+
+def _layer_windows(cfg: dict, arch: str, path: Path, num_layers: int, max_context: int
+                   ) -> tuple[int, ...]:
+    """Which layers slide, as transformers 5 decides it: every layer of a Mistral with a
+    sliding_window (7B v0.1); Qwen2/Qwen3 only with use_sliding_window, in the layers its
+    layer_types names or, in configs written before that key, the layers from
+    max_window_layers on. Llama's attention ignores a sliding_window key. (A missing key
+    means what transformers' config classes default it to.)"""
+    window = cfg.get("sliding_window", 4096)
+    if arch == "MistralForCausalLM":
+        return sliding_windows([True] * num_layers, window, max_context)
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):
+        first = cfg.get("max_window_layers", 28)
+        types = cfg.get("layer_types") or [
+            "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+        return windows_from_layer_types(types, window, num_layers, max_context, path)
+    return ()
 
 
 def read_hf_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -123,7 +123,7 @@ def _meta_json(config: ModelConfig, tokenizer: ModelTokenizer) -> str:
 def _read_meta(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
     meta = json.loads(path.read_text())
     cfg = meta["config"]
-    for key in ("eos_token_ids", "rope_divisors"):  # (JSON has lists, not tuples)
+    for key in ("eos_token_ids", "rope_divisors", "layer_windows"):  # (JSON: lists)
         cfg[key] = tuple(cfg.get(key, ()))
     tokenizer = ModelTokenizer(
         tokenizer=Tokenizer.from_str(meta["tokenizer"]),
