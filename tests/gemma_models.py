@@ -2,11 +2,12 @@
 Gemma tests share (tests/test_gemma.py, tests/test_gemma_gguf.py, tests/gpu).
 
 Their settings make every Gemma-specific piece show in the logits: norms scaled by 1 + w (the
-weights are far from 0), the embedding scale, a query_pre_attn_scalar that is not head_dim, a
-final logit cap small enough to bend the logits, Gemma 3's two RoPEs (local base 500 against
-a linearly scaled global one of 10,000), its per-head Q/K norms, and one model with Gemma's
-real head_dim of 256. The sliding windows are as long as the context, so they change nothing
-(windows shorter than the sequences are tested once the kernels take them).
+weights are far from 0), the embedding scale, a query_pre_attn_scalar that is not head_dim,
+attention and final logit caps small enough to bend the scores, sliding windows of 16 tokens
+(the test sequences run to 240), Gemma 3's two RoPEs (local base 500 against a linearly
+scaled global one of 10,000), its per-head Q/K norms, and one model with Gemma's real
+head_dim of 256 whose window is the whole context: its local layers still take the local
+RoPE.
 """
 
 from __future__ import annotations
@@ -51,13 +52,14 @@ def _config(family: str, **extra):
 
 # name -> (transformers class, config)
 VARIANTS = {
-    # Untied (tests the lm_head), alternating sliding and global layers, logits capped at 5.
+    # Untied (tests the lm_head), alternating sliding and global layers, attention scores
+    # and logits capped at 5 (Gemma 2 2B's caps are 50 and 30 on larger scores).
     "gemma2": (transformers.Gemma2ForCausalLM, lambda: _config(
-        "Gemma2", query_pre_attn_scalar=24, final_logit_softcapping=5.0,
-        tie_word_embeddings=False)),
+        "Gemma2", query_pre_attn_scalar=24, sliding_window=16, attn_logit_softcapping=5.0,
+        final_logit_softcapping=5.0, tie_word_embeddings=False)),
     # Q/K norms, a local RoPE and a linearly scaled global one (Gemma 3 4B's scheme), tied.
     "gemma3": (transformers.Gemma3ForCausalLM, lambda: _config(
-        "Gemma3Text", query_pre_attn_scalar=24,
+        "Gemma3Text", query_pre_attn_scalar=24, sliding_window=16,
         layer_types=["sliding_attention", "full_attention", "sliding_attention",
                      "sliding_attention"],
         rope_parameters={
@@ -131,16 +133,22 @@ def _assert_config_is(cfg, hf) -> None:
     assert cfg.norm_eps == pytest.approx(hf.rms_norm_eps, rel=1e-7)
     assert cfg.attn_scale == pytest.approx(hf.query_pre_attn_scalar**-0.5, rel=1e-12)
     assert cfg.logit_softcap == pytest.approx(hf.final_logit_softcapping or 0.0, rel=1e-7)
-    assert cfg.layer_windows == tuple(hf.sliding_window if t == "sliding_attention" else 0
-                                      for t in hf.layer_types)
+    sliding = [t == "sliding_attention" for t in hf.layer_types]
+    window = hf.sliding_window
+    # (Empty where no window is shorter than the context: then none binds.)
+    assert cfg.layer_windows == (() if window >= hf.max_position_embeddings
+                                 else tuple(window if s else 0 for s in sliding))
     rope = hf.rope_parameters
     if hf.model_type == "gemma2":
+        assert cfg.attn_softcap == pytest.approx(hf.attn_logit_softcapping or 0.0, rel=1e-7)
         assert (cfg.rope_theta, cfg.rope_local_theta, cfg.rope_divisors) == (
             rope["rope_theta"], 0.0, ())
     else:
+        assert cfg.attn_softcap == 0.0  # (Gemma 3's attention has none)
         full, local = rope["full_attention"], rope["sliding_attention"]
         assert (cfg.rope_theta, cfg.rope_local_theta) == (full["rope_theta"],
                                                           local["rope_theta"])
+        assert cfg.rope_local_layers == tuple(i for i, s in enumerate(sliding) if s)
         factor = full.get("factor", 1.0) if full["rope_type"] == "linear" else 1.0
         assert cfg.rope_divisors == (() if factor == 1.0 else (factor,) * (hf.head_dim // 2))
 

@@ -222,3 +222,19 @@ def test_standard_prompts_file_matches_the_bundled_tokenizer():
     assert stored == [p["token_ids"] for p in prompts]
     rows = throughput.standard_workload(400, 64, vocab=320)
     assert all(max(r["token_ids"]) < 320 and r["max_tokens"] == 64 for r in rows)
+
+
+@pytest.mark.parametrize("name", ["gemma3-1b", "gemma2-2b"])
+def test_published_gemma_configs_read_as_transformers_reads_them(name, tmp_path):
+    """Google's config.json keys (no layer_types; Gemma 3's sliding_window_pattern and
+    rope_local_base_freq; Gemma 2's caps): windows, local RoPE, scales as transformers has
+    them. No weights needed to read a config."""
+    from llmdb.engine.models.hf_dir import read_hf_metadata
+
+    from .gemma_models import _assert_config_is
+
+    random_model._write_metadata(SHAPES[name], tmp_path, torch.bfloat16)
+    config, _ = read_hf_metadata(tmp_path)
+    _assert_config_is(config, transformers.AutoConfig.from_pretrained(tmp_path))
+    assert max(config.layer_windows) == SHAPES[name].extra["sliding_window"]
+    assert not config.hidden_cache_support()[0]

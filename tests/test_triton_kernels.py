@@ -84,11 +84,14 @@ def _qkv_cache(batch: AttentionBatch, heads: int, kv_heads: int, dim: int, dtype
 
 
 def _check_attention(batch: AttentionBatch, heads: int, kv_heads: int, dim: int,
-                     dtype: torch.dtype, seed: int, num_splits: int = 1) -> torch.Tensor:
+                     dtype: torch.dtype, seed: int, num_splits: int = 1, **attn_args
+                     ) -> torch.Tensor:
+    """attn_args: window= and softcap=, for both."""
     q, kc, vc = _qkv_cache(batch, heads, kv_heads, dim, dtype, seed)
     scale = dim**-0.5
-    ref = paged_attention_reference(q, kc, vc, batch, scale)
-    out = gpu_attention.paged_attention(q, kc, vc, batch, scale, num_splits=num_splits)
+    ref = paged_attention_reference(q, kc, vc, batch, scale, **attn_args)
+    out = gpu_attention.paged_attention(q, kc, vc, batch, scale, num_splits=num_splits,
+                                        **attn_args)
     assert out.dtype == dtype and out.shape == q.shape and out.is_contiguous()
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), ref.float(), **_tol(dtype))
@@ -179,6 +182,59 @@ def test_attention_reads_strided_queries():
     out = gpu_attention.paged_attention(wide[:, :heads], kc, vc, batch, dim**-0.5)
     torch.testing.assert_close(out, paged_attention_reference(q, kc, vc, batch, dim**-0.5),
                                **_tol(torch.float32))
+
+
+# Windows of 1, shorter than the contexts, one less than, equal to and one more than 32 and
+# 33 (in CASES: contexts ending on and one past a block edge, and chunks over prefixes whose
+# short windows start inside the prefix).
+WINDOWS = [1, 6, 31, 32, 33]
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32)])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_attention_window_equals_reference(case, heads, kv_heads, dim):
+    query_lens, context_lens = CASES[case]
+    batch = _batch(query_lens, context_lens, seed=1)
+    for window in WINDOWS:
+        for dtype in DTYPES:
+            _check_attention(batch, heads, kv_heads, dim, dtype, seed=window, window=window)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window,softcap", [(0, 2.0), (5, 2.0), (5, 0.0)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32)])
+def test_attention_mixed_step_window_and_softcap(heads, kv_heads, dim, window, softcap, dtype):
+    query_lens, context_lens = _mixed_lens(seed=heads)
+    _check_attention(_batch(query_lens, context_lens, seed=3), heads, kv_heads, dim, dtype,
+                     seed=4, window=window, softcap=softcap)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3])
+def test_split_kv_with_window(num_splits):
+    """Splits share the window's key tiles only: a decode over 70 keys with a window of 6 has
+    one 64-key tile left, so the other splits are empty and merge with weight 0; splitting
+    changes nothing, and neither do NaNs in the blocks of every tile before the window's."""
+    heads, kv_heads, dim = 9, 3, 64
+    batch = _batch([1, 1, 1, 12], [70, 200, 9, 150], seed=5, num_blocks=64)
+    # (With the window of 7 the decode over 70 keys starts at key 63, a tile's last.)
+    for window, softcap in [(6, 0.0), (7, 0.0), (40, 0.0), (6, 2.0)]:
+        attn_args = {"window": window, "softcap": softcap}
+        split = _check_attention(batch, heads, kv_heads, dim, torch.float32, seed=6,
+                                 num_splits=num_splits, **attn_args)
+        whole = _check_attention(batch, heads, kv_heads, dim, torch.float32, seed=6, **attn_args)
+        torch.testing.assert_close(split, whole, **_tol(torch.float32))
+        # Poison the keys of every tile before the one where a sequence's first query's
+        # window starts (for the decode over 200 keys: 192 of them with the window of 6).
+        q, kc, vc = _qkv_cache(batch, heads, kv_heads, dim, torch.float32, seed=6)
+        tile = gpu_attention._launch_config(heads // kv_heads, batch.max_query_len)[1]
+        _, qlens, ctxs = batch.host()
+        for i, (qlen, ctx) in enumerate(zip(qlens, ctxs, strict=True)):
+            first_key = max(0, ctx - qlen - window + 1)
+            stale = batch.context_slots(i)[: first_key // tile * tile]
+            kc[stale], vc[stale] = float("nan"), float("nan")
+        out = gpu_attention.paged_attention(q, kc, vc, batch, dim**-0.5,
+                                            num_splits=num_splits, **attn_args)
+        torch.testing.assert_close(out, whole, **_tol(torch.float32))
 
 
 def test_choose_num_splits():

@@ -5,6 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def sliding_windows(sliding: list[bool], window: int | None, max_context: int
+                    ) -> tuple[int, ...]:
+    """ModelConfig.layer_windows from which layers slide and the window they share: () where
+    no layer is left with a window (none given, or one not smaller than the context, which
+    no query can exceed)."""
+    if not window or window >= max_context or not any(sliding):
+        return ()
+    return tuple(window if s else 0 for s in sliding)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     arch: str  # "llama", "opt", "gemma2" or "gemma3"
@@ -26,17 +36,28 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     position_offset: int = 0  # OPT only: learned positions start at this offset
     norm_before: bool = True
+    # Sliding-window attention, per layer: empty, every layer attends to its whole context;
+    # else one entry a layer, 0 for the whole context and w > 0 for a query at position p
+    # seeing keys p - w + 1 .. p only (transformers' `sliding_window`, llama.cpp's n_swa).
+    # (The cache keeps every block of a sequence all the same: engine/cache/block_pool.py.)
+    layer_windows: tuple[int, ...] = ()
+    # Attention logit soft-capping (Gemma 2's attn_logit_softcapping): the scaled scores s
+    # become attn_softcap * tanh(s / attn_softcap) before the softmax; 0: none.
+    attn_softcap: float = 0.0
     # The attention scores' scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar **
     # -0.5).
     attn_scale: float | None = None
     # Gemma 2: the logits are capped as cap * tanh(logits / cap); 0: not capped.
     logit_softcap: float = 0.0
-    # One entry per layer (empty: every layer attends to the whole context): 0 = the whole
-    # context, w = a query at position p sees keys p-w+1..p (sliding-window layers).
-    layer_windows: tuple[int, ...] = ()
-    # Gemma 3: the RoPE base of the sliding-window layers, which are unscaled (the others
-    # take rope_theta and rope_divisors); 0: one RoPE for every layer.
+    # Gemma 3: the layers that rotate with a RoPE of their own, base rope_local_theta and
+    # unscaled (its sliding-window layers, whatever their window: layer_windows is empty where
+    # no window binds); the others take rope_theta and rope_divisors. Empty: one RoPE.
+    rope_local_layers: tuple[int, ...] = ()
     rope_local_theta: float = 0.0
+
+    def layer_window(self, layer: int) -> int:
+        """The window of one layer (0: its whole context)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     @property
     def attention_scale(self) -> float:

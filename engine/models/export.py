@@ -85,16 +85,19 @@ def export_hf(model: LoadedModel, out_dir: str | Path, dtype: torch.dtype = torc
 
 def _gemma_keys(c: ModelConfig) -> dict:
     """What a Gemma config says beyond Llama's (see gemma.py), in the keys of Google's
-    config.json files; the layers' kinds as transformers >= 4.53 and vLLM read them."""
+    config.json files; the layers' kinds as transformers >= 4.53 and vLLM read them. (A
+    window no query can exceed is written as the context: layer_windows has none then, but
+    Gemma 3's local layers still take their own RoPE.)"""
     scalar = c.attention_scale**-2  # query_pre_attn_scalar: an integer in every config
     windows = c.layer_windows or (0,) * c.num_layers
+    sliding = [w > 0 or i in c.rope_local_layers for i, w in enumerate(windows)]
     keys = {
         "hidden_activation": "gelu_pytorch_tanh",
         "query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar,
-        "sliding_window": max(windows) or None,
-        "layer_types": ["sliding_attention" if w else "full_attention" for w in windows],
+        "sliding_window": max(windows) or c.max_context,
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
         "final_logit_softcapping": c.logit_softcap or None,
-        "attn_logit_softcapping": None,
+        "attn_logit_softcapping": c.attn_softcap or None,
     }
     if c.arch == "gemma3":
         keys["rope_local_base_freq"] = c.rope_local_theta

@@ -7,9 +7,10 @@ adding them to the residual stream (four norms a layer); the MLP is GeGLU (gelu,
 approximation); the attention scale is query_pre_attn_scalar ** -0.5 (ModelConfig.attn_scale).
 Gemma 2 caps the final logits with tanh (ModelConfig.logit_softcap). Gemma 3 normalizes each
 Q and K head before RoPE, as Qwen3 does, and its sliding-window layers rotate with a RoPE of
-their own (base 10,000, unscaled) while the global layers take rope_theta (1e6) and, from 4B
-on, linear scaling. Which layers slide: ModelConfig.layer_windows (Gemma 2: every other
-one, Gemma 3: five in six).
+their own (base 10,000, unscaled; ModelConfig.rope_local_layers) while the global layers
+take rope_theta (1e6) and, from 4B on, linear scaling. Sliding windows (Gemma 2: every other
+layer, 4,096 tokens; Gemma 3: five layers in six, 512 or 1,024) and Gemma 2's attention
+softcap go to the attention kernels (ModelConfig.layer_windows, attn_softcap).
 
 Kernel sets as in llama.py. On the Triton path each sublayer's output norm is fused with
 the residual add and the next norm (norm.add_rms_norm's x_weight), Gemma 3's Q/K norms with
@@ -46,6 +47,7 @@ class GemmaLayer:
     down: Linear
     post_feedforward_norm: torch.Tensor
     rope: int  # index into GemmaModel.ropes
+    window: int  # 0: the whole context
 
 
 class GemmaModel:
@@ -76,7 +78,7 @@ class GemmaModel:
         self.ropes = [RopeTable.build(c, c.rope_theta, c.rope_divisors, triton, device)]
         if c.rope_local_theta:
             self.ropes.append(RopeTable.build(c, c.rope_local_theta, (), triton, device))
-        windows = c.layer_windows or (0,) * c.num_layers
+        local = set(c.rope_local_layers) if c.rope_local_theta else set()
         self.layers = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
@@ -94,7 +96,8 @@ class GemmaModel:
                 gate_up=linear(*fused_weight(w, weights, [p + "mlp.gate_proj", p + "mlp.up_proj"])),
                 down=linear(*fused_weight(w, weights, [p + "mlp.down_proj"])),
                 post_feedforward_norm=scale(p + "post_feedforward_layernorm.weight"),
-                rope=1 if windows[i] and c.rope_local_theta else 0,
+                rope=1 if i in local else 0,
+                window=c.layer_window(i),
             ))
 
     def forward(
@@ -126,7 +129,8 @@ class GemmaModel:
             qk, v = qkv.split([(hq + hk) * d, hk * d], dim=-1)
             q, k = rotate(qk.view(t, hq + hk, d), *angles[layer.rope]).split([hq, hk], dim=1)
             write_kv(k_cache, v_cache, k, v.reshape(t, hk, d), batch.slot_mapping)
-            o = attention(q, k_cache, v_cache, batch, c.attention_scale)
+            o = attention(q, k_cache, v_cache, batch, c.attention_scale, window=layer.window,
+                          softcap=c.attn_softcap)
             x = x + rms_norm_fp32(layer.o(o.reshape(t, hq * d)), layer.post_attention_norm, eps)
             h = rms_norm_fp32(x, layer.pre_feedforward_norm, eps)
             mlp = layer.down(gelu_tanh_mul_reference(layer.gate_up(h)))
@@ -160,8 +164,10 @@ class GemmaModel:
             q = rope_and_write_kv(layer.qkv(h), positions, self.ropes[layer.rope].cos_sin,
                                   batch.slot_mapping, k_cache, v_cache, hq, hk, d,
                                   layer.qk_norm, eps, fp32_scale=True)
+            # (Host values per layer: a CUDA graph bakes them into this layer's launch.)
             o = attention(q, k_cache, v_cache, batch, c.attention_scale,
-                          num_splits=batch.num_splits)
+                          num_splits=batch.num_splits, window=layer.window,
+                          softcap=c.attn_softcap)
             h, residual = add_rms_norm(layer.o(o.view(t, hq * d)), residual,
                                        layer.pre_feedforward_norm, eps, True,
                                        layer.post_attention_norm)

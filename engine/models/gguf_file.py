@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from .config import ModelConfig
+from .config import ModelConfig, sliding_windows
 from .errors import ModelLoadError
 from .spm import spm_tokenizer
 from .tokenizer import ModelTokenizer
@@ -179,32 +179,55 @@ def _rope_divisors(reader, arch: str, head_dim: int) -> tuple[float, ...]:
     return tuple(factor * f for f in factors)
 
 
-def _gemma_settings(arch: str, get, layers: int, hidden: int, heads: int, head_dim: int,
-                    context: int) -> dict:
+# Architectures whose sliding windows llama.cpp reads ({arch}.attention.sliding_window):
+# (its default layer pattern: every n-th layer global, 0: all local; the window it assumes
+# where the file names none, 0: none). llama, qwen2 and qwen3 are not among them: llama.cpp
+# runs them with full attention whatever the metadata says (a Mistral 7B v0.1 GGUF, arch
+# llama, included), and so do we.
+SLIDING_PATTERNS: dict[str, tuple[int, int]] = {"gemma2": (2, 4096), "gemma3": (6, 0)}
+
+
+def _sliding_layers(reader, arch: str, num_layers: int) -> list[bool]:
+    """Which layers slide, as llama.cpp reads it: {arch}.attention.sliding_window_pattern, a
+    flag a layer or a number n (layer i slides unless i % n == n - 1: llama.cpp's
+    set_swa_pattern), or the architecture's default."""
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern",
+                     SLIDING_PATTERNS[arch][0])
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers:
+            raise ModelLoadError(f"{arch}.attention.sliding_window_pattern has {len(pattern)} "
+                                 f"flags for {num_layers} layers")
+        return [bool(f) for f in pattern]
+    n = int(pattern)
+    return [n == 0 or i % n < n - 1 for i in range(num_layers)]
+
+
+def _layer_windows(reader, arch: str, num_layers: int, context: int) -> tuple[int, ...]:
+    """ModelConfig.layer_windows as llama.cpp reads them: the window, and which layers
+    slide."""
+    if arch not in SLIDING_PATTERNS:
+        return ()
+    window = int(_field(reader, f"{arch}.attention.sliding_window", SLIDING_PATTERNS[arch][1]))
+    return sliding_windows(_sliding_layers(reader, arch, num_layers), window, context)
+
+
+def _gemma_settings(reader, arch: str, get, layers: int, hidden: int, heads: int,
+                    head_dim: int) -> dict:
     """ModelConfig's Gemma fields as llama.cpp sets them: some from the file, some fixed by
-    llama.cpp for the architecture (the pattern of sliding layers, Gemma 3's local RoPE base,
-    the attention scale, softcap defaults)."""
+    llama.cpp for the architecture (Gemma 3's local RoPE base, the attention scale, softcap
+    defaults)."""
     # llama.cpp scales scores by head_dim ** -0.5, except in the 27B models (told by their
     # layer count), whose query_pre_attn_scalar is hidden / heads; the files do not say.
     big = layers == (46 if arch == "gemma2" else 62)
     scale = (hidden // heads if big else head_dim) ** -0.5
-    # Sliding layers: every other one from the first (Gemma 2), five in six (Gemma 3).
-    pattern = 2 if arch == "gemma2" else 6
-    window = int(get("attention.sliding_window", 4096 if arch == "gemma2" else None))
-    windows = tuple(window if (i + 1) % pattern else 0 for i in range(layers))
-    attn_softcap = float(get("attn_logit_softcapping", 50.0)) if arch == "gemma2" else 0.0
-    if attn_softcap:
-        raise ModelLoadError(f"GGUF {arch}: attention logit softcapping ({attn_softcap}) is "
-                             f"not supported")
-    if any(0 < w < context for w in windows):
-        raise ModelLoadError(f"GGUF {arch}: sliding-window attention (window {window}) is not "
-                             f"supported")
-    return dict(
-        attn_scale=scale,
-        logit_softcap=float(get("final_logit_softcapping", 30.0 if arch == "gemma2" else 0.0)),
-        layer_windows=windows,
-        rope_local_theta=10_000.0 if arch == "gemma3" else 0.0,
-    )
+    if arch == "gemma2":
+        return dict(attn_scale=scale, attn_softcap=float(get("attn_logit_softcapping", 50.0)),
+                    logit_softcap=float(get("final_logit_softcapping", 30.0)))
+    get("attention.sliding_window")  # (llama.cpp refuses a Gemma 3 file without it)
+    sliding = _sliding_layers(reader, arch, layers)
+    return dict(attn_scale=scale, logit_softcap=float(get("final_logit_softcapping", 0.0)),
+                rope_local_layers=tuple(i for i, s in enumerate(sliding) if s),
+                rope_local_theta=10_000.0)
 
 
 def _config(reader, arch: str, tokenizer: ModelTokenizer, has_output: bool) -> ModelConfig:
@@ -221,9 +244,9 @@ def _config(reader, arch: str, tokenizer: ModelTokenizer, has_output: bool) -> M
     if rotary != head_dim:
         raise ModelLoadError(f"GGUF RoPE over {rotary} of {head_dim} head dimensions (partial "
                              f"rotary) is not supported")
-    layers, context = int(get("block_count")), int(get("context_length"))
-    gemma = {} if arch in LLAMA_LIKE else _gemma_settings(arch, get, layers, hidden, heads,
-                                                           head_dim, context)
+    num_layers, context = int(get("block_count")), int(get("context_length"))
+    gemma = {} if arch in LLAMA_LIKE else _gemma_settings(reader, arch, get, num_layers,
+                                                           hidden, heads, head_dim)
     eos = [tokenizer.token_id(tokenizer.eos_token)] if tokenizer.eos_token else []
     # Chat models end a turn with their own token; stopping there is what users expect.
     for end_of_turn in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>"):
@@ -234,7 +257,7 @@ def _config(reader, arch: str, tokenizer: ModelTokenizer, has_output: bool) -> M
         arch=arch if gemma else "llama",
         vocab_size=len(_field(reader, "tokenizer.ggml.tokens")),
         hidden_size=hidden,
-        num_layers=layers,
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
         head_dim=head_dim,
@@ -246,6 +269,7 @@ def _config(reader, arch: str, tokenizer: ModelTokenizer, has_output: bool) -> M
         tie_embeddings=not has_output,
         bos_token_id=tokenizer.token_id(tokenizer.bos_token) if tokenizer.bos_token else None,
         eos_token_ids=tuple(eos),
+        layer_windows=_layer_windows(reader, arch, num_layers, context),
         **gemma,
     )
 

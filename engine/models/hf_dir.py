@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from .config import ModelConfig
+from .config import ModelConfig, sliding_windows
 from .errors import ModelLoadError
 from .rope import hf_divisors
 from .tokenizer import ModelTokenizer
@@ -81,7 +81,6 @@ def read_hf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
     if arch in GEMMA:
         config = _gemma_config(cfg, GEMMA[arch], path, common)
     elif arch in LLAMA_LIKE:
-        _check_full_attention(cfg, arch, path)
         head_dim = cfg.get("head_dim") or hidden // heads
         rope = cfg.get("rope_parameters") or {}
         theta = _rope_theta(rope, cfg, "rope_theta", 10000.0)
@@ -95,6 +94,8 @@ def read_hf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
             rope_divisors=hf_divisors(cfg.get("rope_scaling") or rope, head_dim, theta,
                                       str(path)),
             tie_embeddings=cfg.get("tie_word_embeddings", False),
+            layer_windows=_layer_windows(cfg, arch, path, common["num_layers"],
+                                         common["max_context"]),
             **common,
         )
     else:
@@ -111,6 +112,38 @@ def read_hf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
             **common,
         )
     return config, tokenizer
+
+
+def windows_from_layer_types(layer_types: list[str], window: int | None, num_layers: int,
+                             max_context: int, path: Path) -> tuple[int, ...]:
+    """ModelConfig.layer_windows from a config's `layer_types` ("sliding_attention" or
+    "full_attention", one a layer), the list transformers 5 keys each layer's mask by."""
+    if len(layer_types) != num_layers:
+        raise ModelLoadError(f"{path}: layer_types lists {len(layer_types)} layers for "
+                             f"{num_layers}")
+    other = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+    if other:
+        raise ModelLoadError(f"{path}: attention layer type {other[0]!r} is not supported")
+    return sliding_windows([t == "sliding_attention" for t in layer_types], window,
+                           max_context)
+
+
+def _layer_windows(cfg: dict, arch: str, path: Path, num_layers: int, max_context: int
+                   ) -> tuple[int, ...]:
+    """Which layers slide, as transformers 5 decides it: every layer of a Mistral with a
+    sliding_window (7B v0.1); Qwen2/Qwen3 only with use_sliding_window, in the layers its
+    layer_types names or, in configs written before that key, the layers from
+    max_window_layers on. Llama's attention ignores a sliding_window key. (A missing key
+    means what transformers' config classes default it to.)"""
+    window = cfg.get("sliding_window", 4096)
+    if arch == "MistralForCausalLM":
+        return sliding_windows([True] * num_layers, window, max_context)
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):
+        first = cfg.get("max_window_layers", 28)
+        types = cfg.get("layer_types") or [
+            "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+        return windows_from_layer_types(types, window, num_layers, max_context, path)
+    return ()
 
 
 def _rope_theta(rope: dict, cfg: dict, legacy_key: str, default: float) -> float:
@@ -135,8 +168,8 @@ def _gemma_config(cfg: dict, arch: str, path: Path, common: dict) -> ModelConfig
     pattern = 2 if arch == "gemma2" else cfg.get("sliding_window_pattern", 6)
     types = cfg.get("layer_types") or [
         "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
-    window = cfg.get("sliding_window") or 0
-    windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    windows = windows_from_layer_types(types, cfg.get("sliding_window", 4096), layers,
+                                       common["max_context"], path)
     # Gemma 3: rope_parameters per layer type (transformers >= 5), or rope_theta and
     # rope_scaling for the global layers and rope_local_base_freq for the sliding ones.
     rope = cfg.get("rope_parameters") or {}
@@ -148,18 +181,13 @@ def _gemma_config(cfg: dict, arch: str, path: Path, common: dict) -> ModelConfig
         if hf_divisors(local_rope, head_dim, local_theta, str(path)):
             raise ModelLoadError(f"{path}: RoPE scaling on Gemma's sliding-window layers is "
                                  f"not supported")
+        local_layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     else:
         global_rope = cfg.get("rope_scaling") or rope
         theta, local_theta = _rope_theta(rope, cfg, "rope_theta", 10_000.0), 0.0
+        local_layers = ()
     # Gemma 3's attention ignores attn_logit_softcapping (transformers and llama.cpp alike).
     attn_softcap = (cfg.get("attn_logit_softcapping") or 0.0) if arch == "gemma2" else 0.0
-    if attn_softcap:
-        raise ModelLoadError(f"{path}: attention logit softcapping ({attn_softcap}) is not "
-                             f"supported")
-    max_context = common["max_context"]
-    if any(0 < w < max_context for w in windows):
-        raise ModelLoadError(f"{path}: sliding-window attention (window {window}) is not "
-                             f"supported")
     return ModelConfig(
         arch=arch,
         num_kv_heads=cfg.get("num_key_value_heads", heads),
@@ -172,24 +200,11 @@ def _gemma_config(cfg: dict, arch: str, path: Path, common: dict) -> ModelConfig
         attn_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5,
         logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
         layer_windows=windows,
+        attn_softcap=float(attn_softcap),
+        rope_local_layers=local_layers,
         rope_local_theta=local_theta,
         **common,
     )
-
-
-def _check_full_attention(cfg: dict, arch: str, path: Path) -> None:
-    """Sliding-window attention (Mistral 7B v0.1, Qwen2 with use_sliding_window) sees only
-    the last tokens; our kernels attend to the whole context, which would be silently
-    different once a sequence is longer than the window."""
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
-    else:
-        window = cfg.get("sliding_window")
-    if window is None and "sliding_attention" in (cfg.get("layer_types") or ()):
-        window = cfg.get("sliding_window")
-    if window is not None and window < cfg.get("max_position_embeddings", 2048):
-        raise ModelLoadError(f"{path}: sliding-window attention (window {window}) is not "
-                             f"supported")
 
 
 def read_hf_weights(path: Path) -> dict[str, torch.Tensor]:

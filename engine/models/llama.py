@@ -194,11 +194,12 @@ class LlamaModel:
             # Q and K heads rotate together: one pass over both.
             q, k = rotate(qk.view(t, hq + hk, d), cos, sin).split([hq, hk], dim=1)
             write_kv(k_cache, v_cache, k[:nk], v.reshape(t, hk, d)[:nk], batch.slot_mapping[:nk])
+            attn_args = {"window": c.layer_window(i), "softcap": c.attn_softcap}
             if hidden is None:
-                o = attention(q, k_cache, v_cache, batch, scale)
+                o = attention(q, k_cache, v_cache, batch, scale, **attn_args)
             else:
                 o = mixed_attention(q, h, (k_cache, v_cache), batch, scale, attention, hidden,
-                                    stores[i], partial(self.reproject_kv, i))
+                                    stores[i], partial(self.reproject_kv, i), **attn_args)
             x = x + o_proj(o.reshape(t, hq * d))
             h = rms_norm(x, ln2, c.norm_eps)
             x = x + down_proj(silu_mul(gate_up_proj(h)))
@@ -238,12 +239,15 @@ class LlamaModel:
             q = rope_and_write_kv(qkv_proj(h), positions, self.rope.cos_sin, batch.slot_mapping,
                                   k_cache, v_cache, hq, hk, d,
                                   self.qk_norms[i] if self.qk_norms else None, c.norm_eps)
+            # Host values per layer: a CUDA graph bakes them into this layer's launch.
+            attn_args = {"window": c.layer_window(i), "softcap": c.attn_softcap}
             if hidden is None:
-                o = attention(q, k_cache, v_cache, batch, scale, num_splits=batch.num_splits)
+                o = attention(q, k_cache, v_cache, batch, scale, num_splits=batch.num_splits,
+                              **attn_args)
             else:
                 o = mixed_attention(q, h, (k_cache, v_cache), batch, scale, attention, hidden,
-                                    stores[i], partial(self.reproject_kv, i),
-                                    triton=True)
+                                    stores[i], partial(self.reproject_kv, i), triton=True,
+                                    **attn_args)
             h, residual = add_rms_norm(o_proj(o.view(t, hq * d)), residual, ln2, c.norm_eps)
             x = down_proj(silu_mul_gpu(gate_up_proj(h)))
         return add_rms_norm(x, residual, self.norm, c.norm_eps)[0]
