@@ -344,7 +344,7 @@ def read_gguf_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor
     permuted = arch == "llama"
     # It stores Gemma's norm weights w as the 1 + w they scale by: back to w, in fp32 (exact
     # for the stored values from 0.5 up; below, within an ulp of what llama.cpp scales by).
-    norm_shift = 0.0 if arch in LLAMA_LIKE else 1.0
+    shifted_norms = arch not in LLAMA_LIKE
     weights = {}
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":  # in the config (rope_divisors)
@@ -367,7 +367,7 @@ def read_gguf_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor
             w = _unpermute(w, config.num_heads)
         elif permuted and t.name.endswith("attn_k.weight"):
             w = _unpermute(w, config.num_kv_heads)
-        elif t.name.endswith("norm.weight") and norm_shift:
-            w = w - np.float32(norm_shift)
+        elif shifted_norms and t.name.endswith("norm.weight"):
+            w = w - np.float32(1.0)
         weights[_hf_name(t.name, arch)] = torch.from_numpy(np.require(w, requirements=["C", "W"]))
     return weights
