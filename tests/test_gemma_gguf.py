@@ -1,5 +1,6 @@
 """Gemma GGUF files (llama.cpp's gemma2 and gemma3 architectures) against transformers and
-llama.cpp, in fp32, written here as llama.cpp's converter writes them."""
+llama.cpp, in fp32, written here as llama.cpp's converter writes them, with sliding windows
+of 32 tokens under sequences of up to 120 and Gemma 2's attention cap (5) biting."""
 
 from __future__ import annotations
 
@@ -35,7 +36,6 @@ from .test_gguf_loader import _encode_tensor, _llama_cpp_logits, _rms_err, _trai
 from .test_gguf_loader import _sequences as _gguf_sequences
 from .test_gguf_loader import _vocab as _bpe_lists
 
-# ---- GGUF files ----------------------------------------------------------------------------
 # Written as llama.cpp's convert_hf_to_gguf.py writes Gemma: gemma2/gemma3 metadata, Q/K rows
 # not permuted, no output tensor when tied, and every norm weight w stored as the 1 + w it
 # scales by. llama.cpp fixes what the files do not say: the attention scale (head_dim ** -0.5
@@ -175,8 +175,8 @@ def llama_cpp():
                                "the second reference")
 
 
-def _gguf_engine(path: Path, **kw) -> LLMEngine:
-    return LLMEngine(model=str(path), dtype="fp32", kv_cache_bytes=8 << 20, threads=2, **kw)
+def _gguf_engine(path: Path) -> LLMEngine:
+    return LLMEngine(model=str(path), dtype="fp32", kv_cache_bytes=8 << 20, threads=2)
 
 
 @pytest.mark.parametrize("name", list(GGUF_VARIANTS))
