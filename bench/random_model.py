@@ -1,8 +1,8 @@
 """Write a Hugging Face model directory with seeded random weights of a real model's shape.
 
-GPU benchmarks need the published shapes (SmolLM2-135M, Llama-3.2-1B, Llama-2-7B, Phi-3-mini,
-OPT-125M, OPT-1.3B, OPT-13B), but the GPU machine has no internet and the real checkpoints are
-too large to carry.
+GPU benchmarks need the published shapes (SmolLM2-135M, Llama-3.2-1B, Llama-2-7B, OPT-125M,
+OPT-1.3B, OPT-13B, Qwen2.5, Qwen3, Phi-3-mini, Gemma 2 and 3), but the GPU machine has no
+internet and the real checkpoints are too large to carry.
 Speed does not depend on the weight values, so a directory with random weights of the right
 shape serves every engine (ours, transformers, the bare decoder) with the same bytes.
 
@@ -55,7 +55,7 @@ class Shape:
     """One model's published dimensions and special tokens (what config.json needs)."""
 
     # "llama", "qwen2" (Llama with Q/K/V biases), "qwen3" (per-head Q/K norms), "phi3" (fused
-    # Q/K/V and gate/up, LongRoPE) or "opt"
+    # Q/K/V and gate/up, LongRoPE), "gemma2", "gemma3", "opt"
     arch: str
     vocab: int
     hidden: int
@@ -75,7 +75,9 @@ class Shape:
     norm_eps: float = 1e-5
     chat_template: str | None = None
     rope_scaling: dict | None = None  # config.json's, as published
-    original_max_pos: int | None = None  # Phi-3's pretrained context, beside rope_scaling
+    # config.json's keys beyond Llama's (Gemma's windows, softcaps, attention scale, Phi-3's
+    # pretrained context, ...)
+    extra: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -85,6 +87,8 @@ class Shape:
 
 _LLAMA2_SPECIALS = {0: "<unk>", 1: "<s>", 2: "</s>"}
 _OPT_SPECIALS = {0: "<s>", 1: "<pad>", 2: "</s>", 3: "<unk>"}
+_GEMMA_SPECIALS = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 105: "<start_of_turn>",
+                   106: "<end_of_turn>"}
 
 
 def _longrope(rotary_dim: int, stretch: float) -> dict:
@@ -125,10 +129,11 @@ SHAPES: dict[str, Shape] = {
     # hidden; Phi-3-mini-4k's sliding window aside, its shape too)
     "phi3-mini": Shape(
         "phi3", vocab=32064, hidden=3072, layers=32, heads=32, kv_heads=32, ffn=8192,
-        max_pos=131072, original_max_pos=4096, rope_scaling=_longrope(96, 60.0), tie=False,
-        bos=1, eos=32000, pad=32000, add_bos=False, chat_template=PHI3_CHAT,
+        max_pos=131072, rope_scaling=_longrope(96, 60.0), tie=False, bos=1, eos=32000,
+        pad=32000, add_bos=False, chat_template=PHI3_CHAT,
         specials={0: "<unk>", 1: "<s>", 2: "</s>", 32000: "<|endoftext|>",
-                  32001: "<|assistant|>", 32007: "<|end|>", 32010: "<|user|>"}),
+                  32001: "<|assistant|>", 32007: "<|end|>", 32010: "<|user|>"},
+        extra={"original_max_position_embeddings": 4096}),
     # meta-llama/Llama-2-7b-hf
     "llama2-7b": Shape(
         "llama", vocab=32000, hidden=4096, layers=32, heads=32, kv_heads=32, ffn=11008,
@@ -171,8 +176,38 @@ SHAPES: dict[str, Shape] = {
     # weight's rows and rotate by the scaled table.
     "tiny-phi3": Shape(
         "phi3", vocab=320, hidden=64, layers=3, heads=4, kv_heads=4, ffn=160, max_pos=512,
-        original_max_pos=128, rope_scaling=_longrope(16, 8.0), tie=False, bos=1, eos=2, pad=0,
-        add_bos=False, specials=_LLAMA2_SPECIALS),
+        rope_scaling=_longrope(16, 8.0), tie=False, bos=1, eos=2, pad=0, add_bos=False,
+        specials=_LLAMA2_SPECIALS, extra={"original_max_position_embeddings": 128}),
+    # google/gemma-3-1b-pt (the -it model's generation_config also stops at <end_of_turn>)
+    "gemma3-1b": Shape(
+        "gemma3", vocab=262144, hidden=1152, layers=26, heads=4, kv_heads=1, ffn=6912,
+        head_dim=256, max_pos=32768, rope_theta=1000000.0, norm_eps=1e-6, bos=2, eos=1,
+        pad=0, add_bos=True, specials=_GEMMA_SPECIALS,
+        extra={"query_pre_attn_scalar": 256, "sliding_window": 512,
+               "sliding_window_pattern": 6, "rope_local_base_freq": 10000.0,
+               "attn_logit_softcapping": None, "final_logit_softcapping": None}),
+    # google/gemma-2-2b
+    "gemma2-2b": Shape(
+        "gemma2", vocab=256000, hidden=2304, layers=26, heads=8, kv_heads=4, ffn=9216,
+        head_dim=256, max_pos=8192, norm_eps=1e-6, bos=2, eos=1, pad=0, add_bos=True,
+        specials={**_GEMMA_SPECIALS, 106: "<start_of_turn>", 107: "<end_of_turn>"},
+        extra={"query_pre_attn_scalar": 256, "sliding_window": 4096,
+               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
+    # Gemma at test size: wider heads than hidden / heads, one K/V head (Gemma 3 1B's), a
+    # query_pre_attn_scalar of its own, a logit cap (Gemma 2), the local RoPE (Gemma 3); the
+    # windows as long as the context.
+    "tiny-gemma2": Shape(
+        "gemma2", vocab=320, hidden=64, layers=4, heads=4, kv_heads=2, ffn=160, head_dim=32,
+        max_pos=512, norm_eps=1e-6, bos=2, eos=1, pad=0, add_bos=True,
+        specials=_GEMMA_SPECIALS,
+        extra={"query_pre_attn_scalar": 24, "sliding_window": 512,
+               "attn_logit_softcapping": None, "final_logit_softcapping": 30.0}),
+    "tiny-gemma3": Shape(
+        "gemma3", vocab=320, hidden=64, layers=6, heads=4, kv_heads=1, ffn=160, head_dim=32,
+        max_pos=512, rope_theta=1000000.0, norm_eps=1e-6, bos=2, eos=1, pad=0, add_bos=True,
+        specials=_GEMMA_SPECIALS,
+        extra={"query_pre_attn_scalar": 24, "sliding_window": 512,
+               "sliding_window_pattern": 6, "rope_local_base_freq": 100.0}),
     "tiny-opt": Shape(
         "opt", vocab=288, hidden=64, layers=3, heads=4, kv_heads=4, ffn=160, max_pos=512,
         bos=2, eos=2, pad=1, add_bos=True, specials=_OPT_SPECIALS),
@@ -184,7 +219,7 @@ SHAPES: dict[str, Shape] = {
 
 def tensor_shapes(s: Shape) -> dict[str, tuple[int, ...]]:
     """Every parameter's Hugging Face name and shape, in checkpoint order."""
-    if s.arch in ("llama", "qwen2", "qwen3", "phi3"):
+    if s.arch in ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"):
         return _llama_shapes(s)
     if s.arch == "opt":
         return _opt_shapes(s)
@@ -214,9 +249,12 @@ def _llama_shapes(s: Shape) -> dict[str, tuple[int, ...]]:
         if s.arch == "qwen2":
             out |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                     p + "self_attn.v_proj.bias": (kv,)}
-        if s.arch == "qwen3":
+        if s.arch in ("qwen3", "gemma3"):
             out |= {p + "self_attn.q_norm.weight": (s.dim,),
                     p + "self_attn.k_norm.weight": (s.dim,)}
+        if s.arch in ("gemma2", "gemma3"):  # norms of the sublayers' outputs too
+            out |= {p + "pre_feedforward_layernorm.weight": (h,),
+                    p + "post_feedforward_layernorm.weight": (h,)}
     out["model.norm.weight"] = (h,)
     if not s.tie:
         out["lm_head.weight"] = (s.vocab, h)
@@ -254,16 +292,17 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def make_tensor(name: str, shape: tuple[int, ...], seed: int, device: torch.device,
-                dtype: torch.dtype) -> torch.Tensor:
+                dtype: torch.dtype, norm_weight: float = 1.0) -> torch.Tensor:
     """One parameter, seeded by (seed, name) so that sharding never changes a value.
 
-    Norm weights are 1 and norm biases 0, as a freshly initialized model has them; every
-    other tensor is N(0, STD). CPU and CUDA generators give different numbers for one seed:
-    a directory's weights depend on the device that wrote it (its marker records which).
+    Norm weights are norm_weight (1; 0 for Gemma, whose norms scale by 1 + w) and norm biases
+    0, as a freshly initialized model has them; every other tensor is N(0, STD). CPU and CUDA
+    generators give different numbers for one seed: a directory's weights depend on the
+    device that wrote it (its marker records which).
     """
     is_norm = "norm" in name
     if is_norm:
-        fill = 1.0 if name.endswith("weight") else 0.0
+        fill = norm_weight if name.endswith("weight") else 0.0
         return torch.full(shape, fill, dtype=dtype)
     g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     t = torch.randn(shape, generator=g, device=device, dtype=torch.float32).mul_(STD)
@@ -314,8 +353,14 @@ def config_json(s: Shape, dtype: torch.dtype) -> dict:
                 **llama_like, "attention_bias": False, "use_sliding_window": False}
     if s.arch == "phi3":
         return {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", **common,
-                **llama_like, "original_max_position_embeddings": s.original_max_pos,
-                "sliding_window": None, "resid_pdrop": 0.0, "embd_pdrop": 0.0}
+                **llama_like, "sliding_window": None, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+                **s.extra}
+    if s.arch in ("gemma2", "gemma3"):
+        names = {"gemma2": ("Gemma2ForCausalLM", "gemma2"),
+                 "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}[s.arch]
+        return {"architectures": [names[0]], "model_type": names[1], **common, **llama_like,
+                "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+                "attention_bias": False, **s.extra}
     return {
         "architectures": ["OPTForCausalLM"], "model_type": "opt", **common,
         "ffn_dim": s.ffn, "word_embed_proj_dim": s.hidden, "do_layer_norm_before": True,
@@ -401,6 +446,7 @@ def write_random_model(shape: str, out_dir: str | Path, seed: int = 0,
 def _write_weights(s: Shape, out: Path, seed: int, dtype: torch.dtype, dev: torch.device,
                    max_shard_bytes: int, log) -> None:
     shapes = tensor_shapes(s)
+    norm_weight = 0.0 if s.arch in ("gemma2", "gemma3") else 1.0
     elem = torch.tensor([], dtype=dtype).element_size()
     shards = plan_shards(shapes, elem, max_shard_bytes)
     n = len(shards)
@@ -408,7 +454,7 @@ def _write_weights(s: Shape, out: Path, seed: int, dtype: torch.dtype, dev: torc
              else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
     weight_map = {}
     for fname, shard in zip(names, shards, strict=True):
-        tensors = {k: make_tensor(k, shapes[k], seed, dev, dtype) for k in shard}
+        tensors = {k: make_tensor(k, shapes[k], seed, dev, dtype, norm_weight) for k in shard}
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         weight_map |= dict.fromkeys(shard, fname)
         if log:

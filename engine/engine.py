@@ -27,6 +27,7 @@ from .compute import run_on_compute_thread, run_on_device
 from .costmodel import engine_cost_model
 from .device import default_dtype, device_name, resolve_device
 from .models import load_model
+from .models.gemma import GemmaModel
 from .models.llama import KERNEL_SETS, LlamaModel
 from .models.opt import OPTModel
 from .outputs import RequestAborted, RequestResult, Usage
@@ -154,7 +155,8 @@ class LLMEngine:
         self.config, self.tokenizer = loaded.config.serving(max_context), loaded.tokenizer
         self.model_context = loaded.config.max_context  # (what max_context may go up to)
         self.fingerprint = loaded.fingerprint
-        model_cls = {"llama": LlamaModel, "opt": OPTModel}[self.config.arch]
+        model_cls = {"llama": LlamaModel, "opt": OPTModel, "gemma2": GemmaModel,
+                     "gemma3": GemmaModel}[self.config.arch]
         self.model = model_cls(self.config, loaded.weights, self.dtype, self.device,
                                self.kernels)
         del loaded

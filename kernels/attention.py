@@ -124,17 +124,36 @@ def write_kv(
     v_cache.index_copy_(0, slot_mapping, v)
 
 
-def _causal_mask(qlen: int, ctx: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Query i sits at absolute position ctx - qlen + i and sees keys up to it."""
+def _causal_mask(qlen: int, ctx: int, device: torch.device | str = "cpu",
+                 window: int = 0) -> torch.Tensor:
+    """Query i sits at absolute position p = ctx - qlen + i and sees keys up to it; with a
+    window w > 0, only keys p - w + 1 .. p (transformers' `sliding_window`)."""
     q_pos = torch.arange(ctx - qlen, ctx, device=device)[:, None]
-    return torch.arange(ctx, device=device)[None, :] <= q_pos
+    k_pos = torch.arange(ctx, device=device)[None, :]
+    mask = k_pos <= q_pos
+    return mask & (k_pos > q_pos - window) if window > 0 else mask
+
+
+def _dense_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     window: int, softcap: float) -> torch.Tensor:
+    """One sequence: qs [H, q, D] over k, v [H, ctx, D] (heads expanded), fp32 softmax."""
+    qlen, ctx = qs.shape[1], k.shape[1]
+    scores = (qs @ k.transpose(1, 2)) * scale  # [H, q, ctx]
+    if softcap > 0:  # Gemma 2's attn_logit_softcapping, before the mask
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~_causal_mask(qlen, ctx, qs.device, window), float("-inf"))
+    return scores.softmax(-1) @ v
 
 
 def paged_attention_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
-    scale: float,
+    scale: float, *, window: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:
-    """q [T, H, D] -> [T, H, D]; the readable definition every fast path is tested against."""
+    """q [T, H, D] -> [T, H, D]; the readable definition every fast path is tested against.
+
+    window > 0: a query at position p sees only keys p - window + 1 .. p (sliding-window
+    attention); softcap > 0: the scaled scores s become softcap * tanh(s / softcap) before
+    the softmax (Gemma 2's attention logit soft-capping)."""
     out = torch.zeros_like(q)
     heads, kv_heads = q.shape[1], k_cache.shape[1]
     for i, (start, qlen, ctx) in enumerate(zip(*batch.host(), strict=True)):
@@ -144,38 +163,48 @@ def paged_attention_reference(
         qs = q[start : start + qlen].float().transpose(0, 1)  # [H, q, D]
         k = k_cache[slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
         v = v_cache[slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
-        scores = (qs @ k.transpose(1, 2)) * scale  # [H, q, ctx]
-        scores = scores.masked_fill(~_causal_mask(qlen, ctx, q.device), float("-inf"))
-        out[start : start + qlen] = (scores.softmax(-1) @ v).transpose(0, 1).to(q.dtype)
+        o = _dense_attention(qs, k, v, scale, window, softcap)
+        out[start : start + qlen] = o.transpose(0, 1).to(q.dtype)
     return out
 
 
 def _sdpa_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                slots: torch.Tensor, qlen: int, ctx: int, scale: float) -> torch.Tensor:
-    k = k_cache.index_select(0, slots).transpose(0, 1)[None]
-    v = v_cache.index_select(0, slots).transpose(0, 1)[None]
-    qs = q.transpose(0, 1)[None]
-    mask = None if ctx == qlen else _causal_mask(qlen, ctx, q.device)
-    o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, is_causal=mask is None,
-                                       scale=scale, enable_gqa=True)
+                slots: torch.Tensor, qlen: int, ctx: int, scale: float, window: int,
+                softcap: float) -> torch.Tensor:
+    # Keys before the first query's window are seen by no query of the chunk; the mask only
+    # depends on relative positions, so dropping them just shortens the context.
+    first = max(0, ctx - qlen + 1 - window) if window > 0 else 0
+    slots = slots[first:]
+    ctx -= first
+    k = k_cache.index_select(0, slots).transpose(0, 1)
+    v = v_cache.index_select(0, slots).transpose(0, 1)
+    qs = q.transpose(0, 1)
+    if softcap > 0:  # SDPA has no soft-capping: the dense definition
+        group = qs.shape[0] // k.shape[0]
+        o = _dense_attention(qs.float(), k.float().repeat_interleave(group, 0),
+                             v.float().repeat_interleave(group, 0), scale, window, softcap)
+        return o.transpose(0, 1).to(q.dtype)
+    mask = None if ctx == qlen and window == 0 else _causal_mask(qlen, ctx, q.device, window)
+    o = F.scaled_dot_product_attention(qs[None], k[None], v[None], attn_mask=mask,
+                                       is_causal=mask is None, scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1)
 
 
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
-    scale: float,
+    scale: float, *, window: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:
     """The CPU fast path: same contract as `paged_attention_reference`."""
     out = torch.empty(q.shape, dtype=q.dtype)
     if q.device.type == "cpu" and supports_shape(q.shape[1], k_cache.shape[1], q.shape[2]):
         tables, lens = batch.cpu_rows()
         row_attention(q.contiguous(), k_cache, v_cache, tables, lens, batch.block_size,
-                      scale, out)
+                      scale, out, window=window, softcap=softcap)
         return out
     starts, qlens, ctxs = batch.host()
     for i, (start, qlen) in enumerate(zip(starts, qlens, strict=True)):
         out[start : start + qlen] = _sdpa_chunk(
             q[start : start + qlen], k_cache, v_cache, batch.context_slots(i), qlen,
-            ctxs[i], scale,
+            ctxs[i], scale, window, softcap,
         )
     return out

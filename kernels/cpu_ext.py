@@ -59,7 +59,7 @@ def load_library() -> ctypes.CDLL | None:
             os.replace(out, lib_path)  # atomic: concurrent builders never see half a file
     lib = ctypes.CDLL(str(lib_path))
     args = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [
-        ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
+        ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
     for name in ("llmdb_row_attention_f32", "llmdb_row_attention_bf16"):
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = None
@@ -88,10 +88,12 @@ def _check_cpu(*tensors: torch.Tensor) -> None:
 def row_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, scale: float,
-    out: torch.Tensor,
+    out: torch.Tensor, window: int = 0, softcap: float = 0.0,
 ) -> None:
     """out[r] = softmax(q[r] K_r^T * scale) V_r for each query row r, in place: a decode, or
-    one position of a prefill chunk, with its own block table and number of visible keys.
+    one position of a prefill chunk, with its own block table and number of visible keys
+    (of which a window > 0 keeps the last `window`; softcap > 0 caps the scaled scores as
+    softcap * tanh(s / softcap)).
 
     q, out [R, H, D] contiguous; caches [slots, KVH, D]; block_tables [R, max_blocks] int64;
     context_lens [R] int64."""
@@ -102,7 +104,7 @@ def row_attention(
     s, h, d = q.shape
     fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
        context_lens.data_ptr(), s, h, k_cache.shape[1], d, block_size, block_tables.shape[1],
-       scale, torch.get_num_threads(), out.data_ptr())
+       scale, window, softcap, torch.get_num_threads(), out.data_ptr())
 
 
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

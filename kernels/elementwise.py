@@ -1,4 +1,5 @@
-"""RMSNorm and SwiGLU's silu(gate) * up: torch references and fused bf16 fast paths."""
+"""RMSNorm and gated MLP activations (SwiGLU's silu(gate) * up, GeGLU's gelu(gate) * up):
+torch references and fused bf16 fast paths."""
 
 from __future__ import annotations
 
@@ -15,9 +16,23 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * xf.to(x.dtype)
 
 
+def rms_norm_fp32(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: x / rms(x) times an fp32 scale (1 + the checkpoint's weight), rounded
+    once to x's dtype; rms_norm_reference rounds the normalized x before it scales."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * scale).to(x.dtype)
+
+
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU (Gemma): gelu(gate), tanh approximation, times up; gelu rounded to the dtype
+    before the product, as transformers computes it."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def _fast(*tensors: torch.Tensor) -> bool:

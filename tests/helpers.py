@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 CHAT_QUESTIONS = [
     "What is the capital of France?",
     "Write a haiku about databases.",
@@ -41,3 +45,14 @@ def assert_same_tokens(engine, prompt_ids: list[int], ref: list[int], got: list[
         f"tokens differ at generated position {i}: ref {ref[i:i+3]} got {got[i:i+3]}, "
         f"reference top-2 margin {margin:.3g} is not a near-tie"
     )
+
+
+def as_windowed_mistral(src: Path, dst: Path, window: int) -> Path:
+    """A copy of a Llama model directory (bench/random_model.py's) as a MistralForCausalLM
+    whose every layer has a sliding window: the same weights and names."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(architectures=["MistralForCausalLM"], model_type="mistral",
+               sliding_window=window)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst

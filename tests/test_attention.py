@@ -83,3 +83,117 @@ def test_shapes_beyond_the_kernel_take_the_sdpa_path():
     torch.testing.assert_close(paged_attention(q, k, v, batch, 512**-0.5),
                                paged_attention_reference(q, k, v, batch, 512**-0.5),
                                atol=1e-5, rtol=1e-5)
+
+
+# ---- sliding windows and soft-capping ------------------------------------------------------
+
+
+def _dense_windowed(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                    window: int, softcap: float) -> torch.Tensor:
+    """One whole sequence, query by query: position p attends to keys[max(0, p - w + 1):p + 1]
+    (all of keys[:p + 1] without a window) with a plain softmax. Heads already expanded."""
+    out = torch.empty_like(q)
+    for p in range(q.shape[0]):
+        lo = max(0, p - window + 1) if window else 0
+        s = torch.einsum("hd,khd->hk", q[p], keys[lo : p + 1]) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        out[p] = torch.einsum("hk,khd->hd", s.softmax(-1), values[lo : p + 1])
+    return out
+
+
+@pytest.mark.parametrize("window,softcap", [(0, 2.0), (1, 0.0), (6, 0.0), (6, 2.0), (37, 0.0)])
+def test_reference_window_and_softcap_equal_dense_attention(window, softcap):
+    ctx, table = 37, [5, 9, 2]
+    torch.manual_seed(11)
+    k, v = torch.randn(16 * BLOCK, 2, 32), torch.randn(16 * BLOCK, 2, 32)
+    batch = AttentionBatch.build([ctx], [ctx], [table], BLOCK)
+    q = torch.randn(ctx, 4, 32)
+    slots = batch.context_slots(0)
+    dense = _dense_windowed(q, k[slots].repeat_interleave(2, 1), v[slots].repeat_interleave(2, 1),
+                            32**-0.5, window, softcap)
+    got = paged_attention_reference(q, k, v, batch, 32**-0.5, window=window, softcap=softcap)
+    torch.testing.assert_close(got, dense, atol=1e-5, rtol=1e-5)
+    # The same sequence split into a prefix and a chunk over it: the chunk's rows agree.
+    chunk = AttentionBatch.build([9], [ctx], [table], BLOCK)
+    torch.testing.assert_close(
+        paged_attention_reference(q[-9:], k, v, chunk, 32**-0.5, window=window,
+                                  softcap=softcap), dense[-9:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("qlen,ctx,window", [(37, 37, 6), (9, 37, 6), (1, 37, 6), (8, 8, 1),
+                                             (5, 20, 19), (5, 20, 20)])
+def test_window_is_transformers_sliding_window(qlen, ctx, window):
+    """The reference's mask is the one transformers builds for Mistral's layers and the local
+    layers of Qwen2 and Gemma 2/3 (sliding_window_causal_mask_function), for a chunk of qlen
+    queries after ctx - qlen cached keys. (llama.cpp's standard n_swa masks the same keys:
+    p1 - p0 >= n_swa.)"""
+    masking = pytest.importorskip("transformers.masking_utils")
+    theirs = masking.sdpa_mask(
+        batch_size=1, q_length=qlen, kv_length=ctx, q_offset=ctx - qlen,
+        mask_function=masking.sliding_window_causal_mask_function(window),
+        allow_is_causal_skip=False)[0, 0]
+    assert torch.equal(attention._causal_mask(qlen, ctx, window=window), theirs)
+
+
+# (query lengths, context lengths after the step) of a step; block size 16.
+WINDOW_CASES = {
+    # Decodes whose context ends on, and one past, a block edge.
+    "decodes": ([1, 1, 1, 1], [16, 17, 32, 33]),
+    # Whole prefills ending on and one past a block edge.
+    "prefills": ([32, 33], [32, 33]),
+    # Chunks over a cached prefix of 32: a short window starts inside the prefix.
+    "chunks": ([5, 12, 20, 1], [37, 44, 52, 50]),
+}
+# 1; shorter than the contexts; one less than, equal to and longer than 32 and 33.
+WINDOWS = [1, 6, 31, 32, 33]
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32)])
+@pytest.mark.parametrize("cpp", [True, False])
+def test_fast_path_window_and_softcap_equal_reference(monkeypatch, heads, kv_heads, dim, cpp):
+    if not cpp:
+        monkeypatch.setattr(attention, "supports_shape", lambda *shape: False)
+    elif not attention.supports_shape(heads, kv_heads, dim):
+        pytest.skip("no C++ compiler")
+    cases = [_random_batch(0, heads, kv_heads, dim, torch.float32)]  # a mixed step
+    for qlens, ctxs in WINDOW_CASES.values():
+        q, k, v, _ = cases[0]
+        tables = [list(range(j * 8, j * 8 + -(-c // BLOCK))) for j, c in enumerate(ctxs)]
+        batch = AttentionBatch.build(qlens, ctxs, tables, BLOCK)
+        cases.append((torch.randn(sum(qlens), heads, dim), k, v, batch))
+    for window, softcap in [(w, 0.0) for w in WINDOWS] + [(0, 2.0), (6, 2.0)]:
+        for q, k, v, batch in cases:
+            ref = paged_attention_reference(q, k, v, batch, dim**-0.5, window=window,
+                                            softcap=softcap)
+            fast = paged_attention(q, k, v, batch, dim**-0.5, window=window, softcap=softcap)
+            torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_fast_path_window_bf16_close_to_reference():
+    q, k, v, batch = _random_batch(7, 9, 3, 64, torch.bfloat16)
+    for window, softcap in [(5, 0.0), (5, 2.0)]:
+        ref = paged_attention_reference(q, k, v, batch, 0.125, window=window, softcap=softcap)
+        fast = paged_attention(q, k, v, batch, 0.125, window=window, softcap=softcap)
+        torch.testing.assert_close(fast.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("cpp", [True, False])
+def test_window_reads_no_key_before_it(monkeypatch, cpp):
+    """A decode over 200 keys with a window of 20 reads the blocks of keys 180..199 only:
+    poisoning every block before them with NaN changes nothing."""
+    if not cpp:
+        monkeypatch.setattr(attention, "supports_shape", lambda *shape: False)
+    elif not attention.supports_shape(4, 2, 32):
+        pytest.skip("no C++ compiler")
+    torch.manual_seed(3)
+    table = list(range(13))[::-1]
+    batch = AttentionBatch.build([1, 4], [200, 200], [table, table], BLOCK)
+    k, v = torch.randn(13 * BLOCK, 2, 32), torch.randn(13 * BLOCK, 2, 32)
+    q = torch.randn(5, 4, 32)
+    want = paged_attention_reference(q, k, v, batch, 32**-0.5, window=20)
+    # The chunk's first query reaches back to key 177, in the block from 176 on.
+    stale = batch.context_slots(0)[:176]
+    k[stale], v[stale] = float("nan"), float("nan")
+    got = paged_attention(q, k, v, batch, 32**-0.5, window=20)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -14,6 +14,7 @@ reference: for the logits of the same files, and for tokenization.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -27,7 +28,7 @@ from gguf import GGMLQuantizationType as QT
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from llmdb.engine.engine import LLMEngine
-from llmdb.engine.models import ModelLoadError, load_model
+from llmdb.engine.models import ModelLoadError, gguf_file, load_model, loader
 from llmdb.engine.models.gguf_file import read_gguf_metadata
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # control tokens, ids 0..2
@@ -429,6 +430,37 @@ def test_weights_are_hf_named_and_survive_the_cache(f32_files, hf_models):
         assert torch.equal(v, ref[k]), k
 
 
+def test_windows_and_softcap_survive_the_metadata_cache(f32_files, tmp_path):
+    loaded = load_model(f32_files["tied"])
+    config = dataclasses.replace(loaded.config, layer_windows=(4, 0, 4), attn_softcap=50.0)
+    meta = tmp_path / "meta.json"
+    meta.write_text(loader._meta_json(config, loaded.tokenizer))
+    again, _ = loader._read_meta(meta)
+    assert again == config and isinstance(again.layer_windows, tuple)
+
+
+@pytest.mark.parametrize("pattern, windows", [
+    (None, (4, 0, 4)),  # the architecture's default pattern (2 here): every second is global
+    (3, (4, 4, 0)),
+    (0, (4, 4, 4)),  # llama.cpp's 0: every layer slides
+    ([False, True, True], (0, 4, 4)),  # a flag a layer
+])
+def test_sliding_window_metadata_where_llama_cpp_reads_it(pattern, windows, hf_models, bpe,
+                                                         gguf_dir, monkeypatch):
+    """As llama.cpp's set_swa_pattern reads {arch}.attention.sliding_window_pattern, for an
+    architecture that has windows (Gemma's: tests/test_gemma_gguf.py runs them)."""
+    monkeypatch.setitem(gguf_file.SLIDING_PATTERNS, "llama", (2, 0))
+
+    def extra(w):
+        w.add_sliding_window(4)
+        if pattern is not None:
+            w.add_sliding_window_pattern(pattern)
+
+    path = _write_gguf(gguf_dir / f"swa-{pattern}.gguf", hf_models["tied"], bpe, extra=extra,
+                       with_tensors=False)
+    assert read_gguf_metadata(path)[0].layer_windows == windows
+
+
 # ---- types the gguf package can quantize ---------------------------------------------------
 
 # type -> bound on the rms logit error relative to the F32 model (measured: a quarter to a
@@ -634,6 +666,19 @@ def test_llama_cpp_agrees_on_other_llama_family_files(name, llama_cpp, f32_files
     ours = _engine(f32_files[name]).logits(ids)
     err = _rms_err(ours, _llama_cpp_logits(llama_cpp, f32_files[name], ids))
     assert err <= 1e-5, f"{name}: {err:.3g} from llama.cpp"
+
+
+def test_sliding_window_of_a_llama_file_is_ignored_as_llama_cpp_ignores_it(
+        llama_cpp, hf_models, bpe, gguf_dir):
+    """A Mistral 7B v0.1 GGUF is arch llama with llama.attention.sliding_window: llama.cpp
+    runs it with full attention, and so do we."""
+    path = _write_gguf(gguf_dir / "untied-swa.gguf", hf_models["untied"], bpe,
+                       extra=lambda w: w.add_sliding_window(8))
+    assert load_model(path).config.layer_windows == ()
+    ids = _sequences(400, seed=12)[3]  # 120 tokens: 15 windows
+    ours = _engine(path).logits(ids)
+    err = _rms_err(ours, _llama_cpp_logits(llama_cpp, path, ids))
+    assert err <= 1e-5, f"{err:.3g} from llama.cpp"
 
 
 # ---- tokenizer from GGUF metadata ----------------------------------------------------------

@@ -7,6 +7,7 @@ directory. Our teacher-forced logits and greedy tokens must match `transformers`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -18,6 +19,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from llmdb.engine.engine import LLMEngine
 from llmdb.engine.models import ModelLoadError, load_model
+from llmdb.engine.models.loader import check_model
 from llmdb.engine.params import SamplingParams
 
 CHATML = (
@@ -143,7 +145,18 @@ VARIANTS = {
     "qwen3": (lambda: _llama(tie=True, rope_theta=1000000.0, eps=1e-6, family="Qwen3",
                              head_dim=32),
               {"bos_token": None, "eos_token": "<|im_end|>"}, None),
+    # Sliding-window attention (Mistral 7B v0.1's, at a tiny scale): every layer sees its
+    # last 8 positions, and the test sequences run to 30 times that.
+    "mistral-window": (lambda: _llama(tie=False, rope_theta=10000.0, eps=1e-5,
+                                      family="Mistral", sliding_window=8),
+                       {"bos_token": "<s>", "eos_token": "</s>"}, "<s>"),
+    # Qwen2's: only the layers from max_window_layers on slide, here the last two of four.
+    "qwen2-window": (lambda: _llama(tie=False, rope_theta=1000000.0, eps=1e-6, family="Qwen2",
+                                    use_sliding_window=True, sliding_window=5,
+                                    max_window_layers=2),
+                     {"bos_token": None, "eos_token": "<|im_end|>"}, None),
 }
+WINDOWED = ["mistral-window", "qwen2-window"]
 
 
 @pytest.fixture(scope="session")
@@ -235,7 +248,7 @@ def test_chunked_prefill_logits_match_transformers(name, hf_dirs, hf_ref):
     _assert_close(engine.logits(ids), _ref_logits(hf_ref(name), ids), f"{name} chunked")
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "opt", "qwen2", "llama3-rope", "qwen3"])
+@pytest.mark.parametrize("name", ["llama-gqa", "opt", "qwen2", "llama3-rope", "qwen3", *WINDOWED])
 def test_triton_path_matches_transformers(name, hf_dirs, hf_ref):
     """The GPU kernels' forward (RoPE fused with the K/V write, residual-add RMSNorm, one
     attention launch per mixed step), run on CPU tensors by Triton's interpreter in CI:
@@ -295,6 +308,18 @@ def test_greedy_generation_matches_transformers(name, attention, hf_ref, engines
     assert len(distinct) > 3, "degenerate model: greedy output is nearly constant"
 
 
+def _transformers_windows(hf_cfg) -> tuple[int, ...]:
+    """Each layer's window as transformers' attention applies it: the sliding_window of the
+    layers its layer_types calls sliding (all of them where there is no such list, as in
+    Mistral's), 0 elsewhere; () where no layer has one shorter than the context (256)."""
+    window = getattr(hf_cfg, "sliding_window", None)
+    if hf_cfg.model_type == "llama" or not window or window >= 256:  # Llama has no windows
+        return ()
+    types = getattr(hf_cfg, "layer_types", None) or ["sliding_attention"] * 4
+    windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    return windows if any(windows) else ()
+
+
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_metadata_and_tokenizer(name, hf_dirs):
     """Config numbers, special tokens and chat template as `transformers` reads them."""
@@ -307,6 +332,8 @@ def test_metadata_and_tokenizer(name, hf_dirs):
         hf_cfg.num_attention_heads)
     assert cfg.tie_embeddings == hf_cfg.tie_word_embeddings
     assert cfg.max_context == 256
+    assert cfg.layer_windows == _transformers_windows(hf_cfg)
+    assert bool(cfg.layer_windows) == (name in WINDOWED)
     assert cfg.eos_token_ids == (EOS,)
     if cfg.arch == "llama":
         assert cfg.num_kv_heads == hf_cfg.num_key_value_heads == 2
@@ -416,13 +443,51 @@ def test_other_rope_scaling_is_refused_by_name(hf_dirs, tmp_path, where, kind):
 
 @pytest.mark.parametrize("name, edit", [
     ("mistral", {"sliding_window": 128}),
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 64}),
-    ("qwen3", {"use_sliding_window": True, "sliding_window": 64}),
+    ("mistral", {"sliding_window": 255}),
+    ("mistral", {"sliding_window": 256}),  # not smaller than the context: no window
+    ("mistral", {"sliding_window": None}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 64}),  # (max_window_layers 28)
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1,
+               "layer_types": None}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 64,
+               "layer_types": ["sliding_attention", "full_attention"] * 2}),
+    ("qwen2", {"use_sliding_window": False, "sliding_window": 64, "max_window_layers": 0}),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 3,
+               "layer_types": None}),
+    ("llama-gqa", {"sliding_window": 64}),  # Llama's attention ignores the key
 ])
-def test_sliding_window_attention_is_refused(hf_dirs, tmp_path, name, edit):
+def test_sliding_windows_are_read_as_transformers_reads_them(hf_dirs, tmp_path, name, edit):
     d = _edit_config(hf_dirs[name], tmp_path / "window", lambda cfg: cfg.update(edit))
-    with pytest.raises(ModelLoadError, match="sliding-window attention"):
+    windows = load_model(d).config.layer_windows
+    assert windows == _transformers_windows(transformers.AutoConfig.from_pretrained(d))
+    assert check_model(d).layer_windows == windows
+
+
+def test_unknown_layer_type_is_refused_by_name(hf_dirs, tmp_path):
+    types = ["sliding_attention", "chunked_attention", "full_attention", "full_attention"]
+    d = _edit_config(hf_dirs["qwen2"], tmp_path / "chunked", lambda cfg: cfg.update(
+        use_sliding_window=True, sliding_window=64, layer_types=types))
+    with pytest.raises(ModelLoadError, match="layer type 'chunked_attention'"):
         load_model(d)
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_long_generation_beyond_the_window_matches_transformers(name, hf_ref, engines):
+    """Greedy decoding far past the window: by the end every query's window lies wholly in
+    generated tokens, at positions whose blocks the window left long ago."""
+    ref_model, engine = hf_ref(name), engines(name, "cpu")
+    assert engine.config.layer_windows
+    rng = random.Random(11)
+    prompt = [rng.randrange(5, VOCAB_SIZE) for _ in range(30)]
+    n_new = 40
+    with torch.inference_mode():
+        out = ref_model.generate(torch.tensor([prompt]), max_new_tokens=n_new, do_sample=False,
+                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 pad_token_id=PAD)
+    ref = out[0, len(prompt):].tolist()
+    got = engine.generate([prompt], SamplingParams(max_tokens=n_new, ignore_eos=True))[0]
+    _assert_same_greedy(ref_model, prompt, ref, got.token_ids)
+    assert len(set(ref)) > 3, "degenerate model: greedy output is nearly constant"
 
 
 def test_generation_stops_at_the_context_length(engines):
@@ -434,3 +499,21 @@ def test_generation_stops_at_the_context_length(engines):
     assert r.finish_reason == "length"
     assert len(prompt) + len(r.token_ids) == ctx  # prompt plus output fill the context
     assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_attention_softcap_reaches_every_kernel_set(hf_dirs):
+    """attn_softcap (Gemma 2's; no architecture here has one) goes to every layer's attention
+    call: a small cap changes the logits, the same way with the C++ kernels, the reference
+    and the Triton path (with a window too)."""
+    ids = _sequences(seed=13)[2]
+    logits = {}
+    for attention in ("cpu", "reference", "triton"):
+        engine = LLMEngine(model=str(hf_dirs["qwen2-window"]), dtype="fp32", threads=2,
+                           kv_cache_bytes=4 << 20, attention=attention)
+        model = engine.model
+        uncapped = engine.logits(ids)
+        model.config = dataclasses.replace(model.config, attn_softcap=0.5)
+        logits[attention] = engine.logits(ids)
+        assert float((logits[attention] - uncapped).abs().max()) > 0.1
+    _assert_close(logits["cpu"], logits["reference"], "cpu vs reference")
+    _assert_close(logits["triton"], logits["reference"], "triton vs reference")

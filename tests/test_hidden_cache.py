@@ -32,20 +32,26 @@ from llmdb.kernels.hidden_cache import (
     write_hidden,
 )
 
+from .helpers import as_windowed_mistral
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from random_model import write_random_model  # noqa: E402
 
 MODELS = ["tiny-opt", "tiny-llama-mha"]
 BLOCK = 4
 TRITON = (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+WINDOW = 5  # of the sliding-window model
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hidden_models")
-    return {name: write_random_model(name, root / name, seed=5, dtype=torch.float32,
+    dirs = {name: write_random_model(name, root / name, seed=5, dtype=torch.float32,
                                      device="cpu")
             for name in [*MODELS, "tiny-llama", "tiny-qwen2-mha", "tiny-qwen3-mha"]}
+    dirs["tiny-mistral-window-mha"] = as_windowed_mistral(
+        dirs["tiny-llama-mha"], root / "tiny-mistral-window-mha", WINDOW)
+    return dirs
 
 
 def _engine(path: Path, **kw) -> LLMEngine:
@@ -214,7 +220,8 @@ def test_attention_over_reprojected_kv_equals_kv_cache():
 
 # ---- the engine ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", [*MODELS, "tiny-qwen2-mha", "tiny-qwen3-mha"])
+@pytest.mark.parametrize("name", [*MODELS, "tiny-qwen2-mha", "tiny-qwen3-mha",
+                                  "tiny-mistral-window-mha"])
 def test_hidden_mode_generates_the_kv_tokens(name, model_dirs):
     eng = _engine(model_dirs[name])
     assert eng.describe()["hidden_cache"]["enabled"]
@@ -237,8 +244,19 @@ def test_reference_attention_serves_hidden_mode(model_dirs):
     assert _generate(eng, prompts, ["hidden"] * 3) == _generate(eng, prompts, ["kv"] * 3)
 
 
+def test_window_changes_the_tokens_hidden_mode_serves(model_dirs):
+    """The windowed model's prompts and generations run to several windows, and the window
+    changes their tokens: the test above is not passed by attending to everything."""
+    windowed = _engine(model_dirs["tiny-mistral-window-mha"])
+    assert windowed.config.layer_windows == (WINDOW,) * 3
+    prompts = _prompts(6, 280)
+    assert max(map(len, prompts)) + GREEDY.max_tokens > 4 * WINDOW
+    full = _generate(_engine(model_dirs["tiny-llama-mha"]), prompts, ["kv"] * 6)
+    assert _generate(windowed, prompts, ["kv"] * 6) != full
+
+
 @pytest.mark.skipif(not TRITON, reason="triton needs a GPU or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("name", [*MODELS, "tiny-qwen3-mha"])
+@pytest.mark.parametrize("name", [*MODELS, "tiny-qwen3-mha", "tiny-mistral-window-mha"])
 def test_triton_path_serves_hidden_mode(name, model_dirs):
     pytest.importorskip("triton", reason="triton is not installed")
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -242,6 +242,50 @@ def test_hf_tokenizers_keep_content_plain(tmp_path, template, specials, special)
     assert tok.decode(ids, skip_special=False) == tok.apply_chat_template(chat(forged, forged))
 
 
+@pytest.mark.parametrize("template,specials", [
+    (CHATML, CHATML_SPECIALS), (LLAMA3, LLAMA3_SPECIALS)], ids=["chatml", "llama3"])
+def test_continuing_the_final_message_matches_transformers(tmp_path, template, specials):
+    """vLLM's continue_final_message (the server's chat option): the chat ends with the
+    assistant's text, its turn left open, as transformers renders it; a marker string in
+    that text stays text."""
+    _, tok = read_hf_metadata(_hf_dir(tmp_path / "m", template, specials))
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "m")
+    for start in ("The answer is", "  Paris  "):
+        messages = [*chat("Name a color.", "Be brief."), {"role": "assistant", "content": start}]
+        assert tok.encode_chat(messages, add_generation_prompt=False, continue_final=True) == (
+            hf_tok.apply_chat_template(messages, tokenize=True, continue_final_message=True,
+                                       return_dict=False))
+    forged = [*chat("Hi"), {"role": "assistant", "content": f"ok{specials[-1]}"}]
+    ids = tok.encode_chat(forged, add_generation_prompt=False, continue_final=True)
+    assert ids.count(tok.token_id(specials[-1])) == 1  # the user's turn end, not the text's
+    assert tok.decode(ids, skip_special=False).endswith(f"ok{specials[-1]}")
+    with pytest.raises(ValueError, match="cannot both be true"):
+        tok.encode_chat(forged, continue_final=True)
+    with pytest.raises(ValueError, match="assistant message last"):
+        tok.encode_chat(chat("Hi"), add_generation_prompt=False, continue_final=True)
+
+
+def test_template_kwargs_reach_the_template_as_in_transformers(tmp_path):
+    """chat_template_kwargs: enable_thinking=True gives Qwen3's template its thinking turn
+    back (off by default for rows); the variables we set ourselves cannot be overridden; a
+    template's own refusal (raise_exception) is a ValueError naming it, which the server
+    answers 400 and SQL records as the row's error."""
+    _, tok = read_hf_metadata(_hf_dir(tmp_path / "m", QWEN3_GENERATION, CHATML_SPECIALS))
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "m")
+    messages = chat("Is it good?")
+    for thinking in (True, False):
+        assert tok.encode_chat(messages, template_kwargs={"enable_thinking": thinking}) == (
+            hf_tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                       enable_thinking=thinking, return_dict=False))
+    thinking = tok.apply_chat_template(messages, template_kwargs={"enable_thinking": True})
+    assert "<think>" not in thinking
+    with pytest.raises(ValueError, match="'bos_token' is set by the server"):
+        tok.encode_chat(messages, template_kwargs={"bos_token": "x"})
+    strict = ModelTokenizer(tok.tokenizer, "{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(ValueError, match="chat template refused these messages: roles must"):
+        strict.encode_chat(messages)
+
+
 def test_sql_on_an_hf_model_keeps_row_text_plain(tmp_path, monkeypatch):
     path = _hf_dir(tmp_path / "m", CHATML, CHATML_SPECIALS)
     monkeypatch.setenv("LLMDB_CONFIG_DIR", str(tmp_path / "config"))

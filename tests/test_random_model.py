@@ -31,7 +31,7 @@ from random_model import SHAPES, write_random_model  # noqa: E402
 
 TINY = ["tiny-llama", "tiny-opt"]
 # (The bare decoder has no Q/K/V biases, Q/K norms or fused weights.)
-LOADED = [*TINY, "tiny-qwen2-mha", "tiny-qwen3-mha", "tiny-phi3"]
+LOADED = [*TINY, "tiny-qwen2-mha", "tiny-qwen3-mha", "tiny-phi3", "tiny-gemma2", "tiny-gemma3"]
 LOGIT_ATOL = 1e-4  # fp32 on both sides: the implementations agree to ~1e-6 here
 
 
@@ -80,6 +80,8 @@ def test_real_shapes_have_the_published_sizes():
     assert round(millions["qwen2.5-0.5b"]) == 494
     assert round(millions["qwen3-0.6b"]) == 596
     assert round(millions["phi3-mini"]) == 3821
+    assert random_model.num_params(SHAPES["gemma3-1b"]) == 999_885_952  # as published
+    assert random_model.num_params(SHAPES["gemma2-2b"]) == 2_614_341_888
 
 
 @pytest.mark.parametrize("name", LOADED)
@@ -90,8 +92,9 @@ def test_both_loaders_open_it(name, model_dirs):
     assert not any(info.values()), info  # no missing, unexpected or mismatched tensors
     loaded = load_model(path)
     c = loaded.config
+    arch = shape.arch if shape.arch in ("opt", "gemma2", "gemma3") else "llama"
     assert (c.arch, c.vocab_size, c.hidden_size, c.num_layers) == (
-        "opt" if shape.arch == "opt" else "llama", shape.vocab, shape.hidden, shape.layers)
+        arch, shape.vocab, shape.hidden, shape.layers)
     assert (c.num_heads, c.num_kv_heads, c.ffn_size) == (shape.heads, shape.kv_heads, shape.ffn)
     assert c.eos_token_ids == (shape.eos,)
     tok = loaded.tokenizer
@@ -220,3 +223,19 @@ def test_standard_prompts_file_matches_the_bundled_tokenizer():
     assert stored == [p["token_ids"] for p in prompts]
     rows = throughput.standard_workload(400, 64, vocab=320)
     assert all(max(r["token_ids"]) < 320 and r["max_tokens"] == 64 for r in rows)
+
+
+@pytest.mark.parametrize("name", ["gemma3-1b", "gemma2-2b"])
+def test_published_gemma_configs_read_as_transformers_reads_them(name, tmp_path):
+    """Google's config.json keys (no layer_types; Gemma 3's sliding_window_pattern and
+    rope_local_base_freq; Gemma 2's caps): windows, local RoPE, scales as transformers has
+    them. No weights needed to read a config."""
+    from llmdb.engine.models.hf_dir import read_hf_metadata
+
+    from .gemma_models import _assert_config_is
+
+    random_model._write_metadata(SHAPES[name], tmp_path, torch.bfloat16)
+    config, _ = read_hf_metadata(tmp_path)
+    _assert_config_is(config, transformers.AutoConfig.from_pretrained(tmp_path))
+    assert max(config.layer_windows) == SHAPES[name].extra["sliding_window"]
+    assert not config.hidden_cache_support()[0]

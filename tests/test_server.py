@@ -118,6 +118,40 @@ def test_chat_equals_the_engine_and_streams_the_same_text(client, engine):
     assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
 
 
+def test_chat_template_options_shape_the_prompt(client, server, engine):
+    """vLLM's chat options: continue_final_message goes on from the assistant's start (the
+    answer is what the engine generates after exactly those ids), chat_template_kwargs reach
+    the template, and their misuse is a 400 naming it, not a 500 or an option ignored."""
+    tok = engine.tokenizer
+    start = [{"role": "user", "content": "Name a fruit that is yellow."},
+             {"role": "assistant", "content": "A yellow fruit is the"}]
+    r = client.chat.completions.create(
+        model=MODEL, messages=start, max_tokens=8, temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    ids = tok.encode_chat(start, add_generation_prompt=False, continue_final=True)
+    assert tok.decode(ids, skip_special=False).endswith("<|im_start|>assistant\nA yellow "
+                                                       "fruit is the")
+    want = engine.generate([ids], SamplingParams(max_tokens=8))[0]
+    assert r.choices[0].message.content == want.text
+    assert r.usage.prompt_tokens == len(ids)
+    url, auth = server.url + "/tokenize", {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(url, headers=auth, json={"messages": start, "add_generation_prompt": False,
+                                            "continue_final_message": True})
+    assert r.json()["tokens"] == ids
+    r = httpx.post(url, headers=auth, json={"messages": start[:1],
+                                            "chat_template_kwargs": {"extra": 1}})
+    assert r.json()["tokens"] == tok.encode_chat(start[:1])  # (a variable it does not read)
+    for body, cause in [
+        ({"messages": start, "continue_final_message": True}, "cannot both be true"),
+        ({"messages": start[:1], "continue_final_message": True,
+          "add_generation_prompt": False}, "assistant message last"),
+        ({"messages": start[:1], "chat_template_kwargs": {"messages": []}},
+         "'messages' is set by the server")]:
+        r = httpx.post(server.url + "/v1/chat/completions", headers=auth,
+                       json={"model": MODEL, "max_tokens": 2, **body})
+        assert r.status_code == 400 and cause in r.json()["error"]["message"], r.text
+
+
 def test_stop_strings_never_reach_the_stream(client):
     kw = {"model": MODEL, "prompt": "Count: 1, 2, 3, 4, 5,", "max_tokens": 30,
           "temperature": 0, "stop": [" 7"]}

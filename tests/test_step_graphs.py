@@ -17,7 +17,7 @@ from llmdb.engine.cuda_graphs import StepGraphs
 from llmdb.engine.engine import LLMEngine
 from llmdb.engine.params import SamplingParams
 
-from .helpers import assert_same_tokens
+from .helpers import as_windowed_mistral, assert_same_tokens
 
 pytest.importorskip("triton", reason="triton is not installed: the GPU kernels are not tested")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -26,23 +26,31 @@ from random_model import write_random_model  # noqa: E402
 SEQS = 4
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory) -> LLMEngine:
-    path = write_random_model("tiny-llama", tmp_path_factory.mktemp("graphs") / "m", seed=3,
-                              dtype=torch.float32, device="cpu")
+def _engine(path: Path) -> LLMEngine:
     return LLMEngine(str(path), device="cpu", dtype="float32", kv_cache_bytes=1 << 21,
                      block_size=4, attention="triton", cuda_graphs=False, max_num_seqs=SEQS,
                      max_num_batched_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory) -> LLMEngine:
+    return _engine(write_random_model("tiny-llama", tmp_path_factory.mktemp("graphs") / "m",
+                                      seed=3, dtype=torch.float32, device="cpu"))
+
+
+def _prompts(engine: LLMEngine, n: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = random.Random(0)
+    vocab = engine.config.vocab_size
+    prompts = [[rng.randrange(4, vocab) for _ in range(rng.randrange(2, 40))] for _ in range(n)]
+    params = [SamplingParams(max_tokens=rng.randrange(2, 9), ignore_eos=True) for _ in prompts]
+    return prompts, params
 
 
 def test_more_rows_than_slots_run_in_graphs_and_give_the_eager_tokens(engine):
     """Rows outnumber the running slots, so new prompts join running decodes: those mixed
     steps, and the decode steps, replay graphs; tokens equal the eager engine's, stepping
     and launching ahead, and every block comes back."""
-    rng = random.Random(0)
-    vocab = engine.config.vocab_size
-    prompts = [[rng.randrange(4, vocab) for _ in range(rng.randrange(2, 40))] for _ in range(9)]
-    params = [SamplingParams(max_tokens=rng.randrange(2, 9), ignore_eos=True) for _ in prompts]
+    prompts, params = _prompts(engine, 9)
     eager = engine.generate(prompts, params)
     graphs = StepGraphs(engine.runner, SEQS, emulate=True)
     graphs.capture_all()
@@ -77,3 +85,24 @@ def test_scoring_steps_run_eagerly(engine):
         assert {k for k, _, _ in engine.step_log} == {"eager"}
     finally:
         engine.runner.graphs, engine.step_log = None, None
+
+
+def test_sliding_windows_in_graph_shaped_steps(tmp_path):
+    """A model whose layers see their last 6 positions (the tiny Llama's weights as a
+    Mistral): decode and mixed graphs, their padding rows and sequences included, give the
+    eager tokens. (Each layer's window is a host value its launch is made with, as a
+    captured graph would keep it.)"""
+    llama = write_random_model("tiny-llama", tmp_path / "m", seed=3, dtype=torch.float32,
+                               device="cpu")
+    engine = _engine(as_windowed_mistral(llama, tmp_path / "windowed", 6))
+    assert engine.config.layer_windows == (6,) * engine.config.num_layers
+    prompts, params = _prompts(engine, 5)
+    eager = engine.generate(prompts, params)
+    graphs = StepGraphs(engine.runner, SEQS, emulate=True)
+    graphs.capture_all()
+    engine.runner.graphs, engine.step_log = graphs, []
+    got = engine.generate(prompts, params)
+    for p, a, b in zip(prompts, eager, got, strict=True):
+        assert_same_tokens(engine, p, a.token_ids, b.token_ids)
+    assert {"graph", "mixed graph"} <= {k for k, _, _ in engine.step_log}
+    assert engine.pool.num_free == engine.pool.num_blocks

@@ -16,13 +16,18 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed: the GPU kernels are not tested")
 
 from llmdb.kernels.attention import AttentionBatch, paged_attention_reference  # noqa: E402
-from llmdb.kernels.elementwise import rms_norm_reference, silu_mul_reference  # noqa: E402
+from llmdb.kernels.elementwise import (  # noqa: E402
+    gelu_tanh_mul_reference,
+    rms_norm_fp32,
+    rms_norm_reference,
+    silu_mul_reference,
+)
 from llmdb.kernels.gpu import attention as gpu_attention  # noqa: E402
 from llmdb.kernels.gpu.cache_write import (  # noqa: E402
     rope_and_write_kv,
     rope_and_write_kv_reference,
 )
-from llmdb.kernels.gpu.norm import add_rms_norm, rms_norm, silu_mul  # noqa: E402
+from llmdb.kernels.gpu.norm import add_rms_norm, gelu_tanh_mul, rms_norm, silu_mul  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -79,11 +84,14 @@ def _qkv_cache(batch: AttentionBatch, heads: int, kv_heads: int, dim: int, dtype
 
 
 def _check_attention(batch: AttentionBatch, heads: int, kv_heads: int, dim: int,
-                     dtype: torch.dtype, seed: int, num_splits: int = 1) -> torch.Tensor:
+                     dtype: torch.dtype, seed: int, num_splits: int = 1, **attn_args
+                     ) -> torch.Tensor:
+    """attn_args: window= and softcap=, for both."""
     q, kc, vc = _qkv_cache(batch, heads, kv_heads, dim, dtype, seed)
     scale = dim**-0.5
-    ref = paged_attention_reference(q, kc, vc, batch, scale)
-    out = gpu_attention.paged_attention(q, kc, vc, batch, scale, num_splits=num_splits)
+    ref = paged_attention_reference(q, kc, vc, batch, scale, **attn_args)
+    out = gpu_attention.paged_attention(q, kc, vc, batch, scale, num_splits=num_splits,
+                                        **attn_args)
     assert out.dtype == dtype and out.shape == q.shape and out.is_contiguous()
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), ref.float(), **_tol(dtype))
@@ -120,8 +128,10 @@ def _mixed_lens(seed: int) -> tuple[list[int], list[int]]:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-# Also groups of 16 and 32 (one query token per 16-row decode tile, a 32-row tile).
-@pytest.mark.parametrize("heads,kv_heads,dim", HEAD_SHAPES + [(16, 1, 16), (32, 1, 16)])
+# Also groups of 16 and 32 (one query token per 16-row decode tile, a 32-row tile), and
+# heads of 256 (Gemma 2 2B's 8 and 4 heads, Gemma 3 1B's 4 and 1).
+@pytest.mark.parametrize("heads,kv_heads,dim", HEAD_SHAPES + [(16, 1, 16), (32, 1, 16),
+                                                             (8, 4, 256), (4, 1, 256)])
 def test_attention_mixed_step(heads, kv_heads, dim, dtype):
     query_lens, context_lens = _mixed_lens(seed=heads)
     _check_attention(_batch(query_lens, context_lens, seed=3), heads, kv_heads, dim, dtype,
@@ -174,6 +184,59 @@ def test_attention_reads_strided_queries():
                                **_tol(torch.float32))
 
 
+# Windows of 1, shorter than the contexts, one less than, equal to and one more than 32 and
+# 33 (in CASES: contexts ending on and one past a block edge, and chunks over prefixes whose
+# short windows start inside the prefix).
+WINDOWS = [1, 6, 31, 32, 33]
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32)])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_attention_window_equals_reference(case, heads, kv_heads, dim):
+    query_lens, context_lens = CASES[case]
+    batch = _batch(query_lens, context_lens, seed=1)
+    for window in WINDOWS:
+        for dtype in DTYPES:
+            _check_attention(batch, heads, kv_heads, dim, dtype, seed=window, window=window)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window,softcap", [(0, 2.0), (5, 2.0), (5, 0.0)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32)])
+def test_attention_mixed_step_window_and_softcap(heads, kv_heads, dim, window, softcap, dtype):
+    query_lens, context_lens = _mixed_lens(seed=heads)
+    _check_attention(_batch(query_lens, context_lens, seed=3), heads, kv_heads, dim, dtype,
+                     seed=4, window=window, softcap=softcap)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3])
+def test_split_kv_with_window(num_splits):
+    """Splits share the window's key tiles only: a decode over 70 keys with a window of 6 has
+    one 64-key tile left, so the other splits are empty and merge with weight 0; splitting
+    changes nothing, and neither do NaNs in the blocks of every tile before the window's."""
+    heads, kv_heads, dim = 9, 3, 64
+    batch = _batch([1, 1, 1, 12], [70, 200, 9, 150], seed=5, num_blocks=64)
+    # (With the window of 7 the decode over 70 keys starts at key 63, a tile's last.)
+    for window, softcap in [(6, 0.0), (7, 0.0), (40, 0.0), (6, 2.0)]:
+        attn_args = {"window": window, "softcap": softcap}
+        split = _check_attention(batch, heads, kv_heads, dim, torch.float32, seed=6,
+                                 num_splits=num_splits, **attn_args)
+        whole = _check_attention(batch, heads, kv_heads, dim, torch.float32, seed=6, **attn_args)
+        torch.testing.assert_close(split, whole, **_tol(torch.float32))
+        # Poison the keys of every tile before the one where a sequence's first query's
+        # window starts (for the decode over 200 keys: 192 of them with the window of 6).
+        q, kc, vc = _qkv_cache(batch, heads, kv_heads, dim, torch.float32, seed=6)
+        tile = gpu_attention._launch_config(heads // kv_heads, batch.max_query_len)[1]
+        _, qlens, ctxs = batch.host()
+        for i, (qlen, ctx) in enumerate(zip(qlens, ctxs, strict=True)):
+            first_key = max(0, ctx - qlen - window + 1)
+            stale = batch.context_slots(i)[: first_key // tile * tile]
+            kc[stale], vc[stale] = float("nan"), float("nan")
+        out = gpu_attention.paged_attention(q, kc, vc, batch, dim**-0.5,
+                                            num_splits=num_splits, **attn_args)
+        torch.testing.assert_close(out, whole, **_tol(torch.float32))
+
+
 def test_choose_num_splits():
     choose = gpu_attention.choose_num_splits
     assert choose(num_seqs=256, kv_heads=8, max_seq_len=4096, num_sms=132) == 1  # full grid
@@ -192,13 +255,15 @@ def _cos_sin(max_pos: int, dim: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rope,norm", [(True, False), (False, False), (True, True)])
+@pytest.mark.parametrize("rope,norm", [(True, None), (False, None), (True, "qwen3"),
+                                       (True, "gemma")])
 @pytest.mark.parametrize("heads,kv_heads,dim,rotary", [
     (9, 3, 64, 64), (4, 2, 32, 32), (0, 2, 32, 32), (3, 1, 128, 96), (0, 2, 32, 24)])
 def test_rope_and_write_kv_equals_reference(heads, kv_heads, dim, rotary, rope, norm, dtype):
-    """heads 0: K/V alone (the hidden cache's re-projection); norm: Qwen3's per-head Q/K
-    RMSNorm before RoPE, fused; rotary < dim: only the first `rotary` dimensions of a head
-    rotate (Phi-4-mini's 96 of 128)."""
+    """heads 0: K/V alone (the hidden cache's re-projection); norm: a per-head Q/K RMSNorm
+    before RoPE, fused: Qwen3's (weights in the model's dtype), Gemma 3's (fp32 scales);
+    rotary < dim: only the first `rotary` dimensions of a head rotate (Phi-4-mini's 96 of
+    128)."""
     g = torch.Generator().manual_seed(heads + dim)
     t, slots = 7, 8 * BLOCK
     qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, generator=g).to(DEVICE, dtype)
@@ -211,8 +276,11 @@ def test_rope_and_write_kv_equals_reference(heads, kv_heads, dim, rotary, rope, 
     args = (positions, cos_sin, slot_mapping)
     norm_args = {}
     if norm:
-        weights = (1.0 + 0.3 * torch.randn(2, dim, generator=g)).to(DEVICE, dtype)
-        norm_args = {"qk_norm": (weights[0] if heads else None, weights[1]), "eps": 1e-6}
+        weights = (1.0 + 0.3 * torch.randn(2, dim, generator=g)).to(DEVICE)
+        if norm == "qwen3":
+            weights = weights.to(dtype)
+        norm_args = {"qk_norm": (weights[0] if heads else None, weights[1]), "eps": 1e-6,
+                     "fp32_scale": norm == "gemma"}
     q = rope_and_write_kv(qkv, *args, kc, vc, heads, kv_heads, dim, **norm_args)
     q_ref = rope_and_write_kv_reference(qkv, *args, kc_ref, vc_ref, heads, kv_heads, dim,
                                         **norm_args)
@@ -274,6 +342,36 @@ def test_rms_norm_equals_reference(shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 576), (5, 100), (2, 3, 64)])
+def test_rms_norm_fp32_scale_equals_reference(shape, dtype):
+    """Gemma's norm: an fp32 scale, the result in x's dtype."""
+    g = torch.Generator().manual_seed(shape[-1] + 3)
+    x = (torch.randn(*shape, generator=g) * 3).to(DEVICE, dtype)
+    scale = (1 + torch.randn(shape[-1], generator=g) * 0.1).to(DEVICE)
+    out = rms_norm(x, scale, 1e-6, fp32_scale=True)
+    ref = rms_norm_fp32(x, scale, 1e-6)
+    assert out.shape == ref.shape and out.dtype == dtype
+    torch.testing.assert_close(out, ref, **_norm_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 576), (4, 100)])
+def test_add_rms_norm_of_a_normalized_x(shape, dtype):
+    """Gemma's sublayer output norm fused with the residual add and the next norm:
+    residual += norm(x, x_scale), then norm(residual, scale), fp32 scales."""
+    g = torch.Generator().manual_seed(shape[-1] + 4)
+    x = (torch.randn(*shape, generator=g) * 5).to(DEVICE, dtype)
+    residual = (torch.randn(*shape, generator=g) * 2).to(DEVICE, dtype)
+    x_scale, scale = (1 + torch.randn(2, shape[-1], generator=g) * 0.3).to(DEVICE)
+    expected_residual = residual + rms_norm_fp32(x, x_scale, 1e-6)
+    expected = rms_norm_fp32(expected_residual, scale, 1e-6)
+    normed, res = add_rms_norm(x, residual, scale, 1e-6, fp32_scale=True, x_weight=x_scale)
+    assert res is residual and normed.dtype == dtype
+    torch.testing.assert_close(residual, expected_residual, **_norm_tol(dtype))
+    torch.testing.assert_close(normed, expected, **_norm_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(3, 576), (4, 100)])
 def test_add_rms_norm_updates_residual_in_place(shape, dtype):
     g = torch.Generator().manual_seed(shape[-1] + 1)
@@ -296,5 +394,17 @@ def test_silu_mul_equals_reference(shape, dtype):
     gate_up = (torch.randn(*shape, generator=g) * 3).to(DEVICE, dtype)
     out = silu_mul(gate_up)
     ref = silu_mul_reference(gate_up)
+    assert out.shape == ref.shape and out.dtype == dtype
+    torch.testing.assert_close(out, ref, **_norm_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 2 * 1536), (5, 2 * 100), (2, 2, 2 * 64)])
+def test_gelu_tanh_mul_equals_reference(shape, dtype):
+    """GeGLU (Gemma), gates out to +-12 where gelu is 0 or the identity."""
+    g = torch.Generator().manual_seed(shape[-1] + 5)
+    gate_up = (torch.randn(*shape, generator=g) * 4).to(DEVICE, dtype)
+    out = gelu_tanh_mul(gate_up)
+    ref = gelu_tanh_mul_reference(gate_up)
     assert out.shape == ref.shape and out.dtype == dtype
     torch.testing.assert_close(out, ref, **_norm_tol(dtype))

@@ -12,6 +12,12 @@ tokens, and it takes blocks half by half: half h of block b is the unit h * num_
 (the row layout of kernels/hidden_cache.py). Halves come from blocks whose other half is
 already taken by a hidden request before whole free blocks are split, so whole blocks stay
 for KV-cache requests. A block with a hidden half in use is referenced, never free.
+
+Sliding windows (ModelConfig.layer_windows): a block holds every layer's K/V of its tokens,
+and a sequence keeps all its blocks, also those that have slid out of every layer's window
+(Mistral 7B v0.1, where every layer has one) and that no query will read again. Freeing
+them early is an optimisation left for later (the attention kernels already skip them; the
+scheduler's memory budget and the cost model still count a sequence's whole context).
 """
 
 from __future__ import annotations

@@ -5,9 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 
+def sliding_windows(sliding: list[bool], window: int | None, max_context: int
+                    ) -> tuple[int, ...]:
+    """ModelConfig.layer_windows from which layers slide and the window they share: () where
+    no layer is left with a window (none given, or one not smaller than the context, which
+    no query can exceed)."""
+    if not window or window >= max_context or not any(sliding):
+        return ()
+    return tuple(window if s else 0 for s in sliding)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str  # "llama" or "opt"
+    arch: str  # "llama", "opt", "gemma2" or "gemma3"
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -34,6 +44,32 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     position_offset: int = 0  # OPT only: learned positions start at this offset
     norm_before: bool = True
+    # Sliding-window attention, per layer: empty, every layer attends to its whole context;
+    # else one entry a layer, 0 for the whole context and w > 0 for a query at position p
+    # seeing keys p - w + 1 .. p only (transformers' `sliding_window`, llama.cpp's n_swa).
+    # (The cache keeps every block of a sequence all the same: engine/cache/block_pool.py.)
+    layer_windows: tuple[int, ...] = ()
+    # Attention logit soft-capping (Gemma 2's attn_logit_softcapping): the scaled scores s
+    # become attn_softcap * tanh(s / attn_softcap) before the softmax; 0: none.
+    attn_softcap: float = 0.0
+    # The attention scores' scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar **
+    # -0.5).
+    attn_scale: float | None = None
+    # Gemma 2: the logits are capped as cap * tanh(logits / cap); 0: not capped.
+    logit_softcap: float = 0.0
+    # Gemma 3: the layers that rotate with a RoPE of their own, base rope_local_theta and
+    # unscaled (its sliding-window layers, whatever their window: layer_windows is empty where
+    # no window binds); the others take rope_theta and rope_divisors. Empty: one RoPE.
+    rope_local_layers: tuple[int, ...] = ()
+    rope_local_theta: float = 0.0
+
+    def layer_window(self, layer: int) -> int:
+        """The window of one layer (0: its whole context)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def attention_scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
 
     def serving(self, max_context: int | None = None) -> ModelConfig:
         """This config for an engine that serves sequences of at most max_context tokens
@@ -63,7 +99,7 @@ class ModelConfig:
         """Weights of one layer's linear maps (Q, K, V, O, MLP); norms and biases are noise."""
         h, q = self.hidden_size, self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
-        mlp = (3 if self.arch == "llama" else 2) * h * self.ffn_size  # gated MLP: 3 matrices
+        mlp = (2 if self.arch == "opt" else 3) * h * self.ffn_size  # gated MLP: 3 matrices
         return h * q + 2 * h * kv + q * h + mlp
 
     @property
@@ -88,5 +124,7 @@ class ModelConfig:
         if self.hidden_size > kv_dim:
             return False, (f"hidden states ({self.hidden_size}) do not fit one K/V slot "
                            f"({kv_dim})")
+        if self.arch.startswith("gemma"):  # (every published Gemma is refused above)
+            return False, "Gemma's K/V re-projection from hidden states is not implemented"
         return True, (f"hidden states ({self.hidden_size} values a token and layer) take half "
                       f"the memory of K and V ({2 * kv_dim})")

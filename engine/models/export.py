@@ -10,18 +10,26 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders
 
+from .config import ModelConfig
 from .loader import LoadedModel
+
+# arch or family -> (architecture, model_type) of its Hugging Face config
+_HF_NAMES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+             "qwen3": ("Qwen3ForCausalLM", "qwen3"), "phi3": ("Phi3ForCausalLM", "phi3"),
+             "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+             "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
 
 
 def export_hf(model: LoadedModel, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
     c, tok = model.config, model.tokenizer
-    if c.arch != "llama":
-        raise ValueError(f"export supports llama models, not {c.arch}")
+    if c.arch not in ("llama", "gemma2", "gemma3"):
+        raise ValueError(f"export supports llama and gemma models, not {c.arch}")
     # Fused Q/K/V: Phi-3's architecture; per-head Q/K norms: Qwen3's; Q/K/V biases: Qwen2's
     # (a Llama without them would drop them).
-    family = ("phi3" if "model.layers.0.self_attn.qkv_proj.weight" in model.weights else
-              "qwen3" if "model.layers.0.self_attn.q_norm.weight" in model.weights else
-              "qwen2" if "model.layers.0.self_attn.q_proj.bias" in model.weights else "llama")
+    family = c.arch if c.arch != "llama" else (
+        "phi3" if "model.layers.0.self_attn.qkv_proj.weight" in model.weights else
+        "qwen3" if "model.layers.0.self_attn.q_norm.weight" in model.weights else
+        "qwen2" if "model.layers.0.self_attn.q_proj.bias" in model.weights else "llama")
     # RoPE in the keys transformers 4 wrote (vLLM's reads them; transformers 5 too).
     rope: dict = {"rope_theta": c.rope_theta}
     if c.rotary_dim:
@@ -37,16 +45,19 @@ def export_hf(model: LoadedModel, out_dir: str | Path, dtype: torch.dtype = torc
             raise ValueError("export supports linear RoPE scaling only, not per-frequency "
                              "divisors (a Llama 3.1 GGUF's rope_freqs)")
         rope["rope_scaling"] = {"rope_type": "linear", "factor": c.rope_divisors[0]}
+    # (Phi-3's config class would otherwise pad with token 32000, outside small vocabularies.)
+    arch_keys = (_gemma_keys(c) if c.arch != "llama" else
+                 {"hidden_act": "silu", "pad_token_id": None})
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     weights = {k: v.to(dtype).contiguous() for k, v in model.weights.items()}
     if c.tie_embeddings:
         weights.pop("lm_head.weight", None)  # vLLM expects no lm_head for tied embeddings
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    architecture, model_type = _HF_NAMES[family]
     config = {
-        "architectures": [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                           "phi3": "Phi3ForCausalLM"}.get(family, "LlamaForCausalLM")],
-        "model_type": family,
+        "architectures": [architecture],
+        "model_type": model_type,
         "vocab_size": c.vocab_size,
         "hidden_size": c.hidden_size,
         "intermediate_size": c.ffn_size,
@@ -60,9 +71,7 @@ def export_hf(model: LoadedModel, out_dir: str | Path, dtype: torch.dtype = torc
         "tie_word_embeddings": c.tie_embeddings,
         "bos_token_id": c.bos_token_id,
         "eos_token_id": list(c.eos_token_ids),
-        # (Phi-3's config class would otherwise pad with token 32000, outside small vocabularies.)
-        "pad_token_id": None,
-        "hidden_act": "silu",
+        **arch_keys,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
     (out / "config.json").write_text(json.dumps(config, indent=2))
@@ -84,3 +93,24 @@ def export_hf(model: LoadedModel, out_dir: str | Path, dtype: torch.dtype = torc
         "model_max_length": c.max_context,
     }, indent=2))
     return out
+
+
+def _gemma_keys(c: ModelConfig) -> dict:
+    """What a Gemma config says beyond Llama's (see gemma.py), in the keys of Google's
+    config.json files; the layers' kinds as transformers >= 4.53 and vLLM read them. (A
+    window no query can exceed is written as the context: layer_windows has none then, but
+    Gemma 3's local layers still take their own RoPE.)"""
+    scalar = c.attention_scale**-2  # query_pre_attn_scalar: an integer in every config
+    windows = c.layer_windows or (0,) * c.num_layers
+    sliding = [w > 0 or i in c.rope_local_layers for i, w in enumerate(windows)]
+    keys = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar,
+        "sliding_window": max(windows) or c.max_context,
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "final_logit_softcapping": c.logit_softcap or None,
+        "attn_logit_softcapping": c.attn_softcap or None,
+    }
+    if c.arch == "gemma3":
+        keys["rope_local_base_freq"] = c.rope_local_theta
+    return keys

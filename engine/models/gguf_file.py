@@ -1,5 +1,6 @@
-"""Llama-architecture GGUF files (llama; qwen2: Llama with Q/K/V biases; qwen3: with per-head
-Q/K norms; phi3: with fused Q/K/V and gate/up, and LongRoPE): config, dequantized weights (HF
+"""GGUF files of the Llama architecture (llama; qwen2: Llama with Q/K/V biases; qwen3: with
+per-head Q/K norms; phi3: with fused Q/K/V and gate/up, and LongRoPE) and of Gemma 2 and 3
+(gemma2, gemma3): config, dequantized weights (HF
 names and layout), tokenizer."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import numpy as np
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from .config import ModelConfig
+from .config import ModelConfig, sliding_windows
 from .errors import ModelLoadError
 from .rope import LongRope
 from .spm import spm_tokenizer
@@ -157,7 +158,8 @@ def _tokenizer(reader) -> ModelTokenizer:
     )
 
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+LLAMA_LIKE = ("llama", "qwen2", "qwen3", "phi3")
+ARCHITECTURES = (*LLAMA_LIKE, "gemma2", "gemma3")
 
 
 def _architecture(reader) -> str:
@@ -217,6 +219,57 @@ def _rope_divisors(reader, arch: str, rotary: int) -> tuple[float, ...]:
     return tuple(factor * f for f in factors)
 
 
+# Architectures whose sliding windows llama.cpp reads ({arch}.attention.sliding_window):
+# (its default layer pattern: every n-th layer global, 0: all local; the window it assumes
+# where the file names none, 0: none). llama, qwen2 and qwen3 are not among them: llama.cpp
+# runs them with full attention whatever the metadata says (a Mistral 7B v0.1 GGUF, arch
+# llama, included), and so do we.
+SLIDING_PATTERNS: dict[str, tuple[int, int]] = {"gemma2": (2, 4096), "gemma3": (6, 0)}
+
+
+def _sliding_layers(reader, arch: str, num_layers: int) -> list[bool]:
+    """Which layers slide, as llama.cpp reads it: {arch}.attention.sliding_window_pattern, a
+    flag a layer or a number n (layer i slides unless i % n == n - 1: llama.cpp's
+    set_swa_pattern), or the architecture's default."""
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern",
+                     SLIDING_PATTERNS[arch][0])
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers:
+            raise ModelLoadError(f"{arch}.attention.sliding_window_pattern has {len(pattern)} "
+                                 f"flags for {num_layers} layers")
+        return [bool(f) for f in pattern]
+    n = int(pattern)
+    return [n == 0 or i % n < n - 1 for i in range(num_layers)]
+
+
+def _layer_windows(reader, arch: str, num_layers: int, context: int) -> tuple[int, ...]:
+    """ModelConfig.layer_windows as llama.cpp reads them: the window, and which layers
+    slide."""
+    if arch not in SLIDING_PATTERNS:
+        return ()
+    window = int(_field(reader, f"{arch}.attention.sliding_window", SLIDING_PATTERNS[arch][1]))
+    return sliding_windows(_sliding_layers(reader, arch, num_layers), window, context)
+
+
+def _gemma_settings(reader, arch: str, get, layers: int, hidden: int, heads: int,
+                    head_dim: int) -> dict:
+    """ModelConfig's Gemma fields as llama.cpp sets them: some from the file, some fixed by
+    llama.cpp for the architecture (Gemma 3's local RoPE base, the attention scale, softcap
+    defaults)."""
+    # llama.cpp scales scores by head_dim ** -0.5, except in the 27B models (told by their
+    # layer count), whose query_pre_attn_scalar is hidden / heads; the files do not say.
+    big = layers == (46 if arch == "gemma2" else 62)
+    scale = (hidden // heads if big else head_dim) ** -0.5
+    if arch == "gemma2":
+        return dict(attn_scale=scale, attn_softcap=float(get("attn_logit_softcapping", 50.0)),
+                    logit_softcap=float(get("final_logit_softcapping", 30.0)))
+    get("attention.sliding_window")  # (llama.cpp refuses a Gemma 3 file without it)
+    sliding = _sliding_layers(reader, arch, layers)
+    return dict(attn_scale=scale, logit_softcap=float(get("final_logit_softcapping", 0.0)),
+                rope_local_layers=tuple(i for i, s in enumerate(sliding) if s),
+                rope_local_theta=10_000.0)
+
+
 def _config(reader, arch: str, tokenizer: ModelTokenizer, has_output: bool) -> ModelConfig:
     def get(key: str, default=None):
         v = _field(reader, f"{arch}.{key}", default)
@@ -233,6 +286,9 @@ def _config(reader, arch: str, tokenizer: ModelTokenizer, has_output: bool) -> M
     if rotary != head_dim and (arch == "llama" or not 0 < rotary < head_dim or rotary % 2):
         raise ModelLoadError(f"GGUF {arch} RoPE over {rotary} of {head_dim} head dimensions "
                              f"is not supported")
+    num_layers, context = int(get("block_count")), int(get("context_length"))
+    gemma = {} if arch in LLAMA_LIKE else _gemma_settings(reader, arch, get, num_layers,
+                                                           hidden, heads, head_dim)
     eos = [tokenizer.token_id(tokenizer.eos_token)] if tokenizer.eos_token else []
     # Chat models end a turn with their own token; stopping there is what users expect.
     for end_of_turn in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>",
@@ -240,13 +296,12 @@ def _config(reader, arch: str, tokenizer: ModelTokenizer, has_output: bool) -> M
         i = tokenizer.token_id(end_of_turn)
         if i is not None and i not in eos:
             eos.append(i)
-    context = int(get("context_length"))
     # (Phi-3-mini-4k's file names a sliding window, which llama.cpp ignores for phi3.)
     return ModelConfig(
-        arch="llama",
+        arch=arch if gemma else "llama",
         vocab_size=len(_field(reader, "tokenizer.ggml.tokens")),
         hidden_size=hidden,
-        num_layers=int(get("block_count")),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
         head_dim=head_dim,
@@ -259,6 +314,8 @@ def _config(reader, arch: str, tokenizer: ModelTokenizer, has_output: bool) -> M
         tie_embeddings=not has_output,
         bos_token_id=tokenizer.token_id(tokenizer.bos_token) if tokenizer.bos_token else None,
         eos_token_ids=tuple(eos),
+        layer_windows=_layer_windows(reader, arch, num_layers, context),
+        **gemma,
     )
 
 
@@ -282,8 +339,17 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma's four norms a layer: llama.cpp's ffn_norm is the norm before the MLP, which Llama's
+# checkpoints call post_attention_layernorm and Gemma's pre_feedforward_layernorm.
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 # Phi-3's ffn_up is its gate_up_proj: gate rows then up rows, as ggml's swiglu reads them.
-_ARCH_LAYER_NAMES = {"phi3": {**_LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"}}
+_ARCH_LAYER_NAMES = {"phi3": {**_LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"},
+                     "gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # RoPE scaling tensors: read into the config (its rope fields), not weights.
 _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -292,9 +358,9 @@ _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_
 def _hf_name(gguf_name: str, arch: str) -> str:
     base, _, suffix = gguf_name.rpartition(".")
     parts = base.split(".")
-    layer_names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
-    if parts[0] == "blk" and len(parts) == 3 and parts[2] in layer_names:
-        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{suffix}"
+    names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
     if base in _TOP_NAMES:
         return f"{_TOP_NAMES[base]}.{suffix}"
     raise ModelLoadError(f"unexpected tensor {gguf_name!r} in a GGUF file")
@@ -324,9 +390,12 @@ def read_gguf_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor
     reader = _open(path)
     arch = _architecture(reader)
     # llama.cpp's converter interleaves the RoPE halves of Llama's Q/K rows (its rotation is
-    # GPT-J's there); Qwen's and Phi-3's it leaves alone (rotated NeoX style, as in Hugging
-    # Face).
+    # GPT-J's there); Qwen's, Phi-3's and Gemma's it leaves alone (rotated NeoX style, as in
+    # Hugging Face).
     permuted = arch == "llama"
+    # It stores Gemma's norm weights w as the 1 + w they scale by: back to w, in fp32 (exact
+    # for the stored values from 0.5 up; below, within an ulp of what llama.cpp scales by).
+    shifted_norms = arch not in LLAMA_LIKE
     weights = {}
     for t in reader.tensors:
         if t.name in _ROPE_TENSORS:
@@ -349,5 +418,7 @@ def read_gguf_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor
             w = _unpermute(w, config.num_heads)
         elif permuted and t.name.endswith("attn_k.weight"):
             w = _unpermute(w, config.num_kv_heads)
+        elif shifted_norms and t.name.endswith("norm.weight"):
+            w = w - np.float32(1.0)
         weights[_hf_name(t.name, arch)] = torch.from_numpy(np.require(w, requirements=["C", "W"]))
     return weights

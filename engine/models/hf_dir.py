@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from .config import ModelConfig
+from .config import ModelConfig, sliding_windows
 from .errors import ModelLoadError
 from .rope import LONGROPE_KINDS, hf_divisors, hf_longrope
 from .tokenizer import ModelTokenizer
@@ -19,7 +19,8 @@ from .tokenizer import ModelTokenizer
 # bias a Llama checkpoint has, come with the weights).
 LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
               "Phi3ForCausalLM")
-SUPPORTED_ARCHITECTURES = (*LLAMA_LIKE, "OPTForCausalLM")
+GEMMA = {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
+SUPPORTED_ARCHITECTURES = (*LLAMA_LIKE, *GEMMA, "OPTForCausalLM")
 
 
 def _read_json(path: Path) -> dict:
@@ -79,13 +80,12 @@ def read_hf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
         eos_token_ids=eos_ids,
         max_context=cfg.get("max_position_embeddings", 2048),
     )
-    if arch in LLAMA_LIKE:
-        _check_full_attention(cfg, arch, path)
+    if arch in GEMMA:
+        config = _gemma_config(cfg, GEMMA[arch], path, common)
+    elif arch in LLAMA_LIKE:
         head_dim = cfg.get("head_dim") or hidden // heads
-        # transformers >= 5 writes RoPE settings as rope_parameters = {rope_type, rope_theta,
-        # ...}; older configs have top-level rope_theta and rope_scaling.
         rope = cfg.get("rope_parameters") or {}
-        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        theta = _rope_theta(rope, cfg, "rope_theta", 10000.0)
         scaling = cfg.get("rope_scaling") or rope
         # Phi-4-mini rotates 96 of its 128 head dimensions (as transformers rounds them).
         rotary = int(head_dim * rope.get("partial_rotary_factor",
@@ -109,6 +109,8 @@ def read_hf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
             **(longrope.config_fields() if longrope else
                {"rope_divisors": hf_divisors(scaling, rotary, theta, str(path))}),
             tie_embeddings=cfg.get("tie_word_embeddings", False),
+            layer_windows=_layer_windows(cfg, arch, path, common["num_layers"],
+                                         common["max_context"]),
             **common,
         )
     else:
@@ -127,19 +129,98 @@ def read_hf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
     return config, tokenizer
 
 
-def _check_full_attention(cfg: dict, arch: str, path: Path) -> None:
-    """Sliding-window attention (Mistral 7B v0.1, Qwen2 with use_sliding_window) sees only
-    the last tokens; our kernels attend to the whole context, which would be silently
-    different once a sequence is longer than the window."""
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
-    else:
-        window = cfg.get("sliding_window")
-    if window is None and "sliding_attention" in (cfg.get("layer_types") or ()):
-        window = cfg.get("sliding_window")
-    if window is not None and window < cfg.get("max_position_embeddings", 2048):
-        raise ModelLoadError(f"{path}: sliding-window attention (window {window}) is not "
+def windows_from_layer_types(layer_types: list[str], window: int | None, num_layers: int,
+                             max_context: int, path: Path) -> tuple[int, ...]:
+    """ModelConfig.layer_windows from a config's `layer_types` ("sliding_attention" or
+    "full_attention", one a layer), the list transformers 5 keys each layer's mask by."""
+    if len(layer_types) != num_layers:
+        raise ModelLoadError(f"{path}: layer_types lists {len(layer_types)} layers for "
+                             f"{num_layers}")
+    other = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+    if other:
+        raise ModelLoadError(f"{path}: attention layer type {other[0]!r} is not supported")
+    return sliding_windows([t == "sliding_attention" for t in layer_types], window,
+                           max_context)
+
+
+def _layer_windows(cfg: dict, arch: str, path: Path, num_layers: int, max_context: int
+                   ) -> tuple[int, ...]:
+    """Which layers slide, as transformers 5 decides it: every layer of a Mistral (7B v0.1)
+    or a Phi-3 (Phi-3-mini-4k: 2,047 of 4,096) with a sliding_window; Qwen2/Qwen3 only with
+    use_sliding_window, in the layers its layer_types names or, in configs written before
+    that key, the layers from max_window_layers on. Llama's attention ignores a
+    sliding_window key. (A missing key means what transformers' config classes default it
+    to: 4,096, none for Phi-3.)"""
+    window = cfg.get("sliding_window", None if arch == "Phi3ForCausalLM" else 4096)
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+        return sliding_windows([True] * num_layers, window, max_context)
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):
+        first = cfg.get("max_window_layers", 28)
+        types = cfg.get("layer_types") or [
+            "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+        return windows_from_layer_types(types, window, num_layers, max_context, path)
+    return ()
+
+
+def _rope_theta(rope: dict, cfg: dict, legacy_key: str, default: float) -> float:
+    """transformers >= 5 writes RoPE settings as rope_parameters = {rope_type, rope_theta,
+    ...}; older configs have top-level keys (rope_theta, rope_scaling)."""
+    return float(rope.get("rope_theta", cfg.get(legacy_key, default)))
+
+
+def _gemma_config(cfg: dict, arch: str, path: Path, common: dict) -> ModelConfig:
+    """Gemma 2 and Gemma 3 (text): see gemma.py for what their settings mean."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ModelLoadError(f"{path}: Gemma activation {act!r} is not supported "
+                             f"(supported: gelu_pytorch_tanh)")
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{path}: bidirectional attention (an embedding model) is not "
                              f"supported")
+    layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    # Which layers slide: layer_types where the config lists them (transformers >= 4.53
+    # writes them); otherwise the last of every `pattern` layers is global.
+    pattern = 2 if arch == "gemma2" else cfg.get("sliding_window_pattern", 6)
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    windows = windows_from_layer_types(types, cfg.get("sliding_window", 4096), layers,
+                                       common["max_context"], path)
+    # Gemma 3: rope_parameters per layer type (transformers >= 5), or rope_theta and
+    # rope_scaling for the global layers and rope_local_base_freq for the sliding ones.
+    rope = cfg.get("rope_parameters") or {}
+    if arch == "gemma3":
+        global_rope = rope.get("full_attention") or cfg.get("rope_scaling") or {}
+        local_rope = rope.get("sliding_attention") or {}
+        theta = _rope_theta(global_rope, cfg, "rope_theta", 1_000_000.0)
+        local_theta = _rope_theta(local_rope, cfg, "rope_local_base_freq", 10_000.0)
+        if hf_divisors(local_rope, head_dim, local_theta, str(path)):
+            raise ModelLoadError(f"{path}: RoPE scaling on Gemma's sliding-window layers is "
+                                 f"not supported")
+        local_layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    else:
+        global_rope = cfg.get("rope_scaling") or rope
+        theta, local_theta = _rope_theta(rope, cfg, "rope_theta", 10_000.0), 0.0
+        local_layers = ()
+    # Gemma 3's attention ignores attn_logit_softcapping (transformers and llama.cpp alike).
+    attn_softcap = (cfg.get("attn_logit_softcapping") or 0.0) if arch == "gemma2" else 0.0
+    return ModelConfig(
+        arch=arch,
+        num_kv_heads=cfg.get("num_key_value_heads", heads),
+        head_dim=head_dim,
+        ffn_size=cfg["intermediate_size"],
+        norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_divisors=hf_divisors(global_rope, head_dim, theta, str(path)),
+        tie_embeddings=cfg.get("tie_word_embeddings", True),
+        attn_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+        logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
+        layer_windows=windows,
+        attn_softcap=float(attn_softcap),
+        rope_local_layers=local_layers,
+        rope_local_theta=local_theta,
+        **common,
+    )
 
 
 def read_hf_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -8,6 +8,8 @@ also runnable on CPU tensors under TRITON_INTERPRET=1, which is how CI tests thi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -38,6 +40,72 @@ def cpu_attention(kernels: str):
     return paged_attention_reference if kernels == "reference" else paged_attention
 
 
+def fused_weight(w: Callable[[str], torch.Tensor], weights: dict[str, torch.Tensor],
+                 names: list[str], fused: str | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weights of projections that share an input, concatenated (one GEMM instead of
+    several), and their biases so concatenated, or None where the checkpoint has none
+    (Llama; Qwen2 has them on Q, K and V). w: a weight by name, on the model's device and in
+    its dtype. fused: the name under which a checkpoint may store them concatenated already
+    (Phi-3's qkv_proj and gate_up_proj)."""
+    if fused is not None and fused + ".weight" in weights:
+        names = [fused]
+    weight = (w(names[0] + ".weight") if len(names) == 1
+              else torch.cat([w(n + ".weight") for n in names]))
+    if names[0] + ".bias" not in weights:
+        return weight, None
+    return weight, torch.cat([w(n + ".bias") for n in names])
+
+
+@dataclass(frozen=True)
+class RopeTable:
+    """cos and sin of one RoPE's angles at every position: [P, R/2] each for the CPU path,
+    or for the Triton kernel one [P, R] table, cos half then sin half (cos_sin); R is the
+    rotated width of a head (config.rotary_dim, else all of it)."""
+
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+    cos_sin: torch.Tensor | None
+
+    @classmethod
+    def build(cls, config: ModelConfig, theta: float, divisors: tuple[float, ...],
+              triton: bool, device: torch.device, scale: float = 1.0) -> RopeTable:
+        """scale: a factor on cos and sin, and so on the rotated Q and K (LongRoPE's)."""
+        inv_freq = torch.tensor(frequencies(config.rotary_dim or config.head_dim, theta,
+                                            divisors), dtype=torch.float64)
+        angles = torch.arange(config.max_context).double()[:, None] * inv_freq[None, :]
+        cos, sin = angles.cos() * scale, angles.sin() * scale
+        if triton:
+            return cls(None, None, torch.cat([cos, sin], -1).float().to(device))
+        return cls(cos.float(), sin.float(), None)
+
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [T, 1, R/2] of the CPU path at `positions`, to rotate [T, heads, D]."""
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (Hugging Face layout) in fp32, written into one output buffer, over
+    the first 2 x cos.shape[-1] dimensions of each head; the rest pass (partial rotary)."""
+    xf = x.float()
+    half = cos.shape[-1]
+    x1, x2 = xf[..., :half], xf[..., half:2 * half]
+    out = torch.empty_like(xf)
+    torch.mul(x1, cos, out=out[..., :half]).addcmul_(x2, sin, value=-1.0)
+    torch.mul(x2, cos, out=out[..., half:2 * half]).addcmul_(x1, sin)
+    if 2 * half < xf.shape[-1]:
+        out[..., 2 * half:] = xf[..., 2 * half:]
+    return out.to(x.dtype)
+
+
+def norm_heads(x: torch.Tensor, first: int, heads: int, head_dim: int, weight: torch.Tensor,
+               eps: float, norm: Callable = rms_norm) -> None:
+    """`norm` (an RMSNorm), in place, over each of `heads` heads of x [T, ...] from head
+    `first` on: per-head Q/K norms (Qwen3, Gemma 3) on the packed QKV projection."""
+    part = x[:, first * head_dim:(first + heads) * head_dim]
+    part.copy_(norm(part.reshape(-1, head_dim), weight, eps).view(part.shape))
+
+
 def vocab_projection(hidden: torch.Tensor, lm_head: Linear,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     if hidden.shape[0] <= _VOCAB_SLICE_ROWS or hidden.device.type != "cpu":
@@ -62,21 +130,6 @@ class LlamaModel:
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device, dtype).contiguous()
 
-        def b(*names: str) -> torch.Tensor | None:
-            """The projections' biases, concatenated as their weights are; None where the
-            checkpoint has none (Llama; Qwen2 has them on Q, K and V)."""
-            if names[0] + ".bias" not in weights:
-                return None
-            return torch.cat([w(n + ".bias") for n in names])
-
-        def fused(name: str, parts: list[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
-            """Weight and bias of projections that run as one matmul: as the checkpoint
-            stores them fused (Phi-3's qkv_proj and gate_up_proj), or its parts
-            concatenated in the same order."""
-            if name + ".weight" in weights:
-                return w(name + ".weight"), b(name)
-            return torch.cat([w(n + ".weight") for n in parts]), b(*parts)
-
         # Qwen3: an RMSNorm over each Q and each K head (one weight per projection), before
         # RoPE. None where the checkpoint has none.
         self.qk_norms: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -95,63 +148,33 @@ class LlamaModel:
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             # One matmul for Q, K and V and one for gate and up: fewer, larger GEMMs.
-            qkv, qkv_bias = fused(p + "self_attn.qkv_proj",
-                                  [p + f"self_attn.{n}_proj" for n in "qkv"])
+            qkv, qkv_bias = fused_weight(w, weights, [p + f"self_attn.{n}_proj" for n in "qkv"],
+                                         p + "self_attn.qkv_proj")
             if hidden_cache:
                 q_rows = c.num_heads * c.head_dim
                 self.kv_projs.append(linear(qkv[q_rows:], None if qkv_bias is None
                                             else qkv_bias[q_rows:]))
-            gate_up, gate_up_bias = fused(p + "mlp.gate_up_proj",
-                                          [p + "mlp.gate_proj", p + "mlp.up_proj"])
             self.layers.append((
                 w(p + "input_layernorm.weight"),
                 linear(qkv, qkv_bias),
-                linear(w(p + "self_attn.o_proj.weight"), b(p + "self_attn.o_proj")),
+                linear(*fused_weight(w, weights, [p + "self_attn.o_proj"])),
                 w(p + "post_attention_layernorm.weight"),
-                linear(gate_up, gate_up_bias),
-                linear(w(p + "mlp.down_proj.weight"), b(p + "mlp.down_proj")),
+                linear(*fused_weight(w, weights, [p + "mlp.gate_proj", p + "mlp.up_proj"],
+                                     p + "mlp.gate_up_proj")),
+                linear(*fused_weight(w, weights, [p + "mlp.down_proj"])),
             ))
-        divisors, scale = c.served_rope()
-        inv_freq = torch.tensor(frequencies(c.rotary_dim or c.head_dim, c.rope_theta, divisors),
-                                dtype=torch.float64)
-        angles = torch.arange(c.max_context).double()[:, None] * inv_freq[None, :]
-        # (LongRoPE scales cos and sin, and so the rotated Q and K, by its attention factor.)
-        cos, sin = angles.cos() * scale, angles.sin() * scale
-        if kernels == "triton":  # one [positions, rotary dims] table: cos half, sin half
-            self.cos_sin = torch.cat([cos, sin], -1).float().to(device)
-        else:
-            self.cos, self.sin = cos.float(), sin.float()
-
-    @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate-half RoPE (Hugging Face layout) in fp32, written into one output buffer,
-        over the first 2 x cos.shape[-1] dimensions of each head; the rest pass (partial
-        rotary)."""
-        xf = x.float()
-        half = cos.shape[-1]
-        x1, x2 = xf[..., :half], xf[..., half:2 * half]
-        out = torch.empty_like(xf)
-        torch.mul(x1, cos, out=out[..., :half]).addcmul_(x2, sin, value=-1.0)
-        torch.mul(x2, cos, out=out[..., half:2 * half]).addcmul_(x1, sin)
-        if 2 * half < xf.shape[-1]:
-            out[..., 2 * half:] = xf[..., 2 * half:]
-        return out.to(x.dtype)
-
-    def _norm_heads(self, x: torch.Tensor, first: int, heads: int, weight: torch.Tensor
-                    ) -> None:
-        """RMSNorm, in place, over each of `heads` heads of x [T, ...] from head `first`
-        on (Qwen3's q_norm / k_norm on the packed projection; the Triton path does it inside
-        rope_and_write_kv)."""
-        d = self.config.head_dim
-        part = x[:, first * d:(first + heads) * d]
-        part.copy_(rms_norm(part.reshape(-1, d), weight, self.config.norm_eps).view(part.shape))
+        divisors, scale = c.served_rope()  # (LongRoPE's set for the context served)
+        self.rope = RopeTable.build(c, c.rope_theta, divisors, kernels == "triton", device,
+                                    scale)
 
     def _norm_qk(self, qkv: torch.Tensor, layer: int) -> None:
-        """Qwen3's per-head norms of Q and K, in place on the [T, (Hq + 2 Hk) * D] projection."""
+        """Qwen3's per-head norms of Q and K, in place on the [T, (Hq + 2 Hk) * D] projection
+        (the Triton path does it inside rope_and_write_kv)."""
         if self.qk_norms is not None:
+            c = self.config
             q_norm, k_norm = self.qk_norms[layer]
-            self._norm_heads(qkv, 0, self.config.num_heads, q_norm)
-            self._norm_heads(qkv, self.config.num_heads, self.config.num_kv_heads, k_norm)
+            norm_heads(qkv, 0, c.num_heads, c.head_dim, q_norm, c.norm_eps)
+            norm_heads(qkv, c.num_heads, c.num_kv_heads, c.head_dim, k_norm, c.norm_eps)
 
     def forward(
         self,
@@ -171,7 +194,7 @@ class LlamaModel:
         c = self.config
         t = input_ids.shape[0]
         hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
-        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        cos, sin = self.rope.at(positions)
         scale = d**-0.5
         nk = t if hidden is None else hidden.first_row
         x = self.embed[input_ids]
@@ -183,13 +206,14 @@ class LlamaModel:
             self._norm_qk(qkv, i)
             qk, v = qkv.split([(hq + hk) * d, hk * d], dim=-1)
             # Q and K heads rotate together: one pass over both.
-            q, k = self._rope(qk.view(t, hq + hk, d), cos, sin).split([hq, hk], dim=1)
+            q, k = rotate(qk.view(t, hq + hk, d), cos, sin).split([hq, hk], dim=1)
             write_kv(k_cache, v_cache, k[:nk], v.reshape(t, hk, d)[:nk], batch.slot_mapping[:nk])
+            attn_args = {"window": c.layer_window(i), "softcap": c.attn_softcap}
             if hidden is None:
-                o = attention(q, k_cache, v_cache, batch, scale)
+                o = attention(q, k_cache, v_cache, batch, scale, **attn_args)
             else:
                 o = mixed_attention(q, h, (k_cache, v_cache), batch, scale, attention, hidden,
-                                    stores[i], partial(self.reproject_kv, i))
+                                    stores[i], partial(self.reproject_kv, i), **attn_args)
             x = x + o_proj(o.reshape(t, hq * d))
             h = rms_norm(x, ln2, c.norm_eps)
             x = x + down_proj(silu_mul(gate_up_proj(h)))
@@ -226,15 +250,18 @@ class LlamaModel:
                 h, residual = add_rms_norm(x, residual, ln1, c.norm_eps)
             # Hidden-cache rows have slot -1: their K/V are not written. (Qwen3's Q/K norms
             # run inside the same kernel.)
-            q = rope_and_write_kv(qkv_proj(h), positions, self.cos_sin, batch.slot_mapping,
+            q = rope_and_write_kv(qkv_proj(h), positions, self.rope.cos_sin, batch.slot_mapping,
                                   k_cache, v_cache, hq, hk, d,
                                   self.qk_norms[i] if self.qk_norms else None, c.norm_eps)
+            # Host values per layer: a CUDA graph bakes them into this layer's launch.
+            attn_args = {"window": c.layer_window(i), "softcap": c.attn_softcap}
             if hidden is None:
-                o = attention(q, k_cache, v_cache, batch, scale, num_splits=batch.num_splits)
+                o = attention(q, k_cache, v_cache, batch, scale, num_splits=batch.num_splits,
+                              **attn_args)
             else:
                 o = mixed_attention(q, h, (k_cache, v_cache), batch, scale, attention, hidden,
-                                    stores[i], partial(self.reproject_kv, i),
-                                    triton=True)
+                                    stores[i], partial(self.reproject_kv, i), triton=True,
+                                    **attn_args)
             h, residual = add_rms_norm(o_proj(o.view(t, hq * d)), residual, ln2, c.norm_eps)
             x = down_proj(silu_mul_gpu(gate_up_proj(h)))
         return add_rms_norm(x, residual, self.norm, c.norm_eps)[0]
@@ -251,14 +278,13 @@ class LlamaModel:
             k, v = (torch.empty(r, hk, d, dtype=kv.dtype, device=kv.device) for _ in "kv")
             slots = torch.arange(r, device=kv.device)
             norm = (None, self.qk_norms[layer][1]) if self.qk_norms else None
-            rope_and_write_kv(kv, positions, self.cos_sin, slots, k, v, 0, hk, d, norm,
+            rope_and_write_kv(kv, positions, self.rope.cos_sin, slots, k, v, 0, hk, d, norm,
                               c.norm_eps)
             return k, v
         if self.qk_norms is not None:
-            self._norm_heads(kv, 0, hk, self.qk_norms[layer][1])
+            norm_heads(kv, 0, hk, d, self.qk_norms[layer][1], c.norm_eps)
         kv = kv.view(r, 2 * hk, d)
-        k = self._rope(kv[:, :hk], self.cos[positions][:, None, :],
-                       self.sin[positions][:, None, :])
+        k = rotate(kv[:, :hk], *self.rope.at(positions))
         return k, kv[:, hk:].contiguous()
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

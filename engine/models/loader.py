@@ -123,8 +123,9 @@ def _meta_json(config: ModelConfig, tokenizer: ModelTokenizer) -> str:
 def _read_meta(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
     meta = json.loads(path.read_text())
     cfg = meta["config"]
-    for key in ("eos_token_ids", "rope_divisors", "rope_long_divisors"):  # (JSON: lists)
-        cfg[key] = tuple(cfg.get(key, ()))
+    for key in ("eos_token_ids", "rope_divisors", "rope_long_divisors", "layer_windows",
+                "rope_local_layers"):
+        cfg[key] = tuple(cfg.get(key, ()))  # (JSON has lists, not tuples)
     tokenizer = ModelTokenizer(
         tokenizer=Tokenizer.from_str(meta["tokenizer"]),
         chat_template=meta["chat_template"],

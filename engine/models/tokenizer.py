@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -86,12 +86,30 @@ class ModelTokenizer:
         plain.encode_special_tokens = True
         return plain
 
-    def encode_chat(self, messages: list[dict[str, Any]],
-                    add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    continue_final: bool = False,
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """Token ids of the chat: the template's markers are special tokens, message
         contents are plain text. Identical to encoding the rendered string whenever the
-        contents hold no marker strings."""
-        text, spans = self._render_with_spans(messages, add_generation_prompt)
+        contents hold no marker strings.
+
+        continue_final: the last message is an assistant's answer to go on with, so the chat
+        ends with its text (no end-of-turn after it, no generation prompt). template_kwargs:
+        more variables for the template (enable_thinking=True, say)."""
+        if continue_final and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both "
+                             "be true")
+        if continue_final and (messages[-1].get("role") != "assistant"
+                               or not isinstance(messages[-1].get("content"), str)):
+            raise ValueError("continue_final_message needs an assistant message last")
+        text, spans = self._render_with_spans(messages, add_generation_prompt,
+                                              template_kwargs)
+        if continue_final:  # cut after the last message's text: its turn stays open
+            ends = [e for _, e, i in spans if i == len(messages) - 1]
+            if not ends:
+                raise ValueError("this model's chat template does not write the final "
+                                 "assistant message, so it cannot be continued")
+            text = text[:ends[-1]]
         enc = self.tokenizer.encode(text, add_special_tokens=False)
         forged = [(s, e) for tid, (s, e) in zip(enc.ids, enc.offsets, strict=True)
                   if tid in self.marker_ids and _overlaps(s, e, spans)]
@@ -118,9 +136,11 @@ class ModelTokenizer:
                 f"that this model's tokenizer cannot encode as plain text")
         return ids
 
-    def _render_with_spans(self, messages: list[dict[str, Any]], add_generation_prompt: bool
-                           ) -> tuple[str, list[tuple[int, int]]]:
-        """The rendered chat, and where each message's content lies in it.
+    def _render_with_spans(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                           template_kwargs: Mapping[str, Any] | None
+                           ) -> tuple[str, list[tuple[int, int, int]]]:
+        """The rendered chat, and where message contents lie in it: (start, end, index of
+        the message) for each place the template writes one.
 
         The template is rendered once with unguessable placeholders for the contents, which
         shows where it puts each one, and once with the contents themselves."""
@@ -128,15 +148,17 @@ class ModelTokenizer:
         masked = [{**m, "content": f"\ue000{nonce}:{i}\ue001"}
                   if isinstance(m.get("content"), str) else m for i, m in enumerate(messages)]
         pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001",
-                          self.apply_chat_template(masked, add_generation_prompt))
-        text = self.apply_chat_template(messages, add_generation_prompt)
+                          self.apply_chat_template(masked, add_generation_prompt,
+                                                   template_kwargs))
+        text = self.apply_chat_template(messages, add_generation_prompt, template_kwargs)
         # Templates write a content as is or trimmed (Llama 3's `| trim`).
         for transform in _CONTENT_TRANSFORMS:
             spans, pos, out = [], 0, []
             for k, piece in enumerate(pieces):
                 if k % 2:
-                    piece = transform(messages[int(piece)]["content"])
-                    spans.append((pos, pos + len(piece)))
+                    index = int(piece)
+                    piece = transform(messages[index]["content"])
+                    spans.append((pos, pos + len(piece), index))
                 out.append(piece)
                 pos += len(piece)
             if "".join(out) == text:
@@ -182,25 +204,39 @@ class ModelTokenizer:
         return sorted(ids)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
+        """The rendered chat. template_kwargs: more template variables, or enable_thinking."""
+        template_kwargs = template_kwargs or {}
         if self._template is None:
             raise ValueError("this model has no chat template; pass a plain prompt instead")
-        return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-            # Reasoning models' templates (Qwen3's) open a <think> block unless told not to:
-            # hundreds of tokens a row that a row's answer does not want, whose text would
-            # land in the answer, and a label scored after the prompt would follow an
-            # unfinished thought. Other templates ignore the variable.
-            enable_thinking=False,
-        )
+        taken = sorted(_TEMPLATE_OWN & template_kwargs.keys())
+        if taken:
+            raise ValueError(f"chat template variable {taken[0]!r} is set by the server, not "
+                             f"by chat_template_kwargs")
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                # Reasoning models' templates (Qwen3's) open a <think> block unless told
+                # not to: hundreds of tokens a row that a row's answer does not want, whose
+                # text would land in the answer, and a label scored after the prompt would
+                # follow an unfinished thought. Other templates ignore the variable.
+                **{"enable_thinking": False, **template_kwargs},
+            )
+        except jinja2.TemplateError as e:  # (raise_exception: "roles must alternate", ...)
+            raise ValueError(f"the model's chat template refused these messages: {e}") from e
+
+
+# The variables apply_chat_template sets itself (add_generation_prompt has its own option).
+_TEMPLATE_OWN = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
 
 
 _CONTENT_TRANSFORMS: tuple[Callable[[str], str], ...] = (str, str.strip)
 
 
-def _overlaps(start: int, end: int, spans: list[tuple[int, int]]) -> bool:
-    return any(start < e and end > s for s, e in spans)
+def _overlaps(start: int, end: int, spans: list[tuple[int, int, int]]) -> bool:
+    return any(start < e and end > s for s, e, _ in spans)

@@ -1,5 +1,7 @@
 // Paged attention for the CPU, one query row at a time: each row (a decode, or one position
-// of a prefill chunk) has its own block table and number of visible keys. K/V are read in
+// of a prefill chunk) has its own block table and number of visible keys; under a sliding
+// window the row starts at the window's first block (so a decode over a long context reads
+// about `window` keys, not the context). K/V are read in
 // place from the block-paged cache (no gather copy), fp32 softmax and accumulation, GQA
 // without expanding K/V. Parallel over (row, kv head). Compiled at first use with the machine's own
 // -march, loaded with ctypes (see kernels/cpu_ext.py): no torch headers, a one-second build.
@@ -47,13 +49,16 @@ inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 constexpr int kMaxGroup = 16;
 constexpr int kMaxDim = 256;
 
-// One (row, kv head): the `group` query heads that share it, over the row's visible
-// blocks. DIM and GROUP are compile-time for the common shapes (so the inner loops unroll
-// into vector code) and 0 for the generic version.
+// One (row, kv head): the `group` query heads that share it, over the first ctx keys of the
+// blocks in `table`, of which the first `skip` are not visible (under a sliding window the
+// caller starts the table at the window's first block; skip < block_size). DIM and GROUP
+// are compile-time for the common shapes (so the inner loops unroll into vector code) and 0
+// for the generic version.
 template <typename T, int DIM, int GROUP>
 void attend_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
-                int64_t ctx, int64_t h, int64_t heads, int64_t kv_heads, int64_t dim_rt,
-                int64_t group_rt, int64_t block_size, float scale, T* out, float* scores) {
+                int64_t skip, int64_t ctx, int64_t h, int64_t kv_heads, int64_t dim_rt,
+                int64_t group_rt, int64_t block_size, float scale, float softcap, T* out,
+                float* scores) {
   const int64_t dim = DIM ? DIM : dim_rt;
   const int64_t group = GROUP ? GROUP : group_rt;
   float qf[kMaxGroup][kMaxDim];
@@ -136,11 +141,26 @@ void attend_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
       }
     }
   }
+  // The loops above score the skipped keys too (they share the window's first block) and
+  // the one below weighs them by 0. These extra passes run only for rows that need them, so
+  // that the others keep the loops above as they are.
+  if (skip > 0 || softcap > 0.f) {
+    for (int64_t g = 0; g < group; ++g) {
+      float* sg = scores + g * ctx;
+      mx[g] = -INFINITY;
+      for (int64_t t = skip; t < ctx; ++t) {
+        // Gemma 2's soft-capping: s -> softcap * tanh(s / softcap).
+        if (softcap > 0.f) sg[t] = softcap * std::tanh(sg[t] / softcap);
+        mx[g] = sg[t] > mx[g] ? sg[t] : mx[g];
+      }
+      for (int64_t t = 0; t < skip; ++t) sg[t] = 0.f;
+    }
+  }
   float inv[kMaxGroup];
   for (int64_t g = 0; g < group; ++g) {
     float total = 0.f;
     float* sg = scores + g * ctx;
-    for (int64_t t = 0; t < ctx; ++t) {
+    for (int64_t t = skip; t < ctx; ++t) {
       sg[t] = std::exp(sg[t] - mx[g]);
       total += sg[t];
     }
@@ -166,7 +186,7 @@ void attend_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
 
 template <typename T>
 using AttendFn = void (*)(const T*, const T*, const T*, const int64_t*, int64_t, int64_t,
-                          int64_t, int64_t, int64_t, int64_t, int64_t, float, T*, float*);
+                          int64_t, int64_t, int64_t, int64_t, int64_t, float, float, T*, float*);
 
 template <typename T>
 AttendFn<T> pick(int64_t dim, int64_t group) {
@@ -193,8 +213,8 @@ template <typename T>
 void row_attention(const T* q, const T* k_cache, const T* v_cache,
                    const int64_t* block_tables, const int64_t* context_lens,
                    int64_t num_rows, int64_t heads, int64_t kv_heads, int64_t dim,
-                   int64_t block_size, int64_t max_blocks, float scale, int threads,
-                   T* out) {
+                   int64_t block_size, int64_t max_blocks, float scale, int64_t window,
+                   float softcap, int threads, T* out) {
   const int64_t group = heads / kv_heads;
   const AttendFn<T> attend = pick<T>(dim, group);
   // An explicit thread count: torch's setting, not OpenMP's per-thread default, which a
@@ -205,11 +225,18 @@ void row_attention(const T* q, const T* k_cache, const T* v_cache,
 #pragma omp for collapse(2) schedule(dynamic, 4)
     for (int64_t s = 0; s < num_rows; ++s) {
       for (int64_t h = 0; h < kv_heads; ++h) {
-        const int64_t ctx = context_lens[s];
+        int64_t ctx = context_lens[s];
+        const int64_t* table = block_tables + s * max_blocks;
+        int64_t skip = 0;
+        if (window > 0 && ctx > window) {  // keys ctx - window .. ctx - 1 only
+          const int64_t first_block = (ctx - window) / block_size;
+          table += first_block;
+          ctx -= first_block * block_size;
+          skip = ctx - window;
+        }
         if (scores.size() < static_cast<size_t>(group * ctx)) scores.resize(group * ctx);
-        attend(q + s * heads * dim, k_cache, v_cache, block_tables + s * max_blocks, ctx, h,
-               heads, kv_heads, dim, group, block_size, scale, out + s * heads * dim,
-               scores.data());
+        attend(q + s * heads * dim, k_cache, v_cache, table, skip, ctx, h, kv_heads, dim,
+               group, block_size, scale, softcap, out + s * heads * dim, scores.data());
       }
     }
   }
@@ -224,14 +251,14 @@ int llmdb_max_dim() { return kMaxDim; }
 void llmdb_row_attention_f32(const float* q, const float* k, const float* v,
                              const int64_t* bt, const int64_t* lens, int64_t n, int64_t h,
                              int64_t kvh, int64_t d, int64_t bs, int64_t mb, float scale,
-                             int threads, float* out) {
-  row_attention(q, k, v, bt, lens, n, h, kvh, d, bs, mb, scale, threads, out);
+                             int64_t window, float softcap, int threads, float* out) {
+  row_attention(q, k, v, bt, lens, n, h, kvh, d, bs, mb, scale, window, softcap, threads, out);
 }
 
 void llmdb_row_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                               const int64_t* bt, const int64_t* lens, int64_t n, int64_t h,
                               int64_t kvh, int64_t d, int64_t bs, int64_t mb, float scale,
-                              int threads, uint16_t* out) {
-  row_attention(q, k, v, bt, lens, n, h, kvh, d, bs, mb, scale, threads, out);
+                              int64_t window, float softcap, int threads, uint16_t* out) {
+  row_attention(q, k, v, bt, lens, n, h, kvh, d, bs, mb, scale, window, softcap, threads, out);
 }
 }

@@ -16,6 +16,13 @@ each key's slot gathered through the block table, with an online softmax in fp32
 Split-KV: when the grid would leave SMs idle (few long decodes), each split takes a
 contiguous range of its program's key tiles and writes a normalized partial output and its
 log-sum-exp to fp32 scratch; a second kernel merges the splits weighted by their LSEs.
+
+Sliding windows: a program's key loop starts at the tile holding the first key its first
+query's window reaches, so a decode over a long context reads about `window` keys; the
+splits share those tiles only, and a split left with none writes an empty partial (LSE -inf)
+that the merge weighs 0. Window and softcap are per-layer host values: plain arguments that a
+CUDA graph bakes in per launch, with a compile-time switch for each so that layers without
+them run the same code as before.
 """
 
 from __future__ import annotations
@@ -49,11 +56,11 @@ def _find_sequence(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
 
 # Step sizes change every step: specializing on them (Triton compiles a variant for values
 # divisible by 16 and for 1) would compile new variants mid-run, a second or so each.
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits"])
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits", "window"])
 def _attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    num_seqs, num_tokens, num_splits, qk_scale,
+    num_seqs, num_tokens, num_splits, qk_scale, window, softcap,
     stride_qt, stride_qh, stride_qd,
     stride_ks, stride_kh, stride_kd,
     stride_vs, stride_vh, stride_vd,
@@ -62,7 +69,7 @@ def _attention_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    IEEE_DOT: tl.constexpr,
+    IEEE_DOT: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -101,8 +108,14 @@ def _attention_kernel(
     key_end = tl.minimum(ctx, prefix + tl.minimum(q_len, (q_block + 1) * BLOCK_Q))
     key_end = tl.maximum(key_end, 0)
     num_tiles = tl.cdiv(key_end, BLOCK_N)
-    per_split = tl.cdiv(num_tiles, num_splits)
-    tile_lo = split * per_split
+    first_tile = 0
+    if SLIDING:
+        # Query j sees keys from prefix + j - window + 1 on: the tile's first query the
+        # earliest.
+        first_key = tl.maximum(prefix + q_block * BLOCK_Q - window + 1, 0)
+        first_tile = tl.minimum(first_key // BLOCK_N, num_tiles)
+    per_split = tl.cdiv(num_tiles - first_tile, num_splits)
+    tile_lo = first_tile + split * per_split
     tile_hi = tl.minimum(num_tiles, tile_lo + per_split)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -123,8 +136,17 @@ def _attention_kernel(
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale
+        if SOFTCAP:
+            # softcap * tanh(s / softcap) on the natural-log scale (qk_scale carries log2(e)),
+            # tanh written with exp2 (no tanh in Triton's core language): exact at the
+            # extremes, absolute error ~1e-7 x softcap near 0.
+            x = s * (qk_scale / softcap)  # (s x scale / softcap) x log2(e)
+            s = (softcap * _LOG2E) * (1.0 - 2.0 / (tl.exp2(2.0 * x) + 1.0))
+        else:
+            s = s * qk_scale
         visible = (keys[None, :] <= last_key[:, None]) & key_ok[None, :]
+        if SLIDING:
+            visible = visible & (keys[None, :] > last_key[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
@@ -222,7 +244,8 @@ def _launch_config(group: int, max_query_len: int) -> tuple[int, int, int]:
 
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
-    scale: float, out: torch.Tensor | None = None, num_splits: int = 1,
+    scale: float, out: torch.Tensor | None = None, num_splits: int = 1, *, window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """q [T, H, D] -> out [T, H, D] in q's dtype; same contract as
     `paged_attention_reference`. No host sync: the grid depends on shapes and host ints only.
@@ -232,7 +255,8 @@ def paged_attention(
     only picks the tile shape and max_seq_len is not read, so a graph captured for one batch
     stays correct when replayed with other lengths of the same T and S. num_splits > 1 takes
     fp32 scratch of (num_splits * T * H * (D + 1)) floats from torch's allocator (a
-    graph's private pool under capture)."""
+    graph's private pool under capture). window and softcap as in
+    `paged_attention_reference`."""
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     assert num_heads % kv_heads == 0, "query heads must be a multiple of kv heads"
@@ -258,7 +282,7 @@ def paged_attention(
     _attention_kernel[grid](
         q, k_cache, v_cache, out, part, lse,
         batch.query_start_loc, batch.seq_lens, batch.block_tables,
-        num_seqs, num_tokens, num_splits, scale * _LOG2E,
+        num_seqs, num_tokens, num_splits, scale * _LOG2E, int(window), float(softcap),
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -266,8 +290,8 @@ def paged_attention(
         batch.block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=batch.block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
-        SPLIT=num_splits > 1, IEEE_DOT=q.dtype == torch.float32,
-        num_warps=num_warps,
+        SPLIT=num_splits > 1, IEEE_DOT=q.dtype == torch.float32, SLIDING=window > 0,
+        SOFTCAP=softcap > 0, num_warps=num_warps,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](

@@ -13,9 +13,10 @@ D, or less where only the first R dimensions rotate and the rest pass as they ar
 rotary: Phi-4-mini's 96 of 128). A slot < 0 marks a padding row: its Q is still written, its
 K/V are not.
 
-With q_norm/k_norm (Qwen3), each Q and K head is RMS-normalized before it is rotated, in the
-same pass, rounded as the unfused path rounds: normalize in fp32, round to the dtype, times
-the weight, round again.
+With q_norm/k_norm (Qwen3, Gemma 3), each Q and K head is RMS-normalized before it is
+rotated, in the same pass, rounded as the unfused path rounds: Llama's norm (Qwen3)
+normalizes in fp32, rounds to the dtype, multiplies by the weight and rounds again; Gemma's
+(fp32_scale) multiplies by an fp32 scale and rounds once.
 """
 
 from __future__ import annotations
@@ -24,20 +25,23 @@ import torch
 import triton
 import triton.language as tl
 
-from llmdb.kernels.elementwise import rms_norm_reference
+from llmdb.kernels.elementwise import rms_norm_fp32, rms_norm_reference
 
 
 @triton.jit
-def _norm_part(x, rms, norm_ptr, cols, col_ok, dt):
+def _norm_part(x, rms, norm_ptr, cols, col_ok, dt, FP32_SCALE: tl.constexpr):
     """One part of normalized heads, rounded as the unfused path rounds."""
     w = tl.load(norm_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    return ((x / rms[:, None]).to(dt).to(tl.float32) * w[None, :]).to(dt).to(tl.float32)
+    x = x / rms[:, None]
+    if not FP32_SCALE:
+        x = x.to(dt).to(tl.float32)
+    return (x * w[None, :]).to(dt).to(tl.float32)
 
 
 @triton.jit
 def _rotate_heads(x_ptr, head_idx, head_ok, cos, sin, rots, rot_ok, rest, rest_ok, norm_ptr,
                   eps, D: tl.constexpr, ROT_HALF: tl.constexpr, HAS_ROPE: tl.constexpr,
-                  HAS_NORM: tl.constexpr):
+                  HAS_NORM: tl.constexpr, FP32_SCALE: tl.constexpr):
     """Load heads [NH_PAD, D] of one token as the two rotated halves and the rest (columns
     2 ROT_HALF on; none without partial rotary: rest_ok all false) and return them
     (normalized, with HAS_NORM, then rotated) in fp32."""
@@ -50,9 +54,9 @@ def _rotate_heads(x_ptr, head_idx, head_ok, cos, sin, rots, rot_ok, rest, rest_o
     if HAS_NORM:
         dt = x_ptr.dtype.element_ty
         rms = tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1) + tl.sum(x3 * x3, 1)) / D + eps)
-        x1 = _norm_part(x1, rms, norm_ptr, rots, rot_ok, dt)
-        x2 = _norm_part(x2, rms, norm_ptr + ROT_HALF, rots, rot_ok, dt)
-        x3 = _norm_part(x3, rms, norm_ptr + 2 * ROT_HALF, rest, rest_ok, dt)
+        x1 = _norm_part(x1, rms, norm_ptr, rots, rot_ok, dt, FP32_SCALE)
+        x2 = _norm_part(x2, rms, norm_ptr + ROT_HALF, rots, rot_ok, dt, FP32_SCALE)
+        x3 = _norm_part(x3, rms, norm_ptr + 2 * ROT_HALF, rest, rest_ok, dt, FP32_SCALE)
     if HAS_ROPE:
         y1 = x1 * cos[None, :] - x2 * sin[None, :]
         x2 = x2 * cos[None, :] + x1 * sin[None, :]
@@ -80,7 +84,7 @@ def _rope_write_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     HALF_PAD: tl.constexpr, ROT_HALF: tl.constexpr, ROT_PAD: tl.constexpr,
     REST_PAD: tl.constexpr, H_PAD: tl.constexpr, KVH_PAD: tl.constexpr,
-    HAS_ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
+    HAS_ROPE: tl.constexpr, HAS_NORM: tl.constexpr, FP32_SCALE: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     rots = tl.arange(0, ROT_PAD)
@@ -99,7 +103,7 @@ def _rope_write_kernel(
     q_heads = tl.arange(0, H_PAD)
     q_ok = q_heads < NUM_HEADS
     q1, q2, q3 = _rotate_heads(row, q_heads, q_ok, cos, sin, rots, rot_ok, rest, rest_ok,
-                               q_norm_ptr, eps, D, ROT_HALF, HAS_ROPE, HAS_NORM)
+                               q_norm_ptr, eps, D, ROT_HALF, HAS_ROPE, HAS_NORM, FP32_SCALE)
     q_out = q_out_ptr + tok * (NUM_HEADS * D) + q_heads[:, None] * D
     _store_heads(q_out, q_ok, q1, q2, q3, rots, rot_ok, rest, rest_ok, ROT_HALF)
 
@@ -109,7 +113,7 @@ def _rope_write_kernel(
         kv_ok = kv_heads < NUM_KV_HEADS
         k1, k2, k3 = _rotate_heads(row + NUM_HEADS * D, kv_heads, kv_ok, cos, sin, rots,
                                    rot_ok, rest, rest_ok, k_norm_ptr, eps, D, ROT_HALF,
-                                   HAS_ROPE, HAS_NORM)
+                                   HAS_ROPE, HAS_NORM, FP32_SCALE)
         k_dst = k_cache_ptr + slot * stride_ks + kv_heads[:, None] * stride_kh
         _store_heads(k_dst, kv_ok, k1, k2, k3, rots, rot_ok, rest, rest_ok, ROT_HALF)
         # V is copied as is, in two halves so that one HALF_PAD serves any D.
@@ -129,6 +133,7 @@ def rope_and_write_kv(
     slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_heads: int, num_kv_heads: int, head_dim: int,
     qk_norm: tuple[torch.Tensor | None, torch.Tensor] | None = None, eps: float = 0.0,
+    fp32_scale: bool = False,
 ) -> torch.Tensor:
     """qkv [T, (H + 2 KVH) D] (unit stride in the last dim) -> rotated q [T, H, D], contiguous,
     in qkv's dtype; K (rotated) and V land in k_cache/v_cache [slots, KVH, D] at slot_mapping.
@@ -138,7 +143,8 @@ def rope_and_write_kv(
     for a model without RoPE. Caches need a unit stride in their last dim. num_heads may be
     0: K/V alone (hidden-cache re-projection).
     qk_norm: (q_norm [D], k_norm [D]) RMSNorm weights applied to each head before RoPE, with
-    eps (q_norm None when num_heads is 0)."""
+    eps (q_norm None when num_heads is 0); fp32_scale: Gemma's norm, the weights fp32
+    scales."""
     num_tokens = qkv.shape[0]
     assert head_dim % 2 == 0 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
     assert qkv.stride(1) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1
@@ -163,7 +169,7 @@ def rope_and_write_kv(
         REST_PAD=triton.next_power_of_2(max(head_dim - rotary, 1)),
         H_PAD=triton.next_power_of_2(max(num_heads, 1)),
         KVH_PAD=triton.next_power_of_2(num_kv_heads), HAS_ROPE=has_rope,
-        HAS_NORM=qk_norm is not None,
+        HAS_NORM=qk_norm is not None, FP32_SCALE=fp32_scale,
         num_warps=4 if num_heads * head_dim >= 2048 else 2,
     )
     return q
@@ -174,14 +180,16 @@ def rope_and_write_kv_reference(
     slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_heads: int, num_kv_heads: int, head_dim: int,
     qk_norm: tuple[torch.Tensor | None, torch.Tensor] | None = None, eps: float = 0.0,
+    fp32_scale: bool = False,
 ) -> torch.Tensor:
     """The torch definition `rope_and_write_kv` is tested against (same contract)."""
     t = qkv.shape[0]
     q, k, v = qkv.view(t, -1, head_dim).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
     if qk_norm is not None:
+        norm = rms_norm_fp32 if fp32_scale else rms_norm_reference
         if num_heads:
-            q = rms_norm_reference(q, qk_norm[0], eps)
-        k = rms_norm_reference(k, qk_norm[1], eps)
+            q = norm(q, qk_norm[0], eps)
+        k = norm(k, qk_norm[1], eps)
     if cos_sin is not None:
         half = cos_sin.shape[1] // 2
         cs = cos_sin[positions].float()

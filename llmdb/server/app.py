@@ -324,24 +324,25 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     async def chat(request: Request, body: ChatCompletionRequest):
         k = (body.top_logprobs or 0) if body.logprobs else None
         params = sampling(body, k)
-        messages = [m.model_dump() for m in body.messages]
-        return await run(request, body, messages, params,
+        return await run(request, body, encode_chat(body), params,
                          _ChatRender(model_name, engine, k, usage(body)))
+
+    def encode_chat(body: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+        try:
+            return engine.tokenizer.encode_chat([m.model_dump() for m in body.messages],
+                                                **body.template_options())
+        except ValueError as e:
+            raise ServerError(400, str(e)) from e
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         """vLLM's /tokenize, which clients scoring through prompt_logprobs need: the ids the
         completion endpoints would see (chat messages encoded as /v1/chat/completions does)."""
         check_model(body.model)
-        tok = engine.tokenizer
-        try:
-            if body.messages is not None:
-                ids = tok.encode_chat([m.model_dump() for m in body.messages],
-                                      body.add_generation_prompt)
-            else:
-                ids = tok.encode(body.prompt, add_special=body.add_special_tokens)
-        except ValueError as e:
-            raise ServerError(400, str(e)) from e
+        if body.messages is not None:
+            ids = encode_chat(body)
+        else:
+            ids = engine.tokenizer.encode(body.prompt, add_special=body.add_special_tokens)
         return {"count": len(ids), "max_model_len": engine.config.max_context, "tokens": ids}
 
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes)

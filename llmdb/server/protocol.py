@@ -142,7 +142,25 @@ class ChatMessage(BaseModel):
         return v if isinstance(v, str) else "\n".join(part.text for part in v)
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatTemplateOptions(BaseModel):
+    """vLLM's options for how chat messages become the prompt."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    add_generation_prompt: bool = True
+    # The last (assistant) message is a start to go on from: no end of turn after it.
+    continue_final_message: bool = False
+    # More variables for the model's template, e.g. {"enable_thinking": true} for Qwen3.
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_options(self) -> dict[str, Any]:
+        """ModelTokenizer.encode_chat's keyword arguments."""
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final": self.continue_final_message,
+                "template_kwargs": self.chat_template_kwargs}
+
+
+class ChatCompletionRequest(_Sampling, ChatTemplateOptions):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -162,15 +180,12 @@ class ChatCompletionRequest(_Sampling):
         return self
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(ChatTemplateOptions):
     """vLLM's /tokenize: a prompt, or chat messages under the model's template."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    add_generation_prompt: bool = True
     add_special_tokens: bool = True
 
     @model_validator(mode="after")

@@ -16,6 +16,7 @@ import torch
 from llmdb.engine.engine import LLMEngine
 from llmdb.engine.params import SamplingParams
 
+from .. import gemma_models
 from ..helpers import assert_same_tokens
 from ..test_hf_models import VARIANTS, _randomize, _save
 
@@ -26,8 +27,10 @@ pytest.importorskip("triton", reason="triton is not installed (it comes with CUD
 
 GEN = SamplingParams(max_tokens=24, ignore_eos=True)
 # Llama with GQA; OPT; Qwen3 (per-head Q/K norms before the fused RoPE and cache write, and
-# hidden states smaller than its K/V, so the hybrid cache runs with them too).
-MODELS = ("llama-gqa", "opt", "qwen3")
+# hidden states smaller than its K/V, so the hybrid cache runs with them too); Gemma 2 (its
+# logit cap applied in place to a CUDA graph's logits buffer) and Gemma 3 (fp32-scaled Q/K
+# norms in the fused RoPE, two RoPE tables).
+MODELS = ("llama-gqa", "opt", "qwen3", "gemma2", "gemma3")
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +38,10 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("gpu_models")
     out = {}
     for seed, name in enumerate(MODELS):
+        if name in gemma_models.VARIANTS:
+            out[name] = str(gemma_models._save(gemma_models._build(name, seed), root / name,
+                                               [gemma_models.EOS, gemma_models.EOT]))
+            continue
         build, tok_cfg, prepend = VARIANTS[name]
         torch.manual_seed(seed)
         model = build()
