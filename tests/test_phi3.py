@@ -70,14 +70,14 @@ def _rope(theta: float, longrope: bool, partial: float) -> dict:
 
 
 def _phi3_config(vocab_size: int, *, kv_heads: int, tie: bool, theta: float = 10000.0,
-                 longrope: bool = False, partial: float = 1.0, context: int = CONTEXT,
-                 original: int = ORIGINAL) -> transformers.Phi3Config:
+                 longrope: bool = False, partial: float = 1.0, window: int | None = None,
+                 context: int = CONTEXT, original: int = ORIGINAL) -> transformers.Phi3Config:
     return transformers.Phi3Config(
         vocab_size=vocab_size, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=kv_heads, intermediate_size=96, max_position_embeddings=context,
         original_max_position_embeddings=original if longrope else context,
         rms_norm_eps=1e-5, rope_parameters=_rope(theta, longrope, partial),
-        tie_word_embeddings=tie, sliding_window=None, bos_token_id=1, eos_token_id=ENDOFTEXT,
+        tie_word_embeddings=tie, sliding_window=window, bos_token_id=1, eos_token_id=ENDOFTEXT,
         pad_token_id=0,
     )
 
@@ -91,10 +91,12 @@ def _phi3(vocab_size: int, seed: int, **kw) -> transformers.Phi3ForCausalLM:
 
 
 # name -> the model's shape. Phi-3-mini and Phi-3.5-mini are MHA (32 heads of 96 = hidden);
+# Phi-3-mini-4k slides a window of 2,047 over its 4,096 positions (here 16 of 256);
 # Phi-3-medium has GQA; Phi-4-mini has GQA, ties its embeddings and rotates 96 of each head's
 # 128 dimensions (here 12 of 16).
 VARIANTS = {
     "phi3": dict(kv_heads=4, tie=False),
+    "phi3-window": dict(kv_heads=4, tie=False, window=16),
     "phi3-gqa-tied": dict(kv_heads=2, tie=True, theta=250000.0),
     "phi3-longrope": dict(kv_heads=4, tie=False, longrope=True),
     "phi4-mini-like": dict(kv_heads=2, tie=True, theta=250000.0, longrope=True, partial=0.75),
@@ -234,7 +236,7 @@ def test_greedy_generation_matches_transformers(name, attention, hf_ref, engines
             _assert_same_greedy(ref_model, prompt, out[0, len(prompt):].tolist(), res.token_ids)
 
 
-@pytest.mark.parametrize("name", ["phi3", "phi3-longrope", "phi4-mini-like"])
+@pytest.mark.parametrize("name", ["phi3", "phi3-window", "phi3-longrope", "phi4-mini-like"])
 def test_triton_path_matches_transformers(name, hf_dirs, hf_ref, engines):
     """The GPU kernels (RoPE from the scaled cos/sin table, fused with the K/V write), under
     Triton's interpreter in CI: transformers' logits, whole and chunked, and the CPU path's
@@ -273,12 +275,15 @@ def _assert_same_answers(got, want) -> None:
         assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
 
 
-@pytest.mark.parametrize("max_context", [None, CONTEXT], ids=["short-set", "long-set"])
-def test_hidden_cache_gives_the_kv_answers(max_context, hf_dirs):
+@pytest.mark.parametrize("name, max_context", [
+    ("phi3-longrope", None), ("phi3-longrope", CONTEXT), ("phi3-window", None)],
+    ids=["short-set", "long-set", "window"])
+def test_hidden_cache_gives_the_kv_answers(name, max_context, hf_dirs):
     """Phi-3 is MHA (Phi-3-mini: 32 heads of 96 = hidden), so the hidden cache (Apt-Serve) is
     on: K/V re-projected from hidden states (the fused weight's K/V rows, rotated by the
-    scaled table) give the KV cache's tokens and logprobs, alone and beside KV requests."""
-    eng = LLMEngine(str(hf_dirs["phi3-longrope"]), dtype="fp32", kv_cache_bytes=1 << 21,
+    scaled table; within the window) give the KV cache's tokens and logprobs, alone and
+    beside KV requests."""
+    eng = LLMEngine(str(hf_dirs[name]), dtype="fp32", kv_cache_bytes=1 << 21,
                     block_size=4, threads=2, max_context=max_context)
     assert eng.describe()["hidden_cache"]["enabled"]
     prompts = [_ids(n, seed=12) for n in ((3, 17, 30) if max_context is None else (70, 80, 90))]
@@ -311,6 +316,8 @@ def test_metadata_tokenizer_and_chat_template(hf_dirs):
     assert cfg.tie_embeddings and cfg.rope_theta == 250000.0
     assert (cfg.rope_divisors, cfg.rope_long_divisors, cfg.rope_attention_factor) == ((), (), 1.0)
     assert cfg.eos_token_ids == (ENDOFTEXT, ASSISTANT, END)
+    assert cfg.layer_windows == ()
+    assert load_model(hf_dirs["phi3-window"]).config.layer_windows == (16,) * 3
     hf_tok = transformers.PreTrainedTokenizerFast.from_pretrained(hf_dirs["phi3-gqa-tied"])
     messages = [{"role": "system", "content": "be good"},
                 {"role": "user", "content": "select count from table"}]
@@ -435,7 +442,7 @@ def _write_phi3_gguf(path: Path, model, vocab, arch: str = "phi3") -> Path:
     w.add_rope_dimension_count(int(rope["partial_rotary_factor"] * cfg.hidden_size)
                                // cfg.num_attention_heads)
     w.add_rope_freq_base(float(rope["rope_theta"]))
-    w.add_sliding_window(0)
+    w.add_sliding_window(cfg.sliding_window or 0)  # (0: none, as the converter writes it)
     w.add_file_type(int(gguf.LlamaFileType.ALL_F32))
     tokens, types, merges = vocab
     w.add_tokenizer_model("gpt2")
@@ -595,6 +602,24 @@ def test_llama_cpp_agrees_on_phi3_files(name, gguf_models, llama_cpp):
             theirs = torch.from_numpy(np.array(llm.scores[:n], dtype=np.float32))
             err = float((served.logits(ids) - theirs).norm() / theirs.norm())
             assert err <= 1e-5, f"{name} ctx {max_context} len {n}: {err:.3g} from llama.cpp"
+
+
+def test_a_phi3_files_window_is_ignored_as_llama_cpp_does(vocab, tmp_path, llama_cpp):
+    """llama.cpp runs a phi3 file with full attention whatever its sliding_window says
+    (Phi-3-mini-4k's 2,047): so do we, though transformers slides the window."""
+    model = _phi3(len(vocab[0]), 20, context=GGUF_CONTEXT, **VARIANTS["phi3-window"])
+    path = _write_phi3_gguf(tmp_path / "window.gguf", model, vocab)
+    assert gguf.GGUFReader(str(path)).fields["phi3.attention.sliding_window"].contents() == 16
+    engine = _gguf_engine(path)
+    assert engine.config.layer_windows == ()
+    ids = _ids(100, seed=21, vocab_size=400)
+    llm = _llama_cpp(llama_cpp, path, GGUF_CONTEXT)
+    llm.eval(ids)
+    theirs = torch.from_numpy(np.array(llm.scores[:100], dtype=np.float32))
+    ours = engine.logits(ids)
+    assert float((ours - theirs).norm() / theirs.norm()) <= 1e-5
+    windowed = _ref_logits(model, ids)
+    assert float((ours - windowed).norm() / windowed.norm()) > 0.01
 
 
 def test_end_of_turn_tokens_are_llama_cpps(gguf_models, llama_cpp):
