@@ -168,7 +168,7 @@ class Connection:
 
         def target() -> None:
             try:
-                with self.session.remembering_failures():
+                with self.session.remembering():
                     result.append(work())
             except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
                 failure.append(e)
@@ -241,8 +241,10 @@ class Connection:
 def connect(database: str = ":memory:", model: str = "smollm2-135m", **options: Any) -> Connection:
     """A DuckDB connection with the llm_* functions on `model` (a registered name).
 
-    Options: on_error ('raise' | 'null'), cache (bool), cache_path, cache_max_bytes,
-    progress (None = when stderr is a terminal), priority ('RT' | 'BE'), sample_rows, and
+    Options: on_error ('raise' | 'null'), cache (bool: False reads and writes no result
+    cache, so no answer outlives its query, while identical calls within one query still run
+    once), cache_path, cache_max_bytes, progress (None = when stderr is a terminal),
+    priority ('RT' | 'BE'), sample_rows, and
     the engine's (LLMEngine's arguments: device 'auto' | 'cpu' | 'cuda' | 'cuda:N', dtype,
     kv_cache_bytes, max_num_batched_tokens, max_num_seqs, threads, policy, ...).
     All connections of a process share one engine per model.
@@ -265,6 +267,9 @@ def register(con: duckdb.DuckDBPyConnection, model: str = "smollm2-135m",
 
     Returns the session that holds the connection's stats and errors. Without the wrapper
     there are no query boundaries: llm_stats()'s last_query then covers every call so far.
+    A query still pays for a call once (see session.QueryMemory), the queries told apart by
+    their DuckDB transactions: inside an explicit BEGIN ... COMMIT a failed call is tried
+    again only after the transaction.
     Nor does DuckDB's con.interrupt() reach the model: the rows sent finish before DuckDB
     stops. session.cancel.set() aborts them, and stays set until cleared (no query ends
     here to clear it); llmdb.connect's interrupt() does both per query."""
