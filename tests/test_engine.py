@@ -227,6 +227,72 @@ def test_aborting_a_logits_job_mid_way_frees_its_blocks_and_tells_its_waiter(eng
     assert not engine.has_unfinished and not engine._results
     torch.testing.assert_close(engine.logits(short), ref, rtol=1e-4, atol=1e-4)
 
+def test_an_aborted_score_request_raises_naming_it_not_a_partial_sum(engine, monkeypatch):
+    """A thread waits in score() on two long continuations; another aborts one of its
+    requests between two of its steps: score() raises RequestAborted naming that request
+    (not the sum of the log-probabilities scored so far, as if it were the answer), its
+    other request is aborted too, every block is freed, nothing is left behind, and the
+    engine's next scores equal an undisturbed run's. The background loop is held at the
+    second step, as in the logits test above."""
+    prompt = [5, 6, 7, 8]
+    text = engine.tokenizer.encode(" ".join(CHAT_QUESTIONS))
+    continuations = [text[:60], text[60:120]]
+    ref = engine.score(prompt, continuations)
+    monkeypatch.setattr(engine.scheduler, "max_num_batched_tokens", 16)  # many steps
+    launch, launches = engine.runner.launch, []
+    second_step, resume = threading.Event(), threading.Event()
+
+    def held_at_the_second_step(*args, **kwargs):
+        launches.append(1)
+        if len(launches) == 2:
+            second_step.set()
+            resume.wait(30)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "launch", held_at_the_second_step)
+    got: dict[str, object] = {}
+
+    def waiter() -> None:
+        try:
+            got["scores"] = engine.score(prompt, continuations)
+        except RequestAborted as e:
+            got["error"] = e
+
+    engine.start_background_loop()
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    try:
+        assert second_step.wait(30), "the scoring never reached its second step"
+        first, _ = engine._requests  # score()'s requests, in order
+        engine.abort(first)
+        resume.set()
+        thread.join(30)
+        assert not thread.is_alive(), "the waiter was not woken by the abort"
+    finally:
+        resume.set()
+        engine.stop_background_loop()
+    assert "scores" not in got
+    assert isinstance(got["error"], RequestAborted) and got["error"].request_id == first
+    assert f"score request {first!r} was aborted" in str(got["error"])
+    assert engine.pool.num_free == engine.pool.num_blocks
+    assert not engine.has_unfinished and not engine._results
+    monkeypatch.setattr(engine.runner, "launch", launch)
+    assert engine.score(prompt, continuations) == pytest.approx(ref, abs=1e-4)
+
+
+def test_the_local_backend_reports_an_aborted_choice_as_aborted(engine):
+    """An aborted choice request has no candidate scores: collect says it was aborted
+    (the batch then fails its row) instead of failing on the scores it lacks."""
+    from llmdb.backends import ChoiceRequest
+    from llmdb.backends.local import LocalBackend
+
+    backend = LocalBackend(engine)
+    handle = backend.submit(ChoiceRequest(chat(CHAT_QUESTIONS[0]), ("yes", "no")), lambda: None)
+    engine.abort(handle)
+    result = backend.collect(handle)
+    assert (result.finish_reason, result.word_probs) == ("abort", ())
+
+
 
 @pytest.mark.parametrize(
     ("prompt", "params", "message"),
