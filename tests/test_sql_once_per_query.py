@@ -100,3 +100,21 @@ def test_without_the_cache_identical_calls_run_once_per_query(kind):
     assert con.execute(query).fetchall() == first
     assert backend.sent == {"good row": 2, "other row": 2}  # fresh answers for a new query
     con.close()
+
+
+def test_on_a_plain_connection_the_queries_of_a_transaction_share_their_memory(tmp_path):
+    """Without llmdb's connection, a query is known by its DuckDB transaction (see
+    session.DUCKDB_QUERY): inside BEGIN ... COMMIT a failed call is tried again only after
+    the transaction."""
+    backend = Counting()
+    con, _ = _connect("register", backend, cache_path=str(tmp_path / "cache.sqlite"),
+                      on_error="null")
+    query = "SELECT llm_complete('bad row', max_tokens := 2)"
+    con.execute("BEGIN")
+    for _ in range(2):
+        assert con.execute(query).fetchall() == [(None,)]
+    con.execute("COMMIT")
+    assert backend.sent[BAD] == 1
+    assert con.execute(query).fetchall() == [(None,)]
+    assert backend.sent[BAD] == 2
+    con.close()
