@@ -229,27 +229,28 @@ def test_aborting_a_logits_job_mid_way_frees_its_blocks_and_tells_its_waiter(eng
 
 def test_an_aborted_score_request_raises_naming_it_not_a_partial_sum(engine, monkeypatch):
     """A thread waits in score() on two long continuations; another aborts one of its
-    requests between two of its steps: score() raises RequestAborted naming that request
-    (not the sum of the log-probabilities scored so far, as if it were the answer), its
-    other request is aborted too, every block is freed, nothing is left behind, and the
-    engine's next scores equal an undisturbed run's. The background loop is held at the
-    second step, as in the logits test above."""
+    requests after its first step: score() raises RequestAborted naming that request (not
+    the sum of the log-probabilities scored so far, as if it were the answer), its other
+    request is aborted too, every block is freed, nothing is left behind, and the engine's
+    next scores equal an undisturbed run's. The background loop is held as the first step is
+    read, its K/V written (held inside a launch, as the logits test above is, the abort
+    frees blocks that the launch then writes through an emptied block table)."""
     prompt = [5, 6, 7, 8]
     text = engine.tokenizer.encode(" ".join(CHAT_QUESTIONS))
     continuations = [text[:60], text[60:120]]
     ref = engine.score(prompt, continuations)
     monkeypatch.setattr(engine.scheduler, "max_num_batched_tokens", 16)  # many steps
-    launch, launches = engine.runner.launch, []
-    second_step, resume = threading.Event(), threading.Event()
+    collect, reads = engine.runner.collect, []
+    first_read, resume = threading.Event(), threading.Event()
 
-    def held_at_the_second_step(*args, **kwargs):
-        launches.append(1)
-        if len(launches) == 2:
-            second_step.set()
+    def held_at_the_first_read(*args, **kwargs):
+        reads.append(1)
+        if len(reads) == 1:
+            first_read.set()
             resume.wait(30)
-        return launch(*args, **kwargs)
+        return collect(*args, **kwargs)
 
-    monkeypatch.setattr(engine.runner, "launch", held_at_the_second_step)
+    monkeypatch.setattr(engine.runner, "collect", held_at_the_first_read)
     got: dict[str, object] = {}
 
     def waiter() -> None:
@@ -262,8 +263,9 @@ def test_an_aborted_score_request_raises_naming_it_not_a_partial_sum(engine, mon
     thread = threading.Thread(target=waiter)
     thread.start()
     try:
-        assert second_step.wait(30), "the scoring never reached its second step"
+        assert first_read.wait(30), "the scoring never reached its first step"
         first, _ = engine._requests  # score()'s requests, in order
+        assert engine._requests[first].num_computed == 16  # 12 of its tokens scored
         engine.abort(first)
         resume.set()
         thread.join(30)
@@ -276,7 +278,7 @@ def test_an_aborted_score_request_raises_naming_it_not_a_partial_sum(engine, mon
     assert f"score request {first!r} was aborted" in str(got["error"])
     assert engine.pool.num_free == engine.pool.num_blocks
     assert not engine.has_unfinished and not engine._results
-    monkeypatch.setattr(engine.runner, "launch", launch)
+    monkeypatch.setattr(engine.runner, "collect", collect)
     assert engine.score(prompt, continuations) == pytest.approx(ref, abs=1e-4)
 
 
