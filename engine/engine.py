@@ -596,13 +596,28 @@ class LLMEngine:
         return [self.wait(i) for i in ids]
 
     def score(self, prompt: Prompt, continuations: list[str | list[int]]) -> list[float]:
-        """Log-likelihood of each continuation after the prompt, computed in one batch."""
-        ids = [self.add_score_request(prompt, c) for c in continuations]
-        results = [self.wait(i) for i in ids]
-        for r in results:
-            if r.finish_reason == "error":
-                raise RuntimeError(f"scoring failed: {r.error}")
-        return [r.score for r in results]
+        """Log-likelihood of each continuation after the prompt, computed in one batch.
+        RequestAborted, naming it, if one of its requests was aborted (its sum would be of
+        the tokens scored so far), RuntimeError if one failed; the others are then aborted."""
+        ids: list[str] = []
+        collected = 0  # of ids, those whose results were taken
+        try:
+            for c in continuations:
+                ids.append(self.add_score_request(prompt, c))
+            scores = []
+            for rid in ids:
+                result = self.wait(rid)
+                collected += 1
+                if result.finish_reason == "abort":
+                    raise RequestAborted(rid, "score request")
+                if result.finish_reason == "error":
+                    raise RuntimeError(f"score request {rid!r} failed: {result.error}")
+                scores.append(result.score)
+            return scores
+        finally:
+            for rid in ids[collected:]:  # (nothing of a failed call stays in the engine)
+                self.abort(rid)
+                self.wait(rid)
 
     def logits(self, token_ids: list[int], request_id: str | None = None) -> torch.Tensor:
         """Teacher-forced next-token logits [len, vocab] in fp32, through the paged path.

@@ -104,6 +104,11 @@ class _Batch:
                 self.outcomes[i] = Outcome(hits[c.key])
                 self.stats.cache_hits += self.as_rows
                 continue
+            answered, value = self.session.answered_before(c.key)
+            if answered:  # (the result cache is off: the query remembers its answers)
+                self.outcomes[i] = Outcome(value)
+                self.stats.dedup_hits += self.as_rows
+                continue
             if c.key is not None:
                 with _inflight_lock:
                     pending = _inflight.get(c.key)
@@ -145,10 +150,13 @@ class _Batch:
         call = self.calls[i]
         if outcome.error is None and self.cache is not None and call.key is not None:
             self.cache.put(call.key, outcome.value)  # now, not at the end of the batch
+        if outcome.error is None:
+            self.session.note_answer(call.key, outcome.value)
+        else:
+            self.session.note_failure(call.key, outcome.error)
         self.release(i, outcome)
         if outcome.error is not None:
             self.stats.errors += self.as_rows
-            self.session.note_failure(call.key, outcome.error)
             if call.on_error == "raise":
                 raise LLMError(outcome.error)
             if self.as_rows:  # (a failed prior is reported on the rows it calibrates)

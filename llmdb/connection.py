@@ -10,6 +10,7 @@ and their blocks freed; rows that completed stay in the result cache.
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 from collections.abc import Iterator
@@ -19,9 +20,10 @@ from typing import Any
 
 import duckdb
 
-from . import functions, samples
+from . import functions, relation, samples
 from .batch import LLMError
 from .planner import Planner, Report, explain
+from .planner.run import Prepared
 from .scope import ScopedConnection, caller_frame, tables_named
 from .session import Options, QueryCancelled, Session
 
@@ -127,8 +129,9 @@ class Connection:
         return self
 
     def sql(self, query: str, **kwargs: Any) -> duckdb.DuckDBPyRelation | None:
-        """A lazy DuckDB relation; it runs when fetched (Ctrl-C then reaches DuckDB only).
-        The planner's preparatory queries run now."""
+        """A lazy DuckDB relation: the planner plans the query now, and makes its model calls
+        when the relation's rows are read (see relation.py). A statement that is not a query
+        (CREATE TABLE AS, INSERT) runs now, as DuckDB runs it."""
         # DuckDB refuses to run a relation while an execute() result is unread; llmdb's
         # preparatory queries would throw that result away instead. A trivial one asks DuckDB.
         self._con.sql("SELECT 1").fetchall()
@@ -140,8 +143,28 @@ class Connection:
             return self._con.from_arrow(self.explain_report(explained["query"]).table())
         with self._tables(query, caller_frame()):
             self.session.begin_query()
-            planned = self._run(lambda: self._planned(query, kwargs.get("params")))
-            return self._con.sql(planned, **kwargs)
+            prepared = self._run(lambda: self.planner.rewrite(query, kwargs.get("params"))) \
+                if self.planner else None
+            if prepared is None:
+                return self._con.sql(query, **kwargs)
+            if prepared.plan.writes:
+                self._run(lambda: self.planner.prefetch(prepared))
+                return self._con.sql(prepared.sql, **kwargs)
+            rel = self._con.sql(prepared.sql, **kwargs)
+            tables = self._con.tables
+        return relation.planned(rel, {functools.partial(self._read_calls, prepared, tables): True})
+
+    def _read_calls(self, prepared: Prepared, tables: dict[str, Any], whole: bool) -> None:
+        """Before a read of a relation of sql(): its query's calls (whole: the relation's
+        own read, else a read of one built on it; see relation.py). Under the tables of
+        the user's frame that sql() found, which its driver queries name."""
+        self._con.sql("SELECT 1").fetchall()  # (an unread execute() result: as in sql())
+        outer, self._con.tables = self._con.tables, tables
+        try:
+            self.session.begin_query()
+            self._run(lambda: self.planner.prefetch(prepared, whole))
+        finally:
+            self._con.tables = outer
 
     query = sql
 
@@ -168,7 +191,7 @@ class Connection:
 
         def target() -> None:
             try:
-                with self.session.remembering_failures():
+                with self.session.remembering():
                     result.append(work())
             except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
                 failure.append(e)
@@ -241,8 +264,10 @@ class Connection:
 def connect(database: str = ":memory:", model: str = "smollm2-135m", **options: Any) -> Connection:
     """A DuckDB connection with the llm_* functions on `model` (a registered name).
 
-    Options: on_error ('raise' | 'null'), cache (bool), cache_path, cache_max_bytes,
-    progress (None = when stderr is a terminal), priority ('RT' | 'BE'), sample_rows, and
+    Options: on_error ('raise' | 'null'), cache (bool: False reads and writes no result
+    cache, so no answer outlives its query, while identical calls within one query still run
+    once), cache_path, cache_max_bytes, progress (None = when stderr is a terminal),
+    priority ('RT' | 'BE'), sample_rows, and
     the engine's (LLMEngine's arguments: device 'auto' | 'cpu' | 'cuda' | 'cuda:N', dtype,
     kv_cache_bytes, max_num_batched_tokens, max_num_seqs, threads, policy, ...).
     All connections of a process share one engine per model.
@@ -265,6 +290,9 @@ def register(con: duckdb.DuckDBPyConnection, model: str = "smollm2-135m",
 
     Returns the session that holds the connection's stats and errors. Without the wrapper
     there are no query boundaries: llm_stats()'s last_query then covers every call so far.
+    A query still pays for a call once (see session.QueryMemory), the queries told apart by
+    their DuckDB transactions: inside an explicit BEGIN ... COMMIT a failed call is tried
+    again only after the transaction.
     Nor does DuckDB's con.interrupt() reach the model: the rows sent finish before DuckDB
     stops. session.cancel.set() aborts them, and stays set until cleared (no query ends
     here to clear it); llmdb.connect's interrupt() does both per query."""

@@ -26,7 +26,7 @@ from .backends import Backend, BackendResult, ChoiceRequest, GenerationRequest, 
 from .backends.base import Exchange
 from .batch import Call, LLMError, describe_row, run_calls
 from .result_cache import request_key
-from .session import ON_ERROR, Session, Stats
+from .session import DUCKDB_QUERY, ON_ERROR, Session, Stats
 
 CLASSIFY_INSTRUCTION = ("Classify the text into exactly one of these labels: {labels}. "
                         "Answer with the label only.")
@@ -451,11 +451,18 @@ def llm_count_tokens(session: Session, text: Sequence, model: Sequence) -> list[
 
 def _arrow_udf(session: Session, fn: Callable[..., list], names: list[str]
                ) -> Callable[..., pa.Array]:
+    """The UDF of a row function: its arguments, then the query's transaction number (the
+    macro's txid_current()), under which the query remembers its calls (DUCKDB_QUERY)."""
     def udf(*arrays: pa.Array) -> pa.Array:
-        return pa.array(fn(session, *(a.to_pylist() for a in arrays)))
+        *args, query = arrays
+        token = DUCKDB_QUERY.set(query[0].as_py() if len(query) else None)
+        try:
+            return pa.array(fn(session, *(a.to_pylist() for a in args)))
+        finally:
+            DUCKDB_QUERY.reset(token)
     # DuckDB counts the parameters from the signature.
     udf.__signature__ = inspect.Signature(
-        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_ONLY) for n in names])
+        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_ONLY) for n in [*names, "query"]])
     return udf
 
 
@@ -623,14 +630,16 @@ def register(con: duckdb.DuckDBPyConnection, session: Session) -> list[str]:
         return udfs[-1]
 
     for f in FUNCTIONS.values():
-        impl = udf(f.name, _arrow_udf(session, f.rows, f.names), [p.udf_type for p in f.params],
-                   f.returns, type="arrow", null_handling="special", side_effects=False)
+        impl = udf(f.name, _arrow_udf(session, f.rows, f.names),
+                   [*(p.udf_type for p in f.params), "UBIGINT"], f.returns, type="arrow",
+                   null_handling="special", side_effects=False)
         for p in f.params:
             con.execute(f"CREATE OR REPLACE TEMP MACRO {check_macro(f.name, p)}(x) AS "
                         f"{checked_arg(f.name, p, 'x')}")
         args = ", ".join(_with_default(p) for p in f.params)
         checked = ", ".join(f"{check_macro(f.name, p)}({p.name})" for p in f.params)
-        con.execute(f"CREATE OR REPLACE TEMP MACRO {f.name}({args}) AS {impl}({checked})")
+        con.execute(f"CREATE OR REPLACE TEMP MACRO {f.name}({args}) AS "
+                    f"{impl}({checked}, txid_current())")
     # Zero-argument helpers, evaluated per query (side effects: never folded or cached).
     stats = udf("stats", lambda: json.dumps(session.stats()), [], "VARCHAR", side_effects=True)
     con.execute(f"CREATE OR REPLACE TEMP MACRO llm_stats() AS CAST({stats}() AS JSON)")

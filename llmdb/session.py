@@ -13,9 +13,10 @@ import inspect
 import itertools
 import sys
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,13 +33,14 @@ REMOTE_OPTIONS = ("served_model", "max_concurrency", "requests_per_minute", "tok
 ON_ERROR = ("raise", "null")
 PROGRESS_MIN_ROWS = 32  # smaller jobs finish before a bar would be worth reading
 MAX_KEPT_ERRORS = 10_000
+KEPT_DUCKDB_QUERIES = 8  # queries of one session that DuckDB may be running at once (cursors)
 
 
 @dataclass
 class Options:
     model: str = "smollm2-135m"
     on_error: str = "raise"  # raise: fail the query naming the row; null: NULL + llm_errors
-    cache: bool = True
+    cache: bool = True  # False: no result cache; answers are reused within a query only
     cache_path: str | None = None  # None: the user cache dir (LLMDB_CACHE_DIR overrides)
     cache_max_bytes: int = DEFAULT_MAX_BYTES
     progress: bool | None = None  # None: a bar when stderr is a terminal
@@ -120,6 +122,29 @@ class QueryCancelled(Exception):
     pass
 
 
+@dataclass
+class QueryMemory:
+    """What one query's calls came to, by call key. DuckDB evaluates a call as often as the
+    query names it per row (each item of an IN list, each branch of a WHERE's CASE), a
+    failing constant call once per constant-folding attempt, and hands a UDF 2,048 rows at a
+    time; the planner's lookups follow a failed driver. None of that reaches the model again:
+    a failed call fails again with its error (counted and listed once), and with the result
+    cache off an answer is reused. Only for the rest of the query: the next query tries a
+    failed call again (the failure may have been transient), and cache=False asks afresh."""
+
+    failed: dict[str, str] = field(default_factory=dict)
+    answered: dict[str, Any] = field(default_factory=dict)  # with the result cache off
+
+
+# The DuckDB query whose rows the SQL functions are computing, set around each call of their
+# UDFs: its transaction's number, which the functions' macros pass as txid_current(). That is
+# constant within a query and not volatile (current_query_id() is: DuckDB then evaluated a
+# call that a SELECT list names twice twice, and an ORDER BY ... LIMIT's calls on every row),
+# so the queries of one explicit transaction (BEGIN ... COMMIT) share it: a failure is tried
+# again after the transaction, not in its next query.
+DUCKDB_QUERY: ContextVar[int | None] = ContextVar("llmdb_duckdb_query", default=None)
+
+
 _SESSION_IDS = itertools.count(1)
 
 
@@ -134,13 +159,13 @@ class Session:
         self.query_id = 0
         self.cancel = threading.Event()
         self._fresh_query = False
-        # Call key -> error, for the calls that failed in this query while the connection
-        # runs it (execute, its fetches, sql's planning): DuckDB evaluates a failing
-        # constant call more than once (each constant-folding attempt), and the planner's
-        # lazy lookups follow a failed driver. None of that reaches the model again. A
-        # relation fetched later, by DuckDB alone, tries again (a failure may be transient).
-        self._failed: dict[str, str] = {}
+        # What the calls of the query being run came to (see QueryMemory): while the
+        # connection runs a query (execute, its fetches, sql's planning), its own; otherwise,
+        # where DuckDB alone runs the functions (llmdb.register, a relation fetched later),
+        # each DuckDB query's, by its transaction (see DUCKDB_QUERY).
+        self._memory = QueryMemory()
         self._remembering = False
+        self._duckdb_queries: OrderedDict[int, QueryMemory] = OrderedDict()
         self._lock = threading.Lock()
         self._bar: tqdm | None = None
         self._bar_total = 0
@@ -194,7 +219,7 @@ class Session:
         with self._lock:
             self.query_id += 1
             self._fresh_query = True
-            self._failed = {}
+            self._memory = QueryMemory()
             self.cancel.clear()
             self._bar_total = self._bar_done = 0  # one progress bar per query
 
@@ -221,25 +246,60 @@ class Session:
             self.total.add(delta)
 
     @contextmanager
-    def remembering_failures(self) -> Iterator[None]:
-        """Within: a call that failed earlier in the query fails again without the model."""
+    def remembering(self) -> Iterator[None]:
+        """Within: the connection's query (since begin_query) remembers what its calls came
+        to, across the statements it runs (the planner's driver queries, then the query)."""
         self._remembering = True
         try:
             yield
         finally:
             self._remembering = False
 
+    def _query_memory(self, key: str | None) -> QueryMemory | None:
+        """Where the query whose calls are being made remembers the call `key`; None: it
+        does not (a call without a key, or outside a query). The lock is held."""
+        if key is None:
+            return None
+        if self._remembering:
+            return self._memory
+        query = DUCKDB_QUERY.get()
+        if query is None:
+            return None
+        memory = self._duckdb_queries.get(query)
+        if memory is None:
+            memory = self._duckdb_queries[query] = QueryMemory()
+            while len(self._duckdb_queries) > KEPT_DUCKDB_QUERIES:
+                self._duckdb_queries.popitem(last=False)
+        return memory
+
     def failed_before(self, key: str | None) -> str | None:
         """The error of an identical call that failed earlier in this query."""
-        if key is None or not self._remembering:
-            return None
         with self._lock:
-            return self._failed.get(key)
+            memory = self._query_memory(key)
+            return None if memory is None else memory.failed.get(key)
 
     def note_failure(self, key: str | None, error: str) -> None:
-        if key is not None and self._remembering:
-            with self._lock:
-                self._failed[key] = error
+        with self._lock:
+            memory = self._query_memory(key)
+            if memory is not None:
+                memory.failed[key] = error
+
+    def answered_before(self, key: str | None) -> tuple[bool, Any]:
+        """(whether an identical call was answered earlier in this query, its answer), as far
+        as the query remembers answers: with the result cache off (else the cache does)."""
+        with self._lock:
+            memory = self._query_memory(key)
+            if memory is None or key not in memory.answered:
+                return False, None
+            return True, memory.answered[key]
+
+    def note_answer(self, key: str | None, value: Any) -> None:
+        if self.options.cache:
+            return
+        with self._lock:
+            memory = self._query_memory(key)
+            if memory is not None:
+                memory.answered[key] = value
 
     def record_error(self, function: str, prompt: str, error: str) -> None:
         with self._lock:

@@ -227,6 +227,74 @@ def test_aborting_a_logits_job_mid_way_frees_its_blocks_and_tells_its_waiter(eng
     assert not engine.has_unfinished and not engine._results
     torch.testing.assert_close(engine.logits(short), ref, rtol=1e-4, atol=1e-4)
 
+def test_an_aborted_score_request_raises_naming_it_not_a_partial_sum(engine, monkeypatch):
+    """A thread waits in score() on two long continuations; another aborts one of its
+    requests after its first step: score() raises RequestAborted naming that request (not
+    the sum of the log-probabilities scored so far, as if it were the answer), its other
+    request is aborted too, every block is freed, nothing is left behind, and the engine's
+    next scores equal an undisturbed run's. The background loop is held as the first step is
+    read, its K/V written (held inside a launch, as the logits test above is, the abort
+    frees blocks that the launch then writes through an emptied block table)."""
+    prompt = [5, 6, 7, 8]
+    text = engine.tokenizer.encode(" ".join(CHAT_QUESTIONS))
+    continuations = [text[:60], text[60:120]]
+    ref = engine.score(prompt, continuations)
+    monkeypatch.setattr(engine.scheduler, "max_num_batched_tokens", 16)  # many steps
+    collect, reads = engine.runner.collect, []
+    first_read, resume = threading.Event(), threading.Event()
+
+    def held_at_the_first_read(*args, **kwargs):
+        reads.append(1)
+        if len(reads) == 1:
+            first_read.set()
+            resume.wait(30)
+        return collect(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "collect", held_at_the_first_read)
+    got: dict[str, object] = {}
+
+    def waiter() -> None:
+        try:
+            got["scores"] = engine.score(prompt, continuations)
+        except RequestAborted as e:
+            got["error"] = e
+
+    engine.start_background_loop()
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    try:
+        assert first_read.wait(30), "the scoring never reached its first step"
+        first, _ = engine._requests  # score()'s requests, in order
+        assert engine._requests[first].num_computed == 16  # 12 of its tokens scored
+        engine.abort(first)
+        resume.set()
+        thread.join(30)
+        assert not thread.is_alive(), "the waiter was not woken by the abort"
+    finally:
+        resume.set()
+        engine.stop_background_loop()
+    assert "scores" not in got
+    assert isinstance(got["error"], RequestAborted) and got["error"].request_id == first
+    assert f"score request {first!r} was aborted" in str(got["error"])
+    assert engine.pool.num_free == engine.pool.num_blocks
+    assert not engine.has_unfinished and not engine._results
+    monkeypatch.setattr(engine.runner, "collect", collect)
+    assert engine.score(prompt, continuations) == pytest.approx(ref, abs=1e-4)
+
+
+def test_the_local_backend_reports_an_aborted_choice_as_aborted(engine):
+    """An aborted choice request has no candidate scores: collect says it was aborted
+    (the batch then fails its row) instead of failing on the scores it lacks."""
+    from llmdb.backends import ChoiceRequest
+    from llmdb.backends.local import LocalBackend
+
+    backend = LocalBackend(engine)
+    handle = backend.submit(ChoiceRequest(chat(CHAT_QUESTIONS[0]), ("yes", "no")), lambda: None)
+    engine.abort(handle)
+    result = backend.collect(handle)
+    assert (result.finish_reason, result.word_probs) == ("abort", ())
+
+
 
 @pytest.mark.parametrize(
     ("prompt", "params", "message"),

@@ -99,11 +99,14 @@ class LocalBackend:
         with self._lock:
             groups = self._choices.pop(handle, None)
         out = BackendResult(
-            text=r.text, finish_reason=r.finish_reason, logprob=r.score,
+            text=r.text, finish_reason=r.finish_reason,
             prompt_tokens=r.usage.prompt_tokens, generated_tokens=r.usage.generated_tokens,
             cached_tokens=r.usage.cached_tokens, error=r.error,
         )
-        if groups is not None and r.finish_reason != "error":
+        if r.finish_reason in ("abort", "error"):  # its scores so far are no answer
+            return out
+        out.logprob = r.score
+        if groups is not None:
             lps = iter(r.candidate_logprobs)
             out.word_probs = tuple(sum(math.exp(next(lps)) for _ in g) for g in groups)
         return out

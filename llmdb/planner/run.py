@@ -1,8 +1,10 @@
 """The planner of one connection: plan a statement, prefetch its calls, run EXPLAIN LLM.
 
-plan() is pure (the statement's tree in, a Plan out); Planner.prepare runs the Plan's steps on
-the connection (on the query's helper thread, so Ctrl-C interrupts them like the query) and
-returns the SQL to execute. Anything the planner does not understand runs as written.
+plan() is pure (the statement's tree in, a Plan out); Planner.rewrite checks the rewrite on the
+connection and Planner.prefetch runs the Plan's steps there (on the query's helper thread, so
+Ctrl-C interrupts them like the query); Planner.prepare does both and returns the SQL to
+execute (con.sql() prefetches when the relation is read). Anything the planner does not
+understand runs as written.
 """
 
 from __future__ import annotations
@@ -68,6 +70,22 @@ class Plan:
     @property
     def has_lazy(self) -> bool:
         return any(p.kind == "lazy" for p in self.placements.values())
+
+    @property
+    def writes(self) -> bool:
+        """A CREATE TABLE AS or INSERT: it runs as soon as it is submitted."""
+        return self.dry_sql != self.sql
+
+
+@dataclass
+class Prepared:
+    """A planned statement on the connection (Planner.rewrite), its calls made by
+    Planner.prefetch."""
+
+    plan: Plan
+    run: QueryRun
+    sql: str  # what to run: the rewrite, its columns named as the statement names them
+    done: set[int] = field(default_factory=set)  # the plan's steps already run
 
 
 # ---- predicate order ---------------------------------------------------------------------
@@ -205,17 +223,38 @@ class Planner:
 
     def prepare(self, sql: str, parameters: Any = None) -> str:
         """The SQL to run in place of `sql`, its calls prefetched. On the query's thread."""
+        prepared = self.rewrite(sql, parameters)
+        if prepared is None:
+            return sql
+        self.prefetch(prepared)
+        return prepared.sql
+
+    def rewrite(self, sql: str, parameters: Any = None) -> Prepared | None:
+        """The statement planned and its rewrite bound, no call made yet (prefetch makes
+        them); None: it runs as written."""
         p = self.plan(sql, parameters)
         if p is None or not self.binds(p, parameters):
-            return sql
+            return None
         run = QueryRun(p.qid, p.sites, self.session, learned=self.learned)
         self.runs.put(run)
-        self.execute_steps(p, run)
-        self._learn_time_scale(p, run)
-        self.history[normalized(sql)] = run.counts
+        self.history[normalized(sql)] = run.counts  # (filled as the query runs)
         while len(self.history) > KEPT_HISTORY:
             self.history.popitem(last=False)
-        return self.named_as_written(p, parameters)
+        return Prepared(p, run, self.named_as_written(p, parameters))
+
+    def prefetch(self, prepared: Prepared, whole: bool = True) -> None:
+        """Make the calls of the prepared statement's steps ahead of running it: all of
+        them (whole), or its ORDER BY ... LIMIT steps alone, whose calls any read of its rows
+        needs (a relation built on a con.sql() relation). A step runs once."""
+        p, run = prepared.plan, prepared.run
+        self.runs.put(run)  # (read long after: other queries' runs may have pushed it out)
+        steps = [(i, step) for i, step in enumerate(p.steps) if i not in prepared.done
+                 and (whole or isinstance(step, Incremental))]
+        for i, step in steps:
+            self.execute_steps(p, run, [step])
+            prepared.done.add(i)
+        if whole and steps:
+            self._learn_time_scale(p, run)
 
     def named_as_written(self, p: Plan, parameters: Any = None) -> str:
         """p.sql with the result columns named as the statement as written names them.
@@ -292,11 +331,11 @@ class Planner:
 
     # ---- steps ---------------------------------------------------------------------------
 
-    def execute_steps(self, p: Plan, run: QueryRun) -> None:
-        """Prefetch the calls of the plan's steps. A failed row raises its llmdb.LLMError
-        and a cancel QueryCancelled, as themselves (the connection presents both as the
-        DuckDB errors they are inside a query)."""
-        for step in p.steps:
+    def execute_steps(self, p: Plan, run: QueryRun, steps: list[Step] | None = None) -> None:
+        """Prefetch the calls of the plan's steps (or of `steps`). A failed row raises its
+        llmdb.LLMError and a cancel QueryCancelled, as themselves (the connection presents
+        both as the DuckDB errors they are inside a query)."""
+        for step in p.steps if steps is None else steps:
             if isinstance(step, Fill):
                 self._fill(run, step.site, step.sql)
             elif isinstance(step, Learn):
