@@ -130,8 +130,8 @@ class Connection:
 
     def sql(self, query: str, **kwargs: Any) -> duckdb.DuckDBPyRelation | None:
         """A lazy DuckDB relation: the planner plans the query now, and makes its model calls
-        when the relation's rows are read (see relation.py). A statement that is not a query
-        (CREATE TABLE AS, INSERT) runs now, as DuckDB runs it."""
+        when the relation's rows are read (see relation.py; with DuckDB 1, now). A statement
+        that is not a query (CREATE TABLE AS, INSERT) runs now, as DuckDB runs it."""
         # DuckDB refuses to run a relation while an execute() result is unread; llmdb's
         # preparatory queries would throw that result away instead. A trivial one asks DuckDB.
         self._con.sql("SELECT 1").fetchall()
@@ -147,7 +147,7 @@ class Connection:
                 if self.planner else None
             if prepared is None:
                 return self._con.sql(query, **kwargs)
-            if prepared.plan.writes:
+            if prepared.plan.writes or not relation.LAZY_READS:
                 self._run(lambda: self.planner.prefetch(prepared))
                 return self._con.sql(prepared.sql, **kwargs)
             rel = self._con.sql(prepared.sql, **kwargs)

@@ -28,6 +28,10 @@ from typing import Any
 
 import duckdb
 
+# DuckDB 1's relations are C++ objects, which cannot be made PlannedRelations: there
+# con.sql() makes a query's calls when it is called (connection.py), as it did before.
+LAZY_READS = all(hasattr(duckdb.DuckDBPyRelation, m) for m in ("_derive", "_submit", "_write"))
+
 # Per relation: how to make the calls of each con.sql() query it reads ahead of a read (the
 # function takes whole: True for the query's own relation, False for one built on it).
 _READS: weakref.WeakKeyDictionary[duckdb.DuckDBPyRelation, dict[Callable[[bool], None], bool]] \
