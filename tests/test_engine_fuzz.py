@@ -496,18 +496,14 @@ def pool_problems(eng: LLMEngine) -> list[str]:
     pool, s = eng.pool, eng.scheduler
     bs, nb = pool.block_size, pool.num_blocks
     problems = []
-    # Finished while a launched step holds them: their blocks wait for that step's read.
-    unreleased = {id(r) for r in eng._unreleased}
-    holders = list(s.running) + list(s.held.values()) + list(eng._unreleased)
+    holders = list(s.running) + list(s.held.values())
     if len({id(r) for r in holders}) != len(holders):
         problems.append("a request is both running and held, or twice running")
-    problems += [f"{r.request_id} keeps its blocks with no step unread"
-                 for r in eng._unreleased if r.request_id not in eng._unread]
     refs = [0] * nb
     masks: dict[int, int] = {}
     users: dict[int, list[tuple]] = {}
     for r in holders:
-        if r.status is not (Status.FINISHED if id(r) in unreleased else Status.RUNNING):
+        if r.status is not Status.RUNNING:
             problems.append(f"{r.request_id} holds blocks as {r.status}")
         if r.cache_type == "hidden":
             for u in r.block_ids:
