@@ -227,34 +227,6 @@ def test_aborting_a_logits_job_mid_way_frees_its_blocks_and_tells_its_waiter(eng
     assert not engine.has_unfinished and not engine._results
     torch.testing.assert_close(engine.logits(short), ref, rtol=1e-4, atol=1e-4)
 
-def test_a_request_aborted_as_its_step_launches_keeps_its_blocks_until_the_step_is_read(
-        engine, monkeypatch):
-    """Another thread aborts a request after the scheduler gave it blocks for a step and
-    before that step runs (Ctrl-C in SQL does this): the step still writes K/V into them, so
-    they stay out of the free list (where the prefix cache could hand them to another
-    request) until the step is read; then every block is free and the engine answers as
-    before."""
-    prompt = chat(CHAT_QUESTIONS[0])
-    ref = engine.generate([prompt], SamplingParams(max_tokens=6))[0].token_ids
-    rid = engine.add_request(prompt, SamplingParams(max_tokens=6))
-    launch, seen = engine.runner.launch, {}
-
-    def aborted_at_launch(scheduled, converted):
-        (req, _), = scheduled
-        blocks = list(req.block_ids)
-        engine.abort(rid)
-        seen["free during the step"] = [b for b in blocks if engine.pool.ref_count[b] == 0]
-        return launch(scheduled, converted)
-
-    monkeypatch.setattr(engine.runner, "launch", aborted_at_launch)
-    engine.step()
-    monkeypatch.setattr(engine.runner, "launch", launch)
-    assert seen == {"free during the step": []}
-    assert engine.wait(rid).finish_reason == "abort"
-    assert engine.pool.num_free == engine.pool.num_blocks
-    assert engine.generate([prompt], SamplingParams(max_tokens=6))[0].token_ids == ref
-
-
 def test_an_aborted_score_request_raises_naming_it_not_a_partial_sum(engine, monkeypatch):
     """A thread waits in score() on two long continuations; another aborts one of its
     requests after its first step: score() raises RequestAborted naming that request (not
