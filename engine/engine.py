@@ -379,12 +379,13 @@ class LLMEngine:
             try:
                 launched = self.runner.launch(out.scheduled, out.converted)
             except Exception as e:
-                self._step_done(out.scheduled)
                 finished += self._fail(out.scheduled, e)
+                self._step_done(out.scheduled)
         wait, read = 0.0, self._in_flight
         if read is not None:
             finished += self._read(read)
             wait, self._in_flight = self.runner.last_wait_s, None
+            self._step_done(read.scheduled)
         if launched is not None:
             with self._cond:
                 caught_up = self.scheduler.advance(out.scheduled)
@@ -404,6 +405,7 @@ class LLMEngine:
                 # before it, on a stop token say: nothing would come back to read it.)
                 finished += self._read(self._in_flight)
                 wait, self._in_flight = wait + self.runner.last_wait_s, None
+                self._step_done(out.scheduled)
         if launched is None and read is None:
             return finished
         wall = time.perf_counter() - t0
@@ -415,16 +417,11 @@ class LLMEngine:
         return finished
 
     def _step_done(self, scheduled: list[tuple[Request, int]]) -> None:
-        """A step's device work is over (its results are in, or it failed): the blocks of
-        requests finished while it ran, and in no other unread step, are freed now."""
+        """A step is read (or failed): the blocks of requests finished while it ran, and in
+        no other unread step, are freed now."""
         with self._cond:
-            unread = self._unread
-            for req, _ in scheduled:
-                rid = req.request_id
-                if unread[rid] > 1:
-                    unread[rid] -= 1
-                else:
-                    del unread[rid]
+            self._unread.subtract(r.request_id for r, _ in scheduled)
+            self._unread = +self._unread  # (drops the zeros)
             if self._unreleased:
                 waiting = [r for r in self._unreleased if r.request_id in self._unread]
                 for req in self._unreleased:
@@ -443,10 +440,7 @@ class LLMEngine:
         try:
             result = self.runner.collect(step.launched)
         except Exception as e:
-            self._step_done(step.scheduled)
             return self._fail(step.scheduled, e)
-        # Before its requests finish: those that stop here free their blocks at once.
-        self._step_done(step.scheduled)
         finished = []
         now = time.perf_counter()
         plan = step.launched.plan
