@@ -14,7 +14,6 @@ import random
 import threading
 import time
 import warnings
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -129,11 +128,6 @@ class LLMEngine:
         run_on_device(self.device, self.runner.capture_graphs)
         self.launch_ahead = self.device.type == "cuda" if launch_ahead is None else launch_ahead
         self._in_flight: _InFlight | None = None
-        # Requests in steps launched (or being launched) and not yet read, by id, and those
-        # finished meanwhile, whose blocks wait for those steps: the launch writes K/V into
-        # their blocks, which freed at once could already hold another request's prefix.
-        self._unread: Counter[str] = Counter()
-        self._unreleased: list[Request] = []
         self.version = __version__
         self.startup_s = time.perf_counter() - t0
         self._ids = itertools.count()
@@ -372,7 +366,6 @@ class LLMEngine:
         t0 = time.perf_counter()
         with self._cond:
             out = self.scheduler.schedule()
-            self._unread.update(r.request_id for r, _ in out.scheduled)
         finished: list[str] = []
         launched = None
         if out.scheduled or out.converted:
@@ -380,12 +373,10 @@ class LLMEngine:
                 launched = self.runner.launch(out.scheduled, out.converted)
             except Exception as e:
                 finished += self._fail(out.scheduled, e)
-                self._step_done(out.scheduled)
         wait, read = 0.0, self._in_flight
         if read is not None:
             finished += self._read(read)
             wait, self._in_flight = self.runner.last_wait_s, None
-            self._step_done(read.scheduled)
         if launched is not None:
             with self._cond:
                 caught_up = self.scheduler.advance(out.scheduled)
@@ -405,7 +396,6 @@ class LLMEngine:
                 # before it, on a stop token say: nothing would come back to read it.)
                 finished += self._read(self._in_flight)
                 wait, self._in_flight = wait + self.runner.last_wait_s, None
-                self._step_done(out.scheduled)
         if launched is None and read is None:
             return finished
         wall = time.perf_counter() - t0
@@ -415,19 +405,6 @@ class LLMEngine:
             kind = "none" if launched is None else launched.kind
             self.step_log.append((kind, wall, wall - wait))
         return finished
-
-    def _step_done(self, scheduled: list[tuple[Request, int]]) -> None:
-        """A step is read (or failed): the blocks of requests finished while it ran, and in
-        no other unread step, are freed now."""
-        with self._cond:
-            self._unread.subtract(r.request_id for r, _ in scheduled)
-            self._unread = +self._unread  # (drops the zeros)
-            if self._unreleased:
-                waiting = [r for r in self._unreleased if r.request_id in self._unread]
-                for req in self._unreleased:
-                    if req.request_id not in self._unread:
-                        self.scheduler.release(req)
-                self._unreleased = waiting
 
     def _at_length(self, req: Request) -> bool:
         """Its last token is its max_tokens-th, or fills the model's context."""
@@ -521,10 +498,7 @@ class LLMEngine:
         if req.output_ids[-1:] == [PENDING_TOKEN]:  # aborted or failed with a step in flight
             req.output_ids.pop()
         self._stop_watches.pop(req.request_id, None)
-        in_a_step = req.request_id in self._unread
-        self.scheduler.finish(req, release=not in_a_step)
-        if in_a_step:
-            self._unreleased.append(req)
+        self.scheduler.finish(req)
         req.finish_reason, req.error = reason, error
         req.finish_time = time.perf_counter()
         self._results[req.request_id] = self._result(req)

@@ -127,10 +127,6 @@ class Scheduler:
         hidden = req.cache_type == "hidden"
         req.block_ids.extend(self.pool.allocate_halves(n) if hidden else self.pool.allocate(n))
 
-    def release(self, req: Request) -> None:
-        """Free the blocks of a request finished with release=False."""
-        self._release(req)
-
     def _release(self, req: Request) -> None:
         if req.cache_type == "hidden":
             self.pool.free_halves(req.block_ids)
@@ -412,16 +408,14 @@ class Scheduler:
         self.waiting.appendleft(req)
         out.preempted.append(req)
 
-    def finish(self, req: Request, release: bool = True) -> None:
-        """Remove a request wherever it is and free its blocks (release=False: later, by
-        release(), once no launched step writes into them)."""
+    def finish(self, req: Request) -> None:
+        """Remove a request wherever it is and free its blocks."""
         if req.status is Status.RUNNING:
             if self.held.pop(req.request_id, None) is None:
                 self.running.remove(req)
         elif req.status is Status.WAITING and req in self.waiting:
             self.waiting.remove(req)
         self._forget_computing(req)
-        if release:
-            self._release(req)
+        self._release(req)
         req.status = Status.FINISHED
         self.policy.observe_finished(req)
