@@ -128,6 +128,7 @@ class LLMEngine:
         run_on_device(self.device, self.runner.capture_graphs)
         self.launch_ahead = self.device.type == "cuda" if launch_ahead is None else launch_ahead
         self._in_flight: _InFlight | None = None
+        self._aborts: set[str] = set()  # aborted while a step was under way (see abort)
         self.version = __version__
         self.startup_s = time.perf_counter() - t0
         self._ids = itertools.count()
@@ -355,7 +356,11 @@ class LLMEngine:
     def step(self) -> list[str]:
         """One scheduler iteration; returns the ids of requests that finished in it."""
         with self._step_lock:  # threads that drive the engine themselves take turns
-            return run_on_device(self.device, self._step)
+            self._finish_aborted()
+            try:
+                return run_on_device(self.device, self._step)
+            finally:
+                self._finish_aborted()
 
     def _step(self) -> list[str]:
         """Schedule, launch, then read the step before: with launch-ahead on (GPUs) the
@@ -544,10 +549,29 @@ class LLMEngine:
     # ---- waiting for results -------------------------------------------------------------
 
     def abort(self, request_id: str) -> None:
+        # A step under way may be launching this request's K/V writes into its blocks:
+        # freed then, the prefix cache could hand them to another request first. So the
+        # abort waits for the step; where it cannot (a callback of the step itself), it is
+        # finished as the step ends.
+        if not self._step_lock.acquire(timeout=2.0):
+            with self._cond:
+                self._aborts.add(request_id)
+            return
+        try:
+            with self._cond:
+                req = self._requests.get(request_id)
+                if req is not None:
+                    self._finish(req, "abort")
+        finally:
+            self._step_lock.release()
+
+    def _finish_aborted(self) -> None:
         with self._cond:
-            req = self._requests.get(request_id)
-            if req is not None:
-                self._finish(req, "abort")
+            for rid in self._aborts:
+                req = self._requests.get(rid)
+                if req is not None:
+                    self._finish(req, "abort")
+            self._aborts.clear()
 
     @property
     def has_unfinished(self) -> bool:
