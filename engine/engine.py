@@ -129,6 +129,7 @@ class LLMEngine:
         self.launch_ahead = self.device.type == "cuda" if launch_ahead is None else launch_ahead
         self._in_flight: _InFlight | None = None
         self._aborts: set[str] = set()  # aborted while a step was under way (see abort)
+        self._step_threads: set[int] = set()  # the threads running the step under way
         self.version = __version__
         self.startup_s = time.perf_counter() - t0
         self._ids = itertools.count()
@@ -357,9 +358,11 @@ class LLMEngine:
         """One scheduler iteration; returns the ids of requests that finished in it."""
         with self._step_lock:  # threads that drive the engine themselves take turns
             self._finish_aborted()
+            self._step_threads = {threading.get_ident()}
             try:
                 return run_on_device(self.device, self._step)
             finally:
+                self._step_threads = set()
                 self._finish_aborted()
 
     def _step(self) -> list[str]:
@@ -368,6 +371,7 @@ class LLMEngine:
         schedules the one after, its pending tokens taken from this step's samples on the
         device. Without it the step is read at once. A failed step fails its requests, not
         the engine."""
+        self._step_threads.add(threading.get_ident())  # (the compute thread, on the CPU)
         t0 = time.perf_counter()
         with self._cond:
             out = self.scheduler.schedule()
@@ -551,9 +555,10 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         # A step under way may be launching this request's K/V writes into its blocks:
         # freed then, the prefix cache could hand them to another request first. So the
-        # abort waits for the step; where it cannot (a callback of the step itself), it is
-        # finished as the step ends.
-        if not self._step_lock.acquire(timeout=2.0):
+        # abort waits for the step; where it cannot (a callback of the step itself, or a
+        # step longer than 2 s), it is finished as the step ends.
+        if threading.get_ident() in self._step_threads or not self._step_lock.acquire(
+                timeout=2.0):
             with self._cond:
                 self._aborts.add(request_id)
             return
@@ -566,6 +571,8 @@ class LLMEngine:
             self._step_lock.release()
 
     def _finish_aborted(self) -> None:
+        if not self._aborts:  # (every step passes here: no lock taken for nothing)
+            return
         with self._cond:
             for rid in self._aborts:
                 req = self._requests.get(rid)

@@ -227,6 +227,35 @@ def test_aborting_a_logits_job_mid_way_frees_its_blocks_and_tells_its_waiter(eng
     assert not engine.has_unfinished and not engine._results
     torch.testing.assert_close(engine.logits(short), ref, rtol=1e-4, atol=1e-4)
 
+def test_an_abort_from_the_steps_own_callback_does_not_wait_for_the_step(engine, monkeypatch):
+    """abort() waits for a step under way (its K/V writes must land before the blocks are
+    freed), except when the step itself calls it (an on_token callback): that wait could
+    only time out. The abort is then finished as the step ends, after one token."""
+    lock, timed_waits = engine._step_lock, []
+
+    class Spy:  # the step lock, counting waits with a timeout
+        def __enter__(self):
+            return lock.__enter__()
+
+        def __exit__(self, *exc):
+            return lock.__exit__(*exc)
+
+        def acquire(self, blocking=True, timeout=-1):
+            timed_waits.append(timeout)
+            return lock.acquire(blocking, timeout)
+
+        def release(self):
+            lock.release()
+
+    monkeypatch.setattr(engine, "_step_lock", Spy())
+    rid = engine.add_request(chat(CHAT_QUESTIONS[0]), SamplingParams(max_tokens=8),
+                             on_token=lambda tok: tok is not None and engine.abort(rid))
+    result = engine.wait(rid)
+    assert result.finish_reason == "abort" and len(result.token_ids) == 1
+    assert timed_waits == []
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
 def test_an_aborted_score_request_raises_naming_it_not_a_partial_sum(engine, monkeypatch):
     """A thread waits in score() on two long continuations; another aborts one of its
     requests after its first step: score() raises RequestAborted naming that request (not
