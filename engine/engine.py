@@ -553,22 +553,26 @@ class LLMEngine:
     # ---- waiting for results -------------------------------------------------------------
 
     def abort(self, request_id: str) -> None:
-        # A step under way may be launching this request's K/V writes into its blocks:
-        # freed then, the prefix cache could hand them to another request first. So the
-        # abort waits for the step; where it cannot (a callback of the step itself, or a
-        # step longer than 2 s), it is finished as the step ends.
-        if threading.get_ident() in self._step_threads or not self._step_lock.acquire(
-                timeout=2.0):
-            with self._cond:
+        """End the request; it is finished when this returns (but see below).
+
+        A step under way may be launching this request's K/V writes into its blocks: freed
+        then, the prefix cache could hand them to another request first. So a step under
+        way finishes it as it ends (_finish_aborted), and this waits for that. (Not by
+        taking the step lock: a busy loop takes it back first, every time.) Called by the
+        step itself (a token callback), it returns at once and the step ends it."""
+        own = threading.get_ident() in self._step_threads
+        with self._cond:
+            while request_id in self._requests:
+                if not own and self._step_lock.acquire(blocking=False):
+                    try:
+                        self._finish(self._requests[request_id], "abort")
+                    finally:
+                        self._step_lock.release()
+                    return
                 self._aborts.add(request_id)
-            return
-        try:
-            with self._cond:
-                req = self._requests.get(request_id)
-                if req is not None:
-                    self._finish(req, "abort")
-        finally:
-            self._step_lock.release()
+                if own:
+                    return
+                self._cond.wait(0.05)
 
     def _finish_aborted(self) -> None:
         if not self._aborts:  # (every step passes here: no lock taken for nothing)
