@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from .config import ModelConfig, sliding_windows
@@ -20,7 +20,23 @@ from .tokenizer import ModelTokenizer
 LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
               "Phi3ForCausalLM")
 GEMMA = {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
-SUPPORTED_ARCHITECTURES = (*LLAMA_LIKE, *GEMMA, "OPTForCausalLM")
+# Gemma 3 4B, 12B and 27B: an image encoder beside Gemma 3's text decoder, whose settings
+# config.json nests under text_config and whose weights are stored under language_model.
+# Only the text decoder is read (read_hf_weights leaves the vision tower on disk).
+MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = (*LLAMA_LIKE, *GEMMA, *MULTIMODAL, "OPTForCausalLM")
+# transformers' Gemma3TextConfig defaults, which Google's multimodal configs rely on: their
+# text_config names only what differs (Gemma 3 4B's: sizes, layer count, RoPE scaling and
+# window), and the Llama-style fallbacks below would be wrong for the rest (head_dim 256,
+# not hidden / heads; 131,072 positions; query_pre_attn_scalar 256). The RoPE bases'
+# defaults are in _gemma_config.
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "head_dim": 256, "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
+    "bos_token_id": 2, "eos_token_id": 1, "tie_word_embeddings": True,
+    "query_pre_attn_scalar": 256, "sliding_window": 4096,
+}
 
 
 def _read_json(path: Path) -> dict:
@@ -45,6 +61,10 @@ def read_hf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
             f"{path}: unsupported architecture {archs or cfg.get('model_type')!r} "
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
+    if arch in MULTIMODAL:
+        cfg, arch = _text_config(cfg, path), MULTIMODAL[arch]
+    if arch == "Gemma3ForCausalLM":
+        cfg = {**GEMMA3_TEXT_DEFAULTS, **cfg}
     if not (path / "tokenizer.json").exists():
         raise ModelLoadError(f"{path} has no tokenizer.json")
     tok_cfg = _read_json(path / "tokenizer_config.json")
@@ -52,6 +72,8 @@ def read_hf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
     template = tok_cfg.get("chat_template")
     if template is None and (path / "chat_template.jinja").exists():
         template = (path / "chat_template.jinja").read_text()
+    if template is None:  # (where multimodal processors wrote it before chat_template.jinja)
+        template = _read_json(path / "chat_template.json").get("chat_template")
     hf_tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     bos_token = _token_text(tok_cfg.get("bos_token"))
     add_bos = tok_cfg.get("add_bos_token")
@@ -127,6 +149,19 @@ def read_hf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
             **common,
         )
     return config, tokenizer
+
+
+def _text_config(cfg: dict, path: Path) -> dict:
+    """A multimodal model's text_config, with what its top level says for the whole model:
+    the tokens that end generation (Gemma 3 4B's end of turn, 106, is named there only),
+    and whether the LM head is the embedding matrix (transformers ties the whole model's by
+    the top level's tie_word_embeddings, default true)."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelLoadError(f"{path}: config.json of {cfg['architectures']} has no "
+                             f"text_config")
+    eos = {"eos_token_id": cfg["eos_token_id"]} if cfg.get("eos_token_id") is not None else {}
+    return {**text, **eos, "tie_word_embeddings": cfg.get("tie_word_embeddings", True)}
 
 
 def windows_from_layer_types(layer_types: list[str], window: int | None, num_layers: int,
@@ -223,6 +258,27 @@ def _gemma_config(cfg: dict, arch: str, path: Path, common: dict) -> ModelConfig
     )
 
 
+# Where multimodal checkpoints keep their text decoder: as stored (transformers 4 wrote
+# these, and 5 writes them back on saving), and as transformers 5 names the modules.
+_TEXT_PREFIXES = {"language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
+                  "model.language_model.": "model."}
+# What else they hold (Gemma 3's SigLIP encoder and its projection into the text model).
+_OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                 "model.multi_modal_projector.")
+
+
+def decoder_name(stored: str) -> str | None:
+    """The name a stored tensor has in the text decoder (HF Llama's layout: model.layers...,
+    lm_head), or None for another tower's tensor, which is not read."""
+    if stored.startswith(_OTHER_TOWERS):
+        return None
+    for prefix, name in _TEXT_PREFIXES.items():
+        if stored.startswith(prefix):
+            return name + stored.removeprefix(prefix)
+    # Some OPT checkpoints drop the "model." prefix.
+    return stored if stored.startswith(("model.", "lm_head")) else f"model.{stored}"
+
+
 def read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -230,11 +286,14 @@ def read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
     for f in files:
         try:
-            # As stored: the model casts each tensor once to its dtype on its device (an
-            # fp32 copy of a 7B model on the host would take 27 GB and seconds).
-            weights.update(load_file(str(f)))
+            # Tensor by tensor, as stored: another tower's are never read, and the model
+            # casts each one once to its dtype on its device (an fp32 copy of a 7B model on
+            # the host would take 27 GB and seconds).
+            with safe_open(str(f), framework="pt") as tensors:
+                for key in tensors.keys():
+                    name = decoder_name(key)
+                    if name is not None:
+                        weights[name] = tensors.get_tensor(key)
         except Exception as e:
             raise ModelLoadError(f"cannot read {f}: {e}") from e
-    # Some OPT checkpoints drop the "model." prefix.
-    return {(k if k.startswith(("model.", "lm_head")) else f"model.{k}"): v
-            for k, v in weights.items()}
+    return weights
