@@ -62,6 +62,9 @@ class ModelConfig:
     # no window binds); the others take rope_theta and rope_divisors. Empty: one RoPE.
     rope_local_layers: tuple[int, ...] = ()
     rope_local_theta: float = 0.0
+    # Layers whose Q and K take no RoPE at all (SmolLM3's NoPE layers, every fourth one):
+    # their attention sees no positions but the causal mask's. Empty: every layer rotates.
+    nope_layers: tuple[int, ...] = ()
 
     def layer_window(self, layer: int) -> int:
         """The window of one layer (0: its whole context)."""

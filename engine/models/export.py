@@ -16,6 +16,7 @@ from .loader import LoadedModel
 # arch or family -> (architecture, model_type) of its Hugging Face config
 _HF_NAMES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
              "qwen3": ("Qwen3ForCausalLM", "qwen3"), "phi3": ("Phi3ForCausalLM", "phi3"),
+             "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
              "gemma2": ("Gemma2ForCausalLM", "gemma2"),
              "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
 
@@ -24,9 +25,10 @@ def export_hf(model: LoadedModel, out_dir: str | Path, dtype: torch.dtype = torc
     c, tok = model.config, model.tokenizer
     if c.arch not in ("llama", "gemma2", "gemma3"):
         raise ValueError(f"export supports llama and gemma models, not {c.arch}")
-    # Fused Q/K/V: Phi-3's architecture; per-head Q/K norms: Qwen3's; Q/K/V biases: Qwen2's
-    # (a Llama without them would drop them).
+    # Layers without RoPE: SmolLM3's architecture; fused Q/K/V: Phi-3's; per-head Q/K norms:
+    # Qwen3's; Q/K/V biases: Qwen2's (a Llama without them would drop them).
     family = c.arch if c.arch != "llama" else (
+        "smollm3" if c.nope_layers else
         "phi3" if "model.layers.0.self_attn.qkv_proj.weight" in model.weights else
         "qwen3" if "model.layers.0.self_attn.q_norm.weight" in model.weights else
         "qwen2" if "model.layers.0.self_attn.q_proj.bias" in model.weights else "llama")
@@ -48,6 +50,11 @@ def export_hf(model: LoadedModel, out_dir: str | Path, dtype: torch.dtype = torc
     # (Phi-3's config class would otherwise pad with token 32000, outside small vocabularies.)
     arch_keys = (_gemma_keys(c) if c.arch != "llama" else
                  {"hidden_act": "silu", "pad_token_id": None})
+    if family == "smollm3":  # (its flags: 1 rotates, 0 does not; biases are switched on)
+        arch_keys.update(
+            no_rope_layers=[int(i not in c.nope_layers) for i in range(c.num_layers)],
+            attention_bias="model.layers.0.self_attn.q_proj.bias" in model.weights,
+            mlp_bias="model.layers.0.mlp.down_proj.bias" in model.weights)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     weights = {k: v.to(dtype).contiguous() for k, v in model.weights.items()}

@@ -1,6 +1,6 @@
 """GGUF files of the Llama architecture (llama; qwen2: Llama with Q/K/V biases; qwen3: with
-per-head Q/K norms; phi3: with fused Q/K/V and gate/up, and LongRoPE) and of Gemma 2 and 3
-(gemma2, gemma3): config, dequantized weights (HF
+per-head Q/K norms; phi3: with fused Q/K/V and gate/up, and LongRoPE; smollm3: every fourth
+layer without RoPE) and of Gemma 2 and 3 (gemma2, gemma3): config, dequantized weights (HF
 names and layout), tokenizer."""
 
 from __future__ import annotations
@@ -158,7 +158,14 @@ def _tokenizer(reader) -> ModelTokenizer:
     )
 
 
-LLAMA_LIKE = ("llama", "qwen2", "qwen3", "phi3")
+LLAMA_LIKE = ("llama", "qwen2", "qwen3", "phi3", "smollm3")
+# Architectures whose Q/K rows llama.cpp's converter interleaves, each head's two RoPE halves
+# (its rotation is GPT-J's there); Qwen's, Phi-3's and Gemma's it leaves alone (rotated NeoX
+# style, as in Hugging Face).
+PERMUTED_QK = ("llama", "smollm3")
+# llama.cpp's SmolLM3: layer i takes no RoPE where (i + 1) % 4 == 0, fixed (no metadata key
+# says otherwise; transformers' no_rope_layer_interval default).
+_SMOLLM3_NOPE_INTERVAL = 4
 ARCHITECTURES = (*LLAMA_LIKE, "gemma2", "gemma3")
 
 
@@ -283,7 +290,7 @@ def _config(reader, arch: str, tokenizer: ModelTokenizer, has_output: bool) -> M
     # Phi-4-mini rotates 96 of its 128 head dimensions: the first ones, in Hugging Face's
     # layout; Llama's rows are permuted for another rotation (_unpermute), whole heads only.
     rotary = int(get("rope.dimension_count", head_dim))
-    if rotary != head_dim and (arch == "llama" or not 0 < rotary < head_dim or rotary % 2):
+    if rotary != head_dim and (arch in PERMUTED_QK or not 0 < rotary < head_dim or rotary % 2):
         raise ModelLoadError(f"GGUF {arch} RoPE over {rotary} of {head_dim} head dimensions "
                              f"is not supported")
     num_layers, context = int(get("block_count")), int(get("context_length"))
@@ -315,6 +322,8 @@ def _config(reader, arch: str, tokenizer: ModelTokenizer, has_output: bool) -> M
         bos_token_id=tokenizer.token_id(tokenizer.bos_token) if tokenizer.bos_token else None,
         eos_token_ids=tuple(eos),
         layer_windows=_layer_windows(reader, arch, num_layers, context),
+        nope_layers=tuple(i for i in range(num_layers) if arch == "smollm3"
+                          and (i + 1) % _SMOLLM3_NOPE_INTERVAL == 0),
         **gemma,
     )
 
@@ -389,10 +398,7 @@ def read_gguf_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor
 
     reader = _open(path)
     arch = _architecture(reader)
-    # llama.cpp's converter interleaves the RoPE halves of Llama's Q/K rows (its rotation is
-    # GPT-J's there); Qwen's, Phi-3's and Gemma's it leaves alone (rotated NeoX style, as in
-    # Hugging Face).
-    permuted = arch == "llama"
+    permuted = arch in PERMUTED_QK
     # It stores Gemma's norm weights w as the 1 + w they scale by: back to w, in fp32 (exact
     # for the stored values from 0.5 up; below, within an ulp of what llama.cpp scales by).
     shifted_norms = arch not in LLAMA_LIKE

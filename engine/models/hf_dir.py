@@ -14,11 +14,14 @@ from .errors import ModelLoadError
 from .rope import LONGROPE_KINDS, hf_divisors, hf_longrope
 from .tokenizer import ModelTokenizer
 
-# Mistral, Qwen2, Qwen3 and Phi-3 are Llama's decoder, read into its config (Qwen2's Q/K/V
-# biases, Qwen3's per-head Q/K norms and Phi-3's fused qkv_proj and gate_up_proj, like any
-# bias a Llama checkpoint has, come with the weights).
+# Mistral, Qwen2, Qwen3, Phi-3 and SmolLM3 are Llama's decoder, read into its config (Qwen2's
+# Q/K/V biases, Qwen3's per-head Q/K norms and Phi-3's fused qkv_proj and gate_up_proj, like
+# any bias a Llama checkpoint has, come with the weights; SmolLM3's layers without RoPE are
+# ModelConfig.nope_layers).
 LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-              "Phi3ForCausalLM")
+              "Phi3ForCausalLM", "SmolLM3ForCausalLM")
+# RoPE bases where a config has none: transformers' config classes' defaults.
+_DEFAULT_THETA = {"SmolLM3ForCausalLM": 2_000_000.0}
 GEMMA = {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
 # Gemma 3 4B, 12B and 27B: an image encoder beside Gemma 3's text decoder, whose settings
 # config.json nests under text_config and whose weights are stored under language_model.
@@ -107,7 +110,7 @@ def read_hf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
     elif arch in LLAMA_LIKE:
         head_dim = cfg.get("head_dim") or hidden // heads
         rope = cfg.get("rope_parameters") or {}
-        theta = _rope_theta(rope, cfg, "rope_theta", 10000.0)
+        theta = _rope_theta(rope, cfg, "rope_theta", _DEFAULT_THETA.get(arch, 10000.0))
         scaling = cfg.get("rope_scaling") or rope
         # Phi-4-mini rotates 96 of its 128 head dimensions (as transformers rounds them).
         rotary = int(head_dim * rope.get("partial_rotary_factor",
@@ -120,6 +123,7 @@ def read_hf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
                                            common["max_context"]))
             longrope = hf_longrope(scaling, rotary, common["max_context"], original,
                                    str(path))
+        nope = _nope_layers(cfg, arch, path, common["num_layers"])
         config = ModelConfig(
             arch="llama",
             num_kv_heads=cfg.get("num_key_value_heads", heads),
@@ -132,7 +136,8 @@ def read_hf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
                {"rope_divisors": hf_divisors(scaling, rotary, theta, str(path))}),
             tie_embeddings=cfg.get("tie_word_embeddings", False),
             layer_windows=_layer_windows(cfg, arch, path, common["num_layers"],
-                                         common["max_context"]),
+                                         common["max_context"], nope),
+            nope_layers=nope,
             **common,
         )
     else:
@@ -178,23 +183,45 @@ def windows_from_layer_types(layer_types: list[str], window: int | None, num_lay
                            max_context)
 
 
-def _layer_windows(cfg: dict, arch: str, path: Path, num_layers: int, max_context: int
-                   ) -> tuple[int, ...]:
+def _layer_windows(cfg: dict, arch: str, path: Path, num_layers: int, max_context: int,
+                   nope: tuple[int, ...]) -> tuple[int, ...]:
     """Which layers slide, as transformers 5 decides it: every layer of a Mistral (7B v0.1)
     or a Phi-3 (Phi-3-mini-4k: 2,047 of 4,096) with a sliding_window; Qwen2/Qwen3 only with
     use_sliding_window, in the layers its layer_types names or, in configs written before
-    that key, the layers from max_window_layers on. Llama's attention ignores a
-    sliding_window key. (A missing key means what transformers' config classes default it
-    to: 4,096, none for Phi-3.)"""
-    window = cfg.get("sliding_window", None if arch == "Phi3ForCausalLM" else 4096)
+    that key, the layers from max_window_layers on; SmolLM3 likewise, by default in its NoPE
+    layers. Llama's attention ignores a sliding_window key. (A missing key means what
+    transformers' config classes default it to: 4,096, none for Phi-3 and SmolLM3.)"""
+    window = cfg.get("sliding_window", None if arch in ("Phi3ForCausalLM", "SmolLM3ForCausalLM")
+                     else 4096)
     if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
         return sliding_windows([True] * num_layers, window, max_context)
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):
+    if not cfg.get("use_sliding_window"):
+        return ()
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         first = cfg.get("max_window_layers", 28)
-        types = cfg.get("layer_types") or [
-            "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
-        return windows_from_layer_types(types, window, num_layers, max_context, path)
-    return ()
+        default = ["sliding_attention" if i >= first else "full_attention"
+                   for i in range(num_layers)]
+    elif arch == "SmolLM3ForCausalLM":
+        default = ["sliding_attention" if i in nope and window is not None else
+                   "full_attention" for i in range(num_layers)]
+    else:
+        return ()
+    types = cfg.get("layer_types") or default
+    return windows_from_layer_types(types, window, num_layers, max_context, path)
+
+
+def _nope_layers(cfg: dict, arch: str, path: Path, num_layers: int) -> tuple[int, ...]:
+    """SmolLM3's layers without RoPE, as transformers reads them: no_rope_layers, a flag a
+    layer (1: rotates, 0: does not), or every no_rope_layer_interval-th layer (default 4)."""
+    if arch != "SmolLM3ForCausalLM":
+        return ()
+    interval = cfg.get("no_rope_layer_interval", 4)
+    flags = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0)
+                                          for i in range(num_layers)]
+    if len(flags) < num_layers:
+        raise ModelLoadError(f"{path}: no_rope_layers has {len(flags)} flags for "
+                             f"{num_layers} layers")
+    return tuple(i for i in range(num_layers) if not flags[i])
 
 
 def _rope_theta(rope: dict, cfg: dict, legacy_key: str, default: float) -> float:

@@ -1,4 +1,5 @@
-"""Llama-family decoder (GQA, RoPE, RMSNorm, SwiGLU) over a paged KV cache.
+"""Llama-family decoder (GQA, RoPE, RMSNorm, SwiGLU) over a paged KV cache; SmolLM3's NoPE
+layers (ModelConfig.nope_layers) skip the rotation, on every path.
 
 Two kernel sets behind one forward: "cpu" (the C++ attention, rmsnorm and SwiGLU kernels and
 oneDNN-packed linears; "reference" swaps in the torch reference attention) and "triton" (the
@@ -166,6 +167,8 @@ class LlamaModel:
         divisors, scale = c.served_rope()  # (LongRoPE's set for the context served)
         self.rope = RopeTable.build(c, c.rope_theta, divisors, kernels == "triton", device,
                                     scale)
+        # Per layer: does it rotate Q and K (all but SmolLM3's NoPE layers)?
+        self.rotates = [i not in c.nope_layers for i in range(c.num_layers)]
 
     def _norm_qk(self, qkv: torch.Tensor, layer: int) -> None:
         """Qwen3's per-head norms of Q and K, in place on the [T, (Hq + 2 Hk) * D] projection
@@ -205,8 +208,10 @@ class LlamaModel:
             qkv = qkv_proj(h)
             self._norm_qk(qkv, i)
             qk, v = qkv.split([(hq + hk) * d, hk * d], dim=-1)
-            # Q and K heads rotate together: one pass over both.
-            q, k = rotate(qk.view(t, hq + hk, d), cos, sin).split([hq, hk], dim=1)
+            qk = qk.view(t, hq + hk, d)
+            if self.rotates[i]:  # Q and K heads rotate together: one pass over both
+                qk = rotate(qk, cos, sin)
+            q, k = qk.split([hq, hk], dim=1)
             write_kv(k_cache, v_cache, k[:nk], v.reshape(t, hk, d)[:nk], batch.slot_mapping[:nk])
             attn_args = {"window": c.layer_window(i), "softcap": c.attn_softcap}
             if hidden is None:
@@ -249,8 +254,8 @@ class LlamaModel:
             else:
                 h, residual = add_rms_norm(x, residual, ln1, c.norm_eps)
             # Hidden-cache rows have slot -1: their K/V are not written. (Qwen3's Q/K norms
-            # run inside the same kernel.)
-            q = rope_and_write_kv(qkv_proj(h), positions, self.rope.cos_sin, batch.slot_mapping,
+            # run inside the same kernel; a NoPE layer's table is None: no rotation.)
+            q = rope_and_write_kv(qkv_proj(h), positions, self._cos_sin(i), batch.slot_mapping,
                                   k_cache, v_cache, hq, hk, d,
                                   self.qk_norms[i] if self.qk_norms else None, c.norm_eps)
             # Host values per layer: a CUDA graph bakes them into this layer's launch.
@@ -278,14 +283,19 @@ class LlamaModel:
             k, v = (torch.empty(r, hk, d, dtype=kv.dtype, device=kv.device) for _ in "kv")
             slots = torch.arange(r, device=kv.device)
             norm = (None, self.qk_norms[layer][1]) if self.qk_norms else None
-            rope_and_write_kv(kv, positions, self.rope.cos_sin, slots, k, v, 0, hk, d, norm,
+            rope_and_write_kv(kv, positions, self._cos_sin(layer), slots, k, v, 0, hk, d, norm,
                               c.norm_eps)
             return k, v
         if self.qk_norms is not None:
             norm_heads(kv, 0, hk, d, self.qk_norms[layer][1], c.norm_eps)
         kv = kv.view(r, 2 * hk, d)
-        k = rotate(kv[:, :hk], *self.rope.at(positions))
+        k = kv[:, :hk]
+        k = rotate(k, *self.rope.at(positions)) if self.rotates[layer] else k.contiguous()
         return k, kv[:, hk:].contiguous()
+
+    def _cos_sin(self, layer: int) -> torch.Tensor | None:
+        """The Triton kernels' RoPE table for a layer: None where it does not rotate."""
+        return self.rope.cos_sin if self.rotates[layer] else None
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """In the model dtype: greedy argmax needs no fp32 copy of [rows, vocab]. out: the

@@ -124,7 +124,7 @@ def _read_meta(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
     meta = json.loads(path.read_text())
     cfg = meta["config"]
     for key in ("eos_token_ids", "rope_divisors", "rope_long_divisors", "layer_windows",
-                "rope_local_layers"):
+                "rope_local_layers", "nope_layers"):
         cfg[key] = tuple(cfg.get(key, ()))  # (JSON has lists, not tuples)
     tokenizer = ModelTokenizer(
         tokenizer=Tokenizer.from_str(meta["tokenizer"]),
