@@ -29,8 +29,9 @@ from llmdb.kernels.elementwise import gelu_tanh_mul_reference, rms_norm_fp32
 from llmdb.kernels.hidden_cache import HiddenBatch
 from llmdb.kernels.linear import Linear, linear
 
+from .checkpoint import Checkpoint
 from .config import ModelConfig
-from .llama import RopeTable, cpu_attention, fused_weight, norm_heads, rotate, vocab_projection
+from .llama import RopeTable, cpu_attention, norm_heads, rotate, vocab_projection
 
 
 @dataclass(frozen=True)
@@ -53,14 +54,9 @@ class GemmaLayer:
 class GemmaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device | str = "cpu", kernels: str = "cpu"):
-        self.config = config
-        self.dtype = dtype
+        self.config, self.dtype, self.kernels = config, dtype, kernels
         self.device = device = torch.device(device)
-        self.kernels = kernels
-        c = config
-
-        def w(name: str) -> torch.Tensor:
-            return weights[name].to(device, dtype).contiguous()
+        c, w = config, Checkpoint(weights, dtype, device)
 
         def scale(name: str) -> torch.Tensor:
             # 1 + weight in fp32 whatever the model's dtype, as transformers computes it:
@@ -83,18 +79,18 @@ class GemmaModel:
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             qk_norm = None
-            if p + "self_attn.q_norm.weight" in weights:
+            if p + "self_attn.q_norm.weight" in w:
                 qk_norm = (scale(p + "self_attn.q_norm.weight"),
                            scale(p + "self_attn.k_norm.weight"))
             self.layers.append(GemmaLayer(
                 input_norm=scale(p + "input_layernorm.weight"),
-                qkv=linear(*fused_weight(w, weights, [p + f"self_attn.{n}_proj" for n in "qkv"])),
+                qkv=linear(*w.fused([p + f"self_attn.{n}_proj" for n in "qkv"])),
                 qk_norm=qk_norm,
-                o=linear(*fused_weight(w, weights, [p + "self_attn.o_proj"])),
+                o=linear(*w.fused([p + "self_attn.o_proj"])),
                 post_attention_norm=scale(p + "post_attention_layernorm.weight"),
                 pre_feedforward_norm=scale(p + "pre_feedforward_layernorm.weight"),
-                gate_up=linear(*fused_weight(w, weights, [p + "mlp.gate_proj", p + "mlp.up_proj"])),
-                down=linear(*fused_weight(w, weights, [p + "mlp.down_proj"])),
+                gate_up=linear(*w.fused([p + "mlp.gate_proj", p + "mlp.up_proj"])),
+                down=linear(*w.fused([p + "mlp.down_proj"])),
                 post_feedforward_norm=scale(p + "post_feedforward_layernorm.weight"),
                 rope=1 if i in local else 0,
                 window=c.layer_window(i),

@@ -25,6 +25,7 @@ from llmdb.kernels.elementwise import rms_norm, silu_mul
 from llmdb.kernels.hidden_cache import HiddenBatch
 from llmdb.kernels.linear import Linear, linear
 
+from .checkpoint import Checkpoint, kv_projection
 from .config import ModelConfig
 from .hidden_attention import mixed_attention
 from .rope import frequencies
@@ -39,23 +40,6 @@ KERNEL_SETS = ("cpu", "reference", "triton")
 
 def cpu_attention(kernels: str):
     return paged_attention_reference if kernels == "reference" else paged_attention
-
-
-def fused_weight(w: Callable[[str], torch.Tensor], weights: dict[str, torch.Tensor],
-                 names: list[str], fused: str | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The weights of projections that share an input, concatenated (one GEMM instead of
-    several), and their biases so concatenated, or None where the checkpoint has none
-    (Llama; Qwen2 has them on Q, K and V). w: a weight by name, on the model's device and in
-    its dtype. fused: the name under which a checkpoint may store them concatenated already
-    (Phi-3's qkv_proj and gate_up_proj)."""
-    if fused is not None and fused + ".weight" in weights:
-        names = [fused]
-    weight = (w(names[0] + ".weight") if len(names) == 1
-              else torch.cat([w(n + ".weight") for n in names]))
-    if names[0] + ".bias" not in weights:
-        return weight, None
-    return weight, torch.cat([w(n + ".bias") for n in names])
 
 
 @dataclass(frozen=True)
@@ -122,19 +106,13 @@ def vocab_projection(hidden: torch.Tensor, lm_head: Linear,
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device | str = "cpu", kernels: str = "cpu"):
-        self.config = config
-        self.dtype = dtype
-        self.device = device = torch.device(device)
-        self.kernels = kernels
-        c = config
-
-        def w(name: str) -> torch.Tensor:
-            return weights[name].to(device, dtype).contiguous()
-
+        self.config, self.dtype, self.kernels = config, dtype, kernels
+        self.device = torch.device(device)
+        c, w = config, Checkpoint(weights, dtype, self.device)
         # Qwen3: an RMSNorm over each Q and each K head (one weight per projection), before
         # RoPE. None where the checkpoint has none.
         self.qk_norms: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        if "model.layers.0.self_attn.q_norm.weight" in weights:
+        if "model.layers.0.self_attn.q_norm.weight" in w:
             self.qk_norms = [(w(f"model.layers.{i}.self_attn.q_norm.weight"),
                               w(f"model.layers.{i}.self_attn.k_norm.weight"))
                              for i in range(c.num_layers)]
@@ -142,27 +120,22 @@ class LlamaModel:
         self.lm_head = linear(self.embed if c.tie_embeddings else w("lm_head.weight"))
         self.norm = w("model.norm.weight")
         self.layers = []
-        # K and V alone, for re-projecting hidden-cache states (a view of the QKV weight,
-        # except on the CPU where packing copies it).
-        self.kv_projs: list[Linear] = []
+        self.kv_projs: list[Linear] = []  # K and V alone: hidden-cache re-projection
         hidden_cache = c.hidden_cache_support()[0]
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             # One matmul for Q, K and V and one for gate and up: fewer, larger GEMMs.
-            qkv, qkv_bias = fused_weight(w, weights, [p + f"self_attn.{n}_proj" for n in "qkv"],
-                                         p + "self_attn.qkv_proj")
+            qkv, qkv_bias = w.fused([p + f"self_attn.{n}_proj" for n in "qkv"],
+                                    p + "self_attn.qkv_proj")
             if hidden_cache:
-                q_rows = c.num_heads * c.head_dim
-                self.kv_projs.append(linear(qkv[q_rows:], None if qkv_bias is None
-                                            else qkv_bias[q_rows:]))
+                self.kv_projs.append(kv_projection(qkv, qkv_bias, c.num_heads * c.head_dim))
             self.layers.append((
                 w(p + "input_layernorm.weight"),
                 linear(qkv, qkv_bias),
-                linear(*fused_weight(w, weights, [p + "self_attn.o_proj"])),
+                linear(*w.fused([p + "self_attn.o_proj"])),
                 w(p + "post_attention_layernorm.weight"),
-                linear(*fused_weight(w, weights, [p + "mlp.gate_proj", p + "mlp.up_proj"],
-                                     p + "mlp.gate_up_proj")),
-                linear(*fused_weight(w, weights, [p + "mlp.down_proj"])),
+                linear(*w.fused([p + "mlp.gate_proj", p + "mlp.up_proj"], p + "mlp.gate_up_proj")),
+                linear(*w.fused([p + "mlp.down_proj"])),
             ))
         divisors, scale = c.served_rope()  # (LongRoPE's set for the context served)
         self.rope = RopeTable.build(c, c.rope_theta, divisors, kernels == "triton", device,

@@ -11,6 +11,7 @@ from llmdb.kernels.attention import AttentionBatch, write_kv
 from llmdb.kernels.hidden_cache import HiddenBatch
 from llmdb.kernels.linear import Linear, linear
 
+from .checkpoint import Checkpoint, kv_projection
 from .config import ModelConfig
 from .hidden_attention import mixed_attention
 from .llama import cpu_attention, vocab_projection
@@ -19,50 +20,34 @@ from .llama import cpu_attention, vocab_projection
 class OPTModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device | str = "cpu", kernels: str = "cpu"):
-        self.config = config
-        self.dtype = dtype
-        self.device = device = torch.device(device)
-        self.kernels = kernels
-        p = "model.decoder."
-
-        def w(name: str) -> torch.Tensor | None:
-            t = weights.get(p + name)
-            return None if t is None else t.to(device, dtype).contiguous()
-
-        self.embed = w("embed_tokens.weight")
-        self.positions = w("embed_positions.weight")
+        self.config, self.dtype, self.kernels = config, dtype, kernels
+        self.device = torch.device(device)
+        w, p = Checkpoint(weights, dtype, self.device), "model.decoder."
+        self.embed = w(p + "embed_tokens.weight")
+        self.positions = w(p + "embed_positions.weight")
         # OPT-350m projects between a narrower embedding and the hidden size.
-        project_in, project_out = w("project_in.weight"), w("project_out.weight")
+        project_in, project_out = w.get(p + "project_in.weight"), w.get(p + "project_out.weight")
         self.project_in = None if project_in is None else linear(project_in)
         self.project_out = None if project_out is None else linear(project_out)
-        self.final_norm = (w("final_layer_norm.weight"), w("final_layer_norm.bias"))
-        lm = weights.get("lm_head.weight")
-        self.lm_head = linear(self.embed if config.tie_embeddings or lm is None
-                              else lm.to(device, dtype))
+        self.final_norm = (w.get(p + "final_layer_norm.weight"),
+                           w.get(p + "final_layer_norm.bias"))
+        # (Some OPT checkpoints store no LM head though untied: the embeddings serve.)
+        untied = not config.tie_embeddings and "lm_head.weight" in w
+        self.lm_head = linear(w("lm_head.weight") if untied else self.embed)
         self.layers = []
         self.kv_projs: list[Linear] = []  # K and V alone: hidden-cache re-projection
         hidden_cache = config.hidden_cache_support()[0]
         for i in range(config.num_layers):
-            q = f"layers.{i}."
-            qkv_w = torch.cat([weights[p + q + f"self_attn.{n}_proj.weight"] for n in "qkv"])
-            qkv_b = torch.cat([weights[p + q + f"self_attn.{n}_proj.bias"] for n in "qkv"])
-            ln1_w, ln1_b, qkv_w, qkv_b, o_w, o_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b = (
-                t.to(device, dtype).contiguous() for t in (
-                    weights[p + q + "self_attn_layer_norm.weight"],
-                    weights[p + q + "self_attn_layer_norm.bias"],
-                    qkv_w, qkv_b,
-                    weights[p + q + "self_attn.out_proj.weight"],
-                    weights[p + q + "self_attn.out_proj.bias"],
-                    weights[p + q + "final_layer_norm.weight"],
-                    weights[p + q + "final_layer_norm.bias"],
-                    weights[p + q + "fc1.weight"], weights[p + q + "fc1.bias"],
-                    weights[p + q + "fc2.weight"], weights[p + q + "fc2.bias"],
-                ))
-            self.layers.append((ln1_w, ln1_b, linear(qkv_w, qkv_b), linear(o_w, o_b), ln2_w,
-                                ln2_b, linear(fc1_w, fc1_b), linear(fc2_w, fc2_b)))
+            q = f"{p}layers.{i}."
+            qkv, qkv_bias = w.fused([q + f"self_attn.{n}_proj" for n in "qkv"])
             if hidden_cache:
-                h = config.hidden_size
-                self.kv_projs.append(linear(qkv_w[h:], qkv_b[h:]))
+                self.kv_projs.append(kv_projection(qkv, qkv_bias, config.hidden_size))
+            self.layers.append((
+                w(q + "self_attn_layer_norm.weight"), w(q + "self_attn_layer_norm.bias"),
+                linear(qkv, qkv_bias), linear(*w.fused([q + "self_attn.out_proj"])),
+                w(q + "final_layer_norm.weight"), w(q + "final_layer_norm.bias"),
+                linear(*w.fused([q + "fc1"])), linear(*w.fused([q + "fc2"])),
+            ))
 
     def forward(
         self,
