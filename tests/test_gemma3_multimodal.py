@@ -20,7 +20,6 @@ import transformers
 from llmdb.engine.engine import LLMEngine
 from llmdb.engine.models import hf_dir, load_model
 from llmdb.engine.models.hf_dir import read_hf_metadata
-from llmdb.engine.params import SamplingParams
 
 from .gemma_models import (
     EOS,
@@ -34,7 +33,8 @@ from .gemma_models import (
     _ref_logits,
     _save,
 )
-from .test_hf_models import _assert_same_greedy, _randomize
+from .test_hf_models import _randomize
+from .transformers_reference import assert_greedy_is_transformers, reference_models
 
 
 def _multimodal(tie: bool, seed: int):
@@ -66,17 +66,7 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def hf_ref(hf_dirs):
-    cache: dict[str, torch.nn.Module] = {}
-
-    def get(name: str):
-        if name not in cache:
-            m = transformers.Gemma3ForConditionalGeneration.from_pretrained(
-                hf_dirs[name], dtype=torch.float32, attn_implementation="eager").eval()
-            m.generation_config.eos_token_id = None  # generate the full length
-            cache[name] = m
-        return cache[name]
-
-    return get
+    return reference_models(hf_dirs, transformers.Gemma3ForConditionalGeneration)
 
 
 def _engine(path: Path, **kw) -> LLMEngine:
@@ -126,20 +116,9 @@ def test_chunked_prefill_logits_match_transformers(hf_dirs, hf_ref):
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_greedy_generation_matches_transformers(name, hf_dirs, hf_ref):
-    ref_model, engine = hf_ref(name), _engine(hf_dirs[name])
     rng = random.Random(7)
     prompts = [[rng.randrange(VOCAB_SIZE) for _ in range(n)] for n in (1, 6, 21)]
-    results = engine.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
-    distinct = set()
-    for prompt, res in zip(prompts, results, strict=True):
-        with torch.inference_mode():
-            out = ref_model.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=10, do_sample=False, pad_token_id=PAD)
-        ref = out[0, len(prompt):].tolist()
-        distinct.update(ref)
-        _assert_same_greedy(ref_model, prompt, ref, res.token_ids)
-    assert len(distinct) > 3, "degenerate model: greedy output is nearly constant"
+    assert_greedy_is_transformers(hf_ref(name), _engine(hf_dirs[name]), prompts, PAD)
 
 
 def test_triton_path_matches_transformers(hf_dirs, hf_ref):

@@ -41,6 +41,7 @@ from .test_hf_models import (
     _save,
 )
 from .test_hidden_cache import BLOCK, _generate
+from .transformers_reference import assert_greedy_is_transformers, reference_models
 
 CONTEXT = 256
 
@@ -84,17 +85,7 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def hf_ref(hf_dirs):
-    cache: dict[str, torch.nn.Module] = {}
-
-    def get(name: str):
-        if name not in cache:
-            m = transformers.AutoModelForCausalLM.from_pretrained(
-                hf_dirs[name], dtype=torch.float32, attn_implementation="eager").eval()
-            m.generation_config.eos_token_id = None  # generate the full length
-            cache[name] = m
-        return cache[name]
-
-    return get
+    return reference_models(hf_dirs)
 
 
 def _engine(path: Path, **kw) -> LLMEngine:
@@ -164,19 +155,8 @@ def test_prefill_chunked_over_cached_kv_matches_transformers(name, hf_dirs, hf_r
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_greedy_generation_matches_transformers(name, hf_dirs, hf_ref):
-    ref_model, engine = hf_ref(name), _engine(hf_dirs[name])
     prompts = [_ids(n, seed=7 + n) for n in (1, 6, 21)]
-    results = engine.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
-    distinct = set()
-    for prompt, res in zip(prompts, results, strict=True):
-        with torch.inference_mode():
-            out = ref_model.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=10, do_sample=False, pad_token_id=PAD)
-        ref = out[0, len(prompt):].tolist()
-        distinct.update(ref)
-        _assert_same_greedy(ref_model, prompt, ref, res.token_ids)
-    assert len(distinct) > 3, "degenerate model: greedy output is nearly constant"
+    assert_greedy_is_transformers(hf_ref(name), _engine(hf_dirs[name]), prompts, PAD)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
