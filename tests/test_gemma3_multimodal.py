@@ -133,10 +133,29 @@ def test_triton_path_matches_transformers(hf_dirs, hf_ref):
     assert engine.pool.num_free == engine.pool.num_blocks
 
 
-def test_only_the_text_decoders_weights_are_read(hf_dirs, hf_ref, monkeypatch):
+def _as_transformers_5_names_them(src: Path, dst: Path) -> Path:
+    """The directory with its tensors under transformers 5's module names (model.
+    language_model..., model.vision_tower..., lm_head), as some checkpoints store them."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    renamed = {}
+    for k, v in load_file(str(src / "model.safetensors")).items():
+        k = k.replace("language_model.lm_head.", "lm_head.").replace(
+            "language_model.model.", "model.language_model.")
+        renamed[k if k.startswith(("model.", "lm_head.")) else f"model.{k}"] = v
+    save_file(renamed, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("names", ["as saved", "as transformers 5 names the modules"])
+def test_only_the_text_decoders_weights_are_read(names, hf_dirs, hf_ref, monkeypatch,
+                                                 tmp_path):
     """Every tensor of the text decoder, under the names the engine's models read, and no
     tensor of the vision tower or its projection is ever taken from the file (Gemma 3 4B's
     encoder is 0.4B parameters of no use to text)."""
+    dirs = hf_dirs if names == "as saved" else {
+        name: _as_transformers_5_names_them(hf_dirs[name], tmp_path / name) for name in MODELS}
     read: list[str] = []
     real_open = hf_dir.safe_open
 
@@ -161,8 +180,9 @@ def test_only_the_text_decoders_weights_are_read(hf_dirs, hf_ref, monkeypatch):
     monkeypatch.setattr(hf_dir, "safe_open", Recording)
     for name, tie in MODELS.items():
         read.clear()
-        weights = load_model(hf_dirs[name]).weights
-        assert read and not [k for k in read if not k.startswith("language_model.")]
+        weights = load_model(dirs[name]).weights
+        assert read and not [k for k in read if "language_model." not in k
+                             and not k.startswith("lm_head.")]
         text = hf_ref(name).model.language_model.state_dict()
         want = {f"model.{k}": v for k, v in text.items()}
         if not tie:

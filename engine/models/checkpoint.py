@@ -13,8 +13,9 @@ from llmdb.kernels.linear import Linear, linear
 @dataclass(frozen=True)
 class Checkpoint:
     """tensors: HF names and layout, as the loader read them (as stored from an HF directory,
-    fp32 from a GGUF). Only the copies it hands out outlive the loader's: the model keeps no
-    reference to this."""
+    fp32 from a GGUF). A model keeps what this hands out (the loader's own tensor where its
+    device and dtype are the model's already), never this: the rest is freed with the
+    loader's dict."""
 
     tensors: dict[str, torch.Tensor]
     dtype: torch.dtype

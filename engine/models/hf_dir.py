@@ -20,8 +20,6 @@ from .tokenizer import ModelTokenizer
 # ModelConfig.nope_layers).
 LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
               "Phi3ForCausalLM", "SmolLM3ForCausalLM")
-# RoPE bases where a config has none: transformers' config classes' defaults.
-_DEFAULT_THETA = {"SmolLM3ForCausalLM": 2_000_000.0}
 GEMMA = {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
 # Gemma 3 4B, 12B and 27B: an image encoder beside Gemma 3's text decoder, whose settings
 # config.json nests under text_config and whose weights are stored under language_model.
@@ -110,7 +108,9 @@ def read_hf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
     elif arch in LLAMA_LIKE:
         head_dim = cfg.get("head_dim") or hidden // heads
         rope = cfg.get("rope_parameters") or {}
-        theta = _rope_theta(rope, cfg, "rope_theta", _DEFAULT_THETA.get(arch, 10000.0))
+        # (Where the config names none: SmolLM3Config's default base, LlamaConfig's.)
+        theta = _rope_theta(rope, cfg, "rope_theta",
+                            2_000_000.0 if arch == "SmolLM3ForCausalLM" else 10000.0)
         scaling = cfg.get("rope_scaling") or rope
         # Phi-4-mini rotates 96 of its 128 head dimensions (as transformers rounds them).
         rotary = int(head_dim * rope.get("partial_rotary_factor",
@@ -294,7 +294,7 @@ _OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.
                  "model.multi_modal_projector.")
 
 
-def decoder_name(stored: str) -> str | None:
+def _decoder_name(stored: str) -> str | None:
     """The name a stored tensor has in the text decoder (HF Llama's layout: model.layers...,
     lm_head), or None for another tower's tensor, which is not read."""
     if stored.startswith(_OTHER_TOWERS):
@@ -318,7 +318,7 @@ def read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
             # the host would take 27 GB and seconds).
             with safe_open(str(f), framework="pt") as tensors:
                 for key in tensors.keys():
-                    name = decoder_name(key)
+                    name = _decoder_name(key)
                     if name is not None:
                         weights[name] = tensors.get_tensor(key)
         except Exception as e:
