@@ -68,6 +68,9 @@ DEVICE_HELP = "auto (a CUDA GPU when there is one), cpu, cuda or cuda:N"
 DTYPES = ("auto", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
 DTYPE_HELP = "the engine's dtype (default: auto, the device's best)"
 THREADS_HELP = "CPU threads for the engine (default: all cores)"
+MAX_CONTEXT_HELP = ("the longest prompt plus output served, in tokens (default: the model's "
+                    "pretrained context; a LongRoPE model, such as Phi-3 128k, serves more "
+                    "with its long factors, up to its largest context)")
 
 
 def _whole_number(low: int, high: int | None = None):
@@ -140,6 +143,8 @@ def _sql(args: argparse.Namespace) -> int:
         text = sys.stdin.read()
     options = {"cache": not args.no_cache, "on_error": args.on_error,
                "sample_rows": args.sample_rows, "device": args.device}
+    if args.max_context is not None:
+        options["max_context"] = args.max_context
     if args.no_progress:
         options["progress"] = False
     with llmdb.connect(args.db, model=args.model, **options) as con:
@@ -218,7 +223,7 @@ def _serve(args: argparse.Namespace) -> int:
     limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                     max_tokens=args.max_tokens, max_concurrent=args.max_concurrent)
     engine_options = {"device": args.device, "policy": args.policy}
-    for name in ("dtype", "threads"):
+    for name in ("dtype", "threads", "max_context"):
         if getattr(args, name) is not None:
             engine_options[name] = getattr(args, name)
     serve(args.model, args.host, args.port, key, limits, args.shutdown_timeout,
@@ -256,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     sql.add_argument("--db", default=":memory:", help="a DuckDB database file")
     sql.add_argument("--model", default="smollm2-135m", help="a registered model name")
     sql.add_argument("--device", default="auto", help=DEVICE_HELP)
+    sql.add_argument("--max-context", type=_whole_number(1), default=None,
+                     help=MAX_CONTEXT_HELP)
     sql.add_argument("--on-error", choices=("raise", "null"), default="raise")
     sql.add_argument("--no-cache", action="store_true", help="do not use the result cache")
     sql.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -321,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--policy", default="sarathi", help="the engine's scheduling policy")
     srv.add_argument("--dtype", choices=DTYPES, default=None, help=DTYPE_HELP)
     srv.add_argument("--threads", type=_whole_number(1), default=None, help=THREADS_HELP)
+    srv.add_argument("--max-context", type=_whole_number(1), default=None,
+                     help=MAX_CONTEXT_HELP)
     srv.add_argument("--api-key-env", default="LLMDB_API_KEY",
                      help="the environment variable holding the API key")
     srv.add_argument("--no-auth", action="store_true",

@@ -85,6 +85,8 @@ def test_calibrate_function_checks_output_and_passes_before_loading(tmp_path, mo
     ["serve", "--max-body-bytes", "-1"],
     ["serve", "--max-tokens", "0"],
     ["serve", "--threads", "-3"],
+    ["serve", "--max-context", "0"],
+    ["sql", "SELECT 1", "--max-context", "-1"],
     ["serve", "--port", "99999"],
     ["serve", "--port", "-1"],
     ["serve", "--shutdown-timeout", "-1"],
@@ -112,6 +114,18 @@ def test_documented_values_and_defaults_still_parse(monkeypatch):
     assert main(["calibrate", "--passes", "1", "--dtype", "bf16", "--threads", "2"]) == 0
     (args,) = calibrations
     assert (args.passes, args.dtype, args.threads) == (1, "bf16", 2)
+
+
+def test_max_context_reaches_the_engine_from_sql_and_serve(monkeypatch, capsys):
+    """`--max-context N` is the engine's max_context: a longer prompt is refused naming the
+    context served, where the model's own 8,192 would take it."""
+    query = "SELECT llm_complete(repeat('word ', 100)) AS a"
+    assert main(["sql", query, "--max-context", "64", "--no-progress"]) == 2
+    assert "131 tokens, longer than the context of 64 served" in capsys.readouterr().err
+    served = []
+    monkeypatch.setattr("llmdb.server.run.serve", lambda *a, **options: served.append(options))
+    assert main(["serve", "--no-auth", "--max-context", "4096"]) == 0
+    assert served[0]["max_context"] == 4096
 
 
 def test_a_remote_model_is_named_remote_where_a_local_engine_is_needed(
