@@ -16,6 +16,7 @@ import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from llmdb.engine.engine import LLMEngine
+from llmdb.engine.outputs import RequestResult
 from llmdb.engine.params import SamplingParams
 
 # The words of the word-level vocabularies: every test text is spelled in them.
@@ -59,6 +60,7 @@ def word_level_tokenizer(vocab: dict[str, int], specials: list[str], unk: str) -
 
 
 def copy_dir(src: Path, dst: Path, skip: str | None = None) -> Path:
+    """A copy of the model directory `src`, less the file named `skip`."""
     dst.mkdir()
     for f in src.iterdir():
         if f.name != skip:
@@ -147,7 +149,8 @@ def _assert_same_greedy(ref_model, prompt: list[int], ref: list[int], got: list[
 
 
 def assert_greedy_matches(engine: LLMEngine, ref_model, prompts: list[list[int]],
-                          max_tokens: int, pad_token_id: int) -> list:
+                          max_tokens: int,
+                          pad_token_id: int) -> list[tuple[list[int], RequestResult]]:
     """All prompts in one engine call (decodes of different lengths batch together): each
     answer is transformers' greedy one, up to a near-tie. Returns (transformers' answer, the
     engine's result) a prompt."""
@@ -199,7 +202,7 @@ def gguf_tensor_name(hf_name: str, layer_names: dict[str, str]) -> str:
     return f"{GGUF_TOP_NAMES[base]}.{kind}"
 
 
-def add_gguf_shape(w: gguf.GGUFWriter, cfg) -> None:
+def add_gguf_shape(w: gguf.GGUFWriter, cfg: transformers.PretrainedConfig) -> None:
     """The hyperparameters every decoder's file states, from its transformers config."""
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)

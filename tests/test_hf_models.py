@@ -334,7 +334,7 @@ def test_other_rope_scaling_is_refused_by_name(hf_dirs, tmp_path, where, kind):
     wrong. (LongRoPE: tests/test_phi3.py.)"""
     scaled = {"rope_type": kind, "factor": 2.0, "rope_theta": 10000.0}
     d = edit_config(hf_dirs["llama-gqa-tied"], tmp_path / "scaled",
-                     lambda cfg: cfg.update({where: scaled}))
+                    lambda cfg: cfg.update({where: scaled}))
     with pytest.raises(ModelLoadError, match=f"rope_scaling '{kind}' is not supported"):
         load_model(d)
 

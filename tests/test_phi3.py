@@ -514,7 +514,7 @@ def test_exported_phi3_runs_in_transformers(name, gguf_models, tmp_path):
     for max_context, lengths in _gguf_modes(name):
         ids = _ids(lengths[-1], seed=10, vocab_size=model.config.vocab_size)
         assert_close(_gguf_engine(path, max_context).logits(ids), ref_logits(exported, ids),
-                      f"{name} exported, len {len(ids)}")
+                     f"{name} exported, len {len(ids)}")
 
 
 # ---- llama.cpp on the same files ----------------------------------------------------------------
