@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer
 
-from .test_hf_models import WORDS, _randomize
+from .model_builders import WORDS, assert_close, randomize, ref_logits, word_level_tokenizer
 
 # Gemma's special tokens at Gemma's ids (pad 0, eos 1, bos 2), then its turn markers.
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
@@ -28,7 +28,6 @@ PAD, EOS, BOS, SOT, EOT = range(5)
 VOCAB = {t: i for i, t in enumerate(SPECIALS + sorted(set(WORDS) - {"", "\n"}))}
 VOCAB_SIZE = len(VOCAB)
 CONTEXT = 256
-LOGIT_RTOL = 1e-4  # max |ours - transformers| relative to the reference's max |logit|
 # Gemma's chat format (its templates also fold a system turn into the first user turn).
 TEMPLATE = (
     "{{ bos_token }}"
@@ -74,10 +73,7 @@ VARIANTS = {
 
 
 def _tokenizer() -> Tokenizer:
-    tok = Tokenizer(models.WordLevel(VOCAB, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(SPECIALS)
-    return tok
+    return word_level_tokenizer(VOCAB, SPECIALS, unk="<pad>")
 
 
 def _save(model, path: Path, eos: list[int]) -> Path:
@@ -100,7 +96,7 @@ def _build(name: str, seed: int):
 
 
 def _randomized(model, seed: int):
-    _randomize(model, seed)
+    randomize(model, seed)
     with torch.no_grad():
         # Gemma multiplies its embeddings by sqrt(hidden_size): divided by it here, they
         # enter at the size of the layers' normalized outputs, so that the layers matter and
@@ -109,16 +105,8 @@ def _randomized(model, seed: int):
     return model.eval()
 
 
-@torch.inference_mode()
-def _ref_logits(model, ids: list[int]) -> torch.Tensor:
-    return model(torch.tensor([ids])).logits[0].float()
-
-
-def _assert_close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    assert ours.shape == ref.shape, f"{what}: shape {tuple(ours.shape)} vs {tuple(ref.shape)}"
-    scale = max(1.0, float(ref.abs().max()))
-    diff = float((ours - ref).abs().max())
-    assert diff <= LOGIT_RTOL * scale, f"{what}: max |diff| {diff:.3g} at logit scale {scale:.3g}"
+# The names the Gemma tests imported these by before tests/model_builders.py held them.
+_ref_logits, _assert_close = ref_logits, assert_close
 
 
 def _assert_config_is(cfg, hf) -> None:

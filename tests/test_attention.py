@@ -13,6 +13,15 @@ from llmdb.kernels.attention import AttentionBatch, paged_attention, paged_atten
 BLOCK = 16
 
 
+def _take_path(monkeypatch, cpp: bool, heads: int, kv_heads: int, dim: int) -> None:
+    """paged_attention's C++ kernel (skipped where none can be built for the shape) or, with
+    cpp False, its per-sequence SDPA path, as for shapes the kernel does not take."""
+    if not cpp:
+        monkeypatch.setattr(attention, "supports_shape", lambda *shape: False)
+    elif not attention.supports_shape(heads, kv_heads, dim):
+        pytest.skip("no C++ compiler")
+
+
 def _random_batch(seed: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype):
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -41,10 +50,7 @@ def _random_batch(seed: int, heads: int, kv_heads: int, dim: int, dtype: torch.d
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32), (8, 1, 16)])
 @pytest.mark.parametrize("cpp", [True, False])
 def test_fast_path_equals_reference_fp32(monkeypatch, heads, kv_heads, dim, cpp):
-    if not cpp:
-        monkeypatch.setattr(attention, "supports_shape", lambda *shape: False)
-    elif not attention.supports_shape(heads, kv_heads, dim):
-        pytest.skip("no C++ compiler")
+    _take_path(monkeypatch, cpp, heads, kv_heads, dim)
     for seed in range(3):
         q, k, v, batch = _random_batch(seed, heads, kv_heads, dim, torch.float32)
         ref = paged_attention_reference(q, k, v, batch, dim**-0.5)
@@ -152,10 +158,7 @@ WINDOWS = [1, 6, 31, 32, 33]
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32)])
 @pytest.mark.parametrize("cpp", [True, False])
 def test_fast_path_window_and_softcap_equal_reference(monkeypatch, heads, kv_heads, dim, cpp):
-    if not cpp:
-        monkeypatch.setattr(attention, "supports_shape", lambda *shape: False)
-    elif not attention.supports_shape(heads, kv_heads, dim):
-        pytest.skip("no C++ compiler")
+    _take_path(monkeypatch, cpp, heads, kv_heads, dim)
     cases = [_random_batch(0, heads, kv_heads, dim, torch.float32)]  # a mixed step
     for qlens, ctxs in WINDOW_CASES.values():
         q, k, v, _ = cases[0]
@@ -182,10 +185,7 @@ def test_fast_path_window_bf16_close_to_reference():
 def test_window_reads_no_key_before_it(monkeypatch, cpp):
     """A decode over 200 keys with a window of 20 reads the blocks of keys 180..199 only:
     poisoning every block before them with NaN changes nothing."""
-    if not cpp:
-        monkeypatch.setattr(attention, "supports_shape", lambda *shape: False)
-    elif not attention.supports_shape(4, 2, 32):
-        pytest.skip("no C++ compiler")
+    _take_path(monkeypatch, cpp, 4, 2, 32)
     torch.manual_seed(3)
     table = list(range(13))[::-1]
     batch = AttentionBatch.build([1, 4], [200, 200], [table, table], BLOCK)

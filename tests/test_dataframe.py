@@ -12,7 +12,9 @@ import pytest
 import llmdb
 from llmdb.session import Options, Session
 
-from .sql_support import column_values, isolated_cache_dir, start_engine
+from .sql_support import column_values
+
+pytestmark = pytest.mark.usefixtures("eng", "own_cache_dir")
 
 DATA = {
     "product": ["blender", "lamp", None, "kettle", "chair"],
@@ -20,16 +22,6 @@ DATA = {
                "Reply yes if 2+2=4."],
 }
 LABELS = ["positive", "negative"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def eng():
-    return start_engine()
-
-
-@pytest.fixture(autouse=True)
-def _own_cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("LLMDB_CACHE_DIR", str(isolated_cache_dir(tmp_path / "cache")))
 
 
 def _frame(kind: str):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
 import threading
 
 import pytest
@@ -175,33 +178,44 @@ def test_abort_frees_blocks_and_engine_keeps_serving(engine):
     assert engine.wait(keep).usage.generated_tokens == 5
 
 
-def test_aborting_a_logits_job_mid_way_frees_its_blocks_and_tells_its_waiter(engine,
-                                                                             monkeypatch):
-    """A thread waits in logits() on a long prompt; another aborts the job between two of its
-    steps: every block is freed, the waiter gets RequestAborted naming the job (not the rows
-    computed so far), no result is left behind, and the engine's next logits equal those of
-    an undisturbed run. The background loop is held at the job's second step (no timing:
-    a loop that takes its lock back at once would starve a test that polls)."""
-    ids = engine.encode_prompt(chat(" ".join(CHAT_QUESTIONS) * 2))
-    short = ids[:48]
-    ref = engine.logits(short)
-    monkeypatch.setattr(engine.scheduler, "max_num_batched_tokens", 16)  # many steps
-    launch, launches = engine.runner.launch, []
-    second_step, resume = threading.Event(), threading.Event()
+@dataclasses.dataclass
+class _HeldLoop:
+    """The background loop held inside a runner call while a thread waits on a job; `got`:
+    what the job returned ("result") or the RequestAborted it raised ("error")."""
 
-    def held_at_the_second_step(*args, **kwargs):
-        launches.append(1)
-        if len(launches) == 2:
-            second_step.set()
+    resume: threading.Event
+    waiter: threading.Thread
+    got: dict
+
+    def release(self) -> None:
+        """Lets the held step go on: the waiter must then end (an abort woke it)."""
+        self.resume.set()
+        self.waiter.join(30)
+        assert not self.waiter.is_alive(), "the waiter was not woken by the abort"
+
+
+@contextlib.contextmanager
+def _loop_held(engine, monkeypatch, method: str, call: int, job):
+    """job() runs on a thread of its own beside the background loop, which is held inside
+    engine.runner.<method> at its call-th call until release(). (No timing: a loop that takes
+    its lock back at once would starve a test that polls.) On exit the loop stops and the
+    runner's method is its own again."""
+    original, calls = getattr(engine.runner, method), []
+    reached, resume = threading.Event(), threading.Event()
+
+    def held(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            reached.set()
             resume.wait(30)
-        return launch(*args, **kwargs)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(engine.runner, "launch", held_at_the_second_step)
+    monkeypatch.setattr(engine.runner, method, held)
     got: dict[str, object] = {}
 
     def waiter() -> None:
         try:
-            got["logits"] = engine.logits(ids, request_id="long-logits")
+            got["result"] = job()
         except RequestAborted as e:
             got["error"] = e
 
@@ -209,27 +223,43 @@ def test_aborting_a_logits_job_mid_way_frees_its_blocks_and_tells_its_waiter(eng
     thread = threading.Thread(target=waiter)
     thread.start()
     try:
-        assert second_step.wait(30), "the logits job never reached its second step"
+        assert reached.wait(30), f"the job never reached call {call} of runner.{method}"
+        yield _HeldLoop(resume, thread, got)
+    finally:
+        resume.set()
+        engine.stop_background_loop()
+        monkeypatch.setattr(engine.runner, method, original)
+
+
+def test_aborting_a_logits_job_mid_way_frees_its_blocks_and_tells_its_waiter(engine,
+                                                                             monkeypatch):
+    """A thread waits in logits() on a long prompt; another aborts the job between two of its
+    steps: every block is freed, the waiter gets RequestAborted naming the job (not the rows
+    computed so far), no result is left behind, and the engine's next logits equal those of
+    an undisturbed run. The background loop is held at the job's second step."""
+    ids = engine.encode_prompt(chat(" ".join(CHAT_QUESTIONS) * 2))
+    short = ids[:48]
+    ref = engine.logits(short)
+    monkeypatch.setattr(engine.scheduler, "max_num_batched_tokens", 16)  # many steps
+    job = functools.partial(engine.logits, ids, request_id="long-logits")
+    with _loop_held(engine, monkeypatch, "launch", 2, job) as held:
         req = engine._requests["long-logits"]
         assert 0 < req.num_computed < len(ids)
         assert engine.pool.num_free < engine.pool.num_blocks
         # abort() waits for the held step: it is made from a thread of its own.
         aborting = threading.Thread(target=engine.abort, args=("long-logits",))
         aborting.start()
-        resume.set()
+        held.release()
         aborting.join(30)
-        thread.join(30)
         assert not aborting.is_alive(), "abort() did not return once the step ended"
-        assert not thread.is_alive(), "the waiter was not woken by the abort"
-    finally:
-        resume.set()
-        engine.stop_background_loop()
-    assert "logits" not in got
+    got = held.got
+    assert "result" not in got
     assert isinstance(got["error"], RequestAborted) and got["error"].request_id == "long-logits"
     assert "'long-logits' was aborted" in str(got["error"])
     assert engine.pool.num_free == engine.pool.num_blocks
     assert not engine.has_unfinished and not engine._results
     torch.testing.assert_close(engine.logits(short), ref, rtol=1e-4, atol=1e-4)
+
 
 def test_an_abort_from_the_steps_own_callback_does_not_wait_for_the_step(engine, monkeypatch):
     """abort() waits for a step under way (its K/V writes must land before the blocks are
@@ -267,45 +297,18 @@ def test_an_aborted_score_request_raises_naming_it_not_a_partial_sum(engine, mon
     continuations = [text[:60], text[60:120]]
     ref = engine.score(prompt, continuations)
     monkeypatch.setattr(engine.scheduler, "max_num_batched_tokens", 16)  # many steps
-    collect, reads = engine.runner.collect, []
-    first_read, resume = threading.Event(), threading.Event()
-
-    def held_at_the_first_read(*args, **kwargs):
-        reads.append(1)
-        if len(reads) == 1:
-            first_read.set()
-            resume.wait(30)
-        return collect(*args, **kwargs)
-
-    monkeypatch.setattr(engine.runner, "collect", held_at_the_first_read)
-    got: dict[str, object] = {}
-
-    def waiter() -> None:
-        try:
-            got["scores"] = engine.score(prompt, continuations)
-        except RequestAborted as e:
-            got["error"] = e
-
-    engine.start_background_loop()
-    thread = threading.Thread(target=waiter)
-    thread.start()
-    try:
-        assert first_read.wait(30), "the scoring never reached its first step"
+    job = functools.partial(engine.score, prompt, continuations)
+    with _loop_held(engine, monkeypatch, "collect", 1, job) as held:
         first, _ = engine._requests  # score()'s requests, in order
         assert engine._requests[first].num_computed == 16  # 12 of its tokens scored
         engine.abort(first)
-        resume.set()
-        thread.join(30)
-        assert not thread.is_alive(), "the waiter was not woken by the abort"
-    finally:
-        resume.set()
-        engine.stop_background_loop()
-    assert "scores" not in got
+        held.release()
+    got = held.got
+    assert "result" not in got
     assert isinstance(got["error"], RequestAborted) and got["error"].request_id == first
     assert f"score request {first!r} was aborted" in str(got["error"])
     assert engine.pool.num_free == engine.pool.num_blocks
     assert not engine.has_unfinished and not engine._results
-    monkeypatch.setattr(engine.runner, "collect", collect)
     assert engine.score(prompt, continuations) == pytest.approx(ref, abs=1e-4)
 
 

@@ -25,14 +25,21 @@ from .gemma_models import (
     SOT,
     VARIANTS,
     VOCAB_SIZE,
-    _assert_close,
     _assert_config_is,
     _build,
-    _ref_logits,
     _save,
     _say_end_of_turn,
 )
-from .test_hf_models import _assert_same_greedy
+from .model_builders import (
+    assert_close,
+    assert_greedy_matches,
+    assert_logits_match,
+    assert_triton_path_matches,
+    cached_engines,
+    edit_config,
+    ref_logits,
+    reference_models,
+)
 
 
 @pytest.fixture(scope="module")
@@ -45,31 +52,13 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def hf_ref(hf_dirs):
     """name -> the transformers model reloaded from its directory (eager attention, fp32)."""
-    cache: dict[str, torch.nn.Module] = {}
-
-    def get(name: str):
-        if name not in cache:
-            m = transformers.AutoModelForCausalLM.from_pretrained(
-                hf_dirs[name], dtype=torch.float32, attn_implementation="eager").eval()
-            m.generation_config.eos_token_id = None  # generate the full length
-            cache[name] = m
-        return cache[name]
-
-    return get
+    return reference_models(hf_dirs)
 
 
 @pytest.fixture(scope="module")
 def engines(hf_dirs):
-    cache: dict[tuple[str, str], LLMEngine] = {}
-
-    def get(name: str, attention: str) -> LLMEngine:
-        if (name, attention) not in cache:
-            cache[name, attention] = LLMEngine(model=str(hf_dirs[name]), dtype="fp32",
-                                               kv_cache_bytes=8 << 20, attention=attention,
-                                               threads=2)
-        return cache[name, attention]
-
-    return get
+    """(name, attention, **options) -> an engine on the model's directory."""
+    return cached_engines(hf_dirs, kv_cache_bytes=8 << 20)
 
 
 def _sequences(seed: int) -> list[list[int]]:
@@ -84,39 +73,26 @@ def _sequences(seed: int) -> list[list[int]]:
 @pytest.mark.parametrize("attention", ["reference", "cpu"])
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_logits_match_transformers(name, attention, hf_ref, engines):
-    ref_model, engine = hf_ref(name), engines(name, attention)
-    for ids in _sequences(seed=len(name)):
-        ref = _ref_logits(ref_model, ids)
-        assert float(ref.std()) > 0.5, "degenerate model: logits hardly vary"
-        _assert_close(engine.logits(ids), ref, f"{name}/{attention} len {len(ids)}")
+    engine = engines(name, attention)
+    assert_logits_match(engine, hf_ref(name), _sequences(seed=len(name)), f"{name}/{attention}")
     assert engine.pool.num_free == engine.pool.num_blocks, "KV blocks leaked"
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_chunked_prefill_logits_match_transformers(name, hf_dirs, hf_ref):
+def test_chunked_prefill_logits_match_transformers(name, hf_ref, engines):
     """Prompts split over steps: later chunks attend to cached K/V at offset positions."""
-    engine = LLMEngine(model=str(hf_dirs[name]), dtype="fp32", kv_cache_bytes=8 << 20,
-                       threads=2, max_num_batched_tokens=24)
+    engine = engines(name, "cpu", max_num_batched_tokens=24)
     ids = _sequences(seed=3)[-1]
-    _assert_close(engine.logits(ids), _ref_logits(hf_ref(name), ids), f"{name} chunked")
+    assert_close(engine.logits(ids), ref_logits(hf_ref(name), ids), f"{name} chunked")
 
 
 @pytest.mark.parametrize("attention", ["reference", "cpu"])
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_greedy_generation_matches_transformers(name, attention, hf_ref, engines):
-    ref_model, engine = hf_ref(name), engines(name, attention)
     rng = random.Random(7)
     prompts = [[rng.randrange(VOCAB_SIZE) for _ in range(n)] for n in (1, 6, 21)]
-    results = engine.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
-    distinct = set()
-    for prompt, res in zip(prompts, results, strict=True):
-        with torch.inference_mode():
-            out = ref_model.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=10, do_sample=False, pad_token_id=PAD)
-        ref = out[0, len(prompt):].tolist()
-        distinct.update(ref)
-        _assert_same_greedy(ref_model, prompt, ref, res.token_ids)
+    answers = assert_greedy_matches(engines(name, attention), hf_ref(name), prompts, 10, PAD)
+    distinct = {t for ref, _ in answers for t in ref}
     assert len(distinct) > 3, "degenerate model: greedy output is nearly constant"
 
 
@@ -126,19 +102,9 @@ def test_triton_path_matches_transformers(name, hf_dirs, hf_ref):
     sublayer's output norm fused with the residual add and the next norm, Q/K norms inside
     the fused RoPE and K/V write), on CPU tensors under Triton's interpreter in CI: whole and
     chunked prompts give transformers' logits, greedy tokens the CPU path's."""
-    pytest.importorskip("triton", reason="triton is not installed")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    engine = LLMEngine(model=str(hf_dirs[name]), device=device, attention="triton",
-                       dtype="fp32", kv_cache_bytes=8 << 20, threads=2,
-                       max_num_batched_tokens=24)
-    for ids in _sequences(seed=5)[:3]:
-        _assert_close(engine.logits(ids), _ref_logits(hf_ref(name), ids), f"{name}/triton")
     prompts = [ids[:n] for ids, n in zip(_sequences(seed=6), (1, 9, 40), strict=False)]
-    params = SamplingParams(max_tokens=5, ignore_eos=True)
-    cpu = LLMEngine(model=str(hf_dirs[name]), dtype="fp32", kv_cache_bytes=8 << 20, threads=2)
-    assert ([r.token_ids for r in engine.generate(prompts, params)]
-            == [r.token_ids for r in cpu.generate(prompts, params)])
-    assert engine.pool.num_free == engine.pool.num_blocks
+    assert_triton_path_matches(hf_dirs[name], hf_ref(name), _sequences(seed=5)[:3], prompts,
+                               max_tokens=5, kv_cache_bytes=8 << 20, what=f"{name}/triton")
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -148,16 +114,6 @@ def test_metadata_becomes_model_config(name, hf_dirs):
         hf_dirs[name])
     _assert_config_is(cfg, hf)
     assert cfg.eos_token_ids == (EOS, EOT)  # generation_config's: the end of a turn stops
-
-
-def _edit_config(src: Path, dst: Path, edit) -> Path:
-    dst.mkdir()
-    for f in src.iterdir():
-        (dst / f.name).write_bytes(f.read_bytes())
-    cfg = json.loads((dst / "config.json").read_text())
-    edit(cfg)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
 
 
 def _gemma3_as_transformers_4_wrote_it(cfg: dict) -> None:
@@ -179,7 +135,7 @@ def _gemma3_as_transformers_4_wrote_it(cfg: dict) -> None:
 def test_older_config_keys_read_as_transformers_reads_them(name, edit, hf_dirs, tmp_path):
     """Configs written before transformers 5 (and 4.53's layer_types) name the RoPE bases and
     the pattern of sliding layers otherwise: read as transformers reads them."""
-    d = _edit_config(hf_dirs[name], tmp_path / "legacy", edit)
+    d = edit_config(hf_dirs[name], tmp_path / "legacy", edit)
     cfg, hf = load_model(d).config, transformers.AutoConfig.from_pretrained(d)
     assert "layer_types" not in json.loads((d / "config.json").read_text())
     _assert_config_is(cfg, hf)
@@ -196,7 +152,7 @@ def test_older_config_keys_read_as_transformers_reads_them(name, edit, hf_dirs, 
      "RoPE scaling on Gemma's sliding-window layers"),
 ])
 def test_what_is_not_run_is_refused_by_name(name, edit, message, hf_dirs, tmp_path):
-    d = _edit_config(hf_dirs[name], tmp_path / "refused", lambda cfg: cfg.update(edit))
+    d = edit_config(hf_dirs[name], tmp_path / "refused", lambda cfg: cfg.update(edit))
     with pytest.raises(ModelLoadError, match=message):
         load_model(d)
 

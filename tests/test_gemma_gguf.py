@@ -22,14 +22,21 @@ from .gemma_models import (
     EOS,
     EOT,
     TEMPLATE,
-    _assert_close,
     _assert_config_is,
     _build,
     _config,
     _randomized,
-    _ref_logits,
     _save,
     _say_end_of_turn,
+)
+from .model_builders import (
+    add_bpe_vocab,
+    add_gguf_shape,
+    assert_close,
+    assert_logits_match,
+    gguf_tensor_name,
+    ref_logits,
+    write_gguf_file,
 )
 from .test_gguf_loader import CONTEXT as GGUF_CONTEXT
 from .test_gguf_loader import _encode_tensor, _llama_cpp_logits, _rms_err, _train_bpe
@@ -50,8 +57,6 @@ GGUF_LAYER_NAMES = {
     "post_feedforward_layernorm": "post_ffw_norm", "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
 }
-GGUF_TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
-                  "lm_head": "output"}
 # name -> (family, config): the HF variants' features, in llama.cpp's layouts.
 GGUF_VARIANTS = {
     # Tied: llama.cpp's gemma2 reads no output tensor (its converter drops lm_head).
@@ -75,21 +80,14 @@ def _gguf_model(name: str, vocab_size: int, seed: int, **extra):
     return _randomized(cls(config), seed)
 
 
-def _gguf_name(hf_name: str) -> str:
-    base, _, kind = hf_name.rpartition(".")
-    if base.startswith("model.layers."):
-        i, rest = base.removeprefix("model.layers.").split(".", 1)
-        return f"blk.{i}.{GGUF_LAYER_NAMES[rest]}.{kind}"
-    return f"{GGUF_TOP_NAMES[base]}.{kind}"
-
-
 def _gguf_tensors(model) -> dict[str, np.ndarray]:
     out = {}
     for name, p in model.state_dict().items():
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
         w = p.detach().float().numpy().copy()
-        out[_gguf_name(name)] = w + np.float32(1.0) if name.endswith("norm.weight") else w
+        gname = gguf_tensor_name(name, GGUF_LAYER_NAMES)
+        out[gname] = w + np.float32(1.0) if name.endswith("norm.weight") else w
     return out
 
 
@@ -98,13 +96,7 @@ def _write_gemma_gguf(path: Path, model, vocab, qtype: QT = QT.F32) -> Path:
     cfg = model.config
     arch = {"gemma2": "gemma2", "gemma3_text": "gemma3"}[cfg.model_type]
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    add_gguf_shape(w, cfg)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
     w.add_sliding_window(cfg.sliding_window)
@@ -124,21 +116,13 @@ def _write_gemma_gguf(path: Path, model, vocab, qtype: QT = QT.F32) -> Path:
     for name, arr in _gguf_tensors(model).items():
         data, raw = _encode_tensor(arr, qtype)
         w.add_tensor(name, data, raw_dtype=raw)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf_file(w)
     return path
 
 
 def _bpe_vocab(bpe: Tokenizer):
     def write(w) -> None:
-        tokens, types, merges = _bpe_lists(bpe)
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("smollm")
-        w.add_token_list(tokens)
-        w.add_token_types(types)
-        w.add_token_merges(merges)
+        add_bpe_vocab(w, *_bpe_lists(bpe))
         w.add_bos_token_id(0)
         w.add_eos_token_id(2)
 
@@ -185,10 +169,8 @@ def test_gguf_logits_match_transformers(name, gguf_models, gguf_files):
     llama.cpp fixes and those the metadata holds all mean what transformers means."""
     model, engine = gguf_models[name], _gguf_engine(gguf_files[name])
     _assert_config_is(engine.config, model.config)
-    for ids in _gguf_sequences(engine.config.vocab_size, seed=len(name)):
-        ref = _ref_logits(model, ids)
-        assert float(ref.std()) > 0.5, "degenerate model: logits hardly vary"
-        _assert_close(engine.logits(ids), ref, f"{name} GGUF len {len(ids)}")
+    assert_logits_match(engine, model, _gguf_sequences(engine.config.vocab_size, seed=len(name)),
+                        f"{name} GGUF")
 
 
 def test_gguf_norms_load_as_the_checkpoints_weights(gguf_models, gguf_files):
@@ -249,7 +231,8 @@ def test_a_quantized_gemma_file_runs_its_dequantized_weights(gguf_models, bpe, t
         w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(
             tuple(int(d) for d in reversed(t.shape)))
         base = t.name.removesuffix(".weight")
-        hf = next(k for k in loaded.weights if _gguf_name(k).removesuffix(".weight") == base)
+        hf = next(k for k in loaded.weights
+                  if gguf_tensor_name(k, GGUF_LAYER_NAMES).removesuffix(".weight") == base)
         assert (t.tensor_type == QT.F32) == (w.ndim == 1), t.name
         expected = w - np.float32(1.0) if t.name.endswith("norm.weight") else w
         assert np.array_equal(loaded.weights[hf].numpy(), expected), t.name
@@ -258,7 +241,7 @@ def test_a_quantized_gemma_file_runs_its_dequantized_weights(gguf_models, bpe, t
     assert not unexpected and set(missing) <= {"lm_head.weight"}  # (tied to the embeddings)
     engine = _gguf_engine(path)
     for ids in _gguf_sequences(engine.config.vocab_size, seed=5)[1:3]:
-        _assert_close(engine.logits(ids), _ref_logits(deq, ids), "Q8_0")
+        assert_close(engine.logits(ids), ref_logits(deq, ids), "Q8_0")
 
 
 @torch.inference_mode()
@@ -278,7 +261,7 @@ def test_exported_gemma_runs_in_transformers(source, name, gguf_files, tmp_path)
     _assert_config_is(loaded.config, model.config)
     engine = _gguf_engine(path)
     for ids in _gguf_sequences(engine.config.vocab_size, seed=3)[:3]:
-        _assert_close(engine.logits(ids), _ref_logits(model, ids), f"{name} export")
+        assert_close(engine.logits(ids), ref_logits(model, ids), f"{name} export")
 
 
 # ---- a Gemma vocabulary in GGUF: chat turns and their end ---------------------------------

@@ -31,6 +31,16 @@ from llmdb.engine.engine import LLMEngine
 from llmdb.engine.models import ModelLoadError, gguf_file, load_model, loader
 from llmdb.engine.models.gguf_file import read_gguf_metadata
 
+from .model_builders import (
+    LOGIT_RTOL,
+    add_bpe_vocab,
+    add_gguf_shape,
+    gguf_tensor_name,
+    randomize,
+    ref_logits,
+    write_gguf_file,
+)
+
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # control tokens, ids 0..2
 EOT, IM_START, IM_END = 0, 1, 2
 CHATML = (
@@ -48,7 +58,6 @@ CORPUS = [
     "naïve café — 東京 2024 ünïcödé",
 ]
 CONTEXT = 128
-LOGIT_RTOL = 1e-4  # max |ours - reference| relative to the reference's max |logit|
 
 # Hugging Face parameter names -> llama.cpp tensor names (convert_hf_to_gguf's mapping).
 LAYER_NAMES = {
@@ -64,15 +73,6 @@ LAYER_NAMES = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
-TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-
-
-def _gguf_name(hf_name: str) -> str:
-    base, _, kind = hf_name.rpartition(".")  # kind: weight or bias
-    if base.startswith("model.layers."):
-        i, rest = base.removeprefix("model.layers.").split(".", 1)
-        return f"blk.{i}.{LAYER_NAMES[rest]}.{kind}"
-    return f"{TOP_NAMES[base]}.{kind}"
 
 
 # ---- building tiny models ------------------------------------------------------------------
@@ -124,20 +124,7 @@ def _hf_llama(vocab_size: int, *, hidden: int, heads: int, kv_heads: int, ffn: i
     )
     torch.manual_seed(seed)
     model = getattr(transformers, f"{family}ForCausalLM")(cfg)
-    # Weights far from the defaults (norms of 1), so that a swapped or dropped tensor shows,
-    # and logits spread enough that comparisons are not between near-constant vectors.
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if "norm" in name:
-                p.copy_(1.0 + 0.3 * noise)
-            elif name.endswith("bias"):
-                p.copy_(0.1 * noise)
-            elif "embed" in name:
-                p.copy_(0.5 * noise)
-            else:
-                p.copy_(noise / p.shape[-1] ** 0.5)
+    randomize(model, seed)
     model.config._attn_implementation = "eager"
     return model.eval()
 
@@ -164,7 +151,7 @@ def _gguf_tensors(model) -> dict[str, np.ndarray]:
     for name, p in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        gname, w = _gguf_name(name), p.detach().float().numpy().copy()
+        gname, w = gguf_tensor_name(name, LAYER_NAMES), p.detach().float().numpy().copy()
         if permute and gname.endswith(".attn_q.weight"):
             w = _permute(w, cfg.num_attention_heads)
         elif permute and gname.endswith(".attn_k.weight"):
@@ -240,14 +227,8 @@ def _write_gguf(path: Path, model, tok: Tokenizer, qtype: QT = QT.F32, *, arch: 
     w = gguf.GGUFWriter(str(path), arch)  # also writes general.architecture
     w.add_name("tiny-test-llama")
     w.add_vocab_size(len(tokens))
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    add_gguf_shape(w, cfg)
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
@@ -256,12 +237,7 @@ def _write_gguf(path: Path, model, tok: Tokenizer, qtype: QT = QT.F32, *, arch: 
         w.add_rope_scaling_factor(cfg.rope_parameters["factor"])
     w.add_file_type(int(getattr(gguf.LlamaFileType, f"MOSTLY_{qtype.name}",
                                 gguf.LlamaFileType.ALL_F32)))
-    w.add_tokenizer_model(tokenizer_model)
-    if pre is not None:
-        w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
+    add_bpe_vocab(w, tokens, types, merges, model=tokenizer_model, pre=pre)
     w.add_bos_token_id(EOT)
     w.add_eos_token_id(IM_END)
     w.add_add_bos_token(False)
@@ -272,10 +248,7 @@ def _write_gguf(path: Path, model, tok: Tokenizer, qtype: QT = QT.F32, *, arch: 
         for name, arr in _gguf_tensors(model).items():
             data, raw = _encode_tensor(arr, (tensor_types or {}).get(name, qtype))
             w.add_tensor(name, data, raw_dtype=raw)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf_file(w)
     return path
 
 
@@ -365,11 +338,6 @@ def _sequences(vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(n)] for n in (1, 9, 53, CONTEXT - 8)]
 
 
-@torch.inference_mode()
-def _ref_logits(model, ids: list[int]) -> torch.Tensor:
-    return model(torch.tensor([ids])).logits[0].float()
-
-
 def _max_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     """max |ours - ref| relative to the reference's max |logit| (at least 1)."""
     assert ours.shape == ref.shape, f"shape {tuple(ours.shape)} vs {tuple(ref.shape)}"
@@ -390,7 +358,7 @@ def test_f32_logits_match_transformers(name, hf_models, f32_files):
     """Proves the names, the Q/K un-permutation (GQA), tied/untied output, theta and eps."""
     model, engine = hf_models[name], _engine(f32_files[name])
     for ids in _sequences(engine.config.vocab_size, seed=len(name)):
-        ref = _ref_logits(model, ids)
+        ref = ref_logits(model, ids)
         assert float(ref.std()) > 0.5, "degenerate model: logits hardly vary"
         err = _max_err(engine.logits(ids), ref)
         assert err <= LOGIT_RTOL, f"{name} len {len(ids)}: relative error {err:.3g}"
@@ -497,9 +465,9 @@ def test_quantized_weights_and_logits(qtype, hf_models, f32_files, quant_file):
     deq.load_state_dict({k: torch.from_numpy(v) for k, v in expected.items()})
     for ids in _sequences(engine.config.vocab_size, seed=5)[1:3]:
         ours = engine.logits(ids)
-        err = _max_err(ours, _ref_logits(deq, ids))
+        err = _max_err(ours, ref_logits(deq, ids))
         assert err <= LOGIT_RTOL, f"{qtype.name}: relative error {err:.3g} vs dequantized model"
-        err = _rms_err(ours, _ref_logits(model, ids))
+        err = _rms_err(ours, ref_logits(model, ids))
         assert err <= QUANT_RMS_TOLERANCE[qtype], f"{qtype.name}: {err:.3g} from the F32 model"
 
 
@@ -518,7 +486,7 @@ def test_mixed_tensor_types_in_one_file(hf_models, bpe, gguf_dir):
 
 
 def _assert_weights_are_the_files(path: Path, weights: dict, hf_cfg) -> None:
-    hf_names = {_gguf_name(k): k for k in weights}
+    hf_names = {gguf_tensor_name(k, LAYER_NAMES): k for k in weights}
     reader = gguf.GGUFReader(str(path))
     assert len(reader.tensors) == len(weights)
     for t in reader.tensors:
@@ -621,8 +589,8 @@ def test_quantized_files_from_llama_cpp(ftype, kquant, llama_cpp):
     deq.load_state_dict(loaded.weights)
     ids = _sequences(engine.config.vocab_size, seed=9)[2]
     ours = engine.logits(ids)
-    assert _max_err(ours, _ref_logits(deq, ids)) <= LOGIT_RTOL
-    err = _rms_err(ours, _ref_logits(model, ids))
+    assert _max_err(ours, ref_logits(deq, ids)) <= LOGIT_RTOL
+    err = _rms_err(ours, ref_logits(model, ids))
     assert err <= rms_bound, f"{ftype}: {err:.3g} from the F32 model"
     # llama.cpp rounds activations to 8 bits for quantized matmuls: a few % apart here,
     # several times closer than either is to the F32 model.
@@ -641,7 +609,7 @@ def test_a_q4_k_m_file_with_narrow_rows_loads(llama_cpp, hf_models, f32_files, g
     ids = _sequences(400, seed=11)[2]
     ours = _engine(path).logits(ids)
     assert _rms_err(ours, _llama_cpp_logits(llama_cpp, path, ids)) <= 0.06
-    assert _rms_err(ours, _ref_logits(hf_models["untied"], ids)) <= 0.3
+    assert _rms_err(ours, ref_logits(hf_models["untied"], ids)) <= 0.3
 
 
 @pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.Q8_0, QT.Q4_0], ids=lambda q: q.name)
@@ -923,7 +891,7 @@ def test_exported_hf_directory_runs_in_transformers(name, f32_files, tmp_path):
         out, dtype=torch.float32, attn_implementation="eager").eval()
     engine = _engine(f32_files[name])
     for ids in _sequences(engine.config.vocab_size, seed=3)[:3]:
-        err = _max_err(engine.logits(ids), _ref_logits(model, ids))
+        err = _max_err(engine.logits(ids), ref_logits(model, ids))
         assert err <= LOGIT_RTOL, f"{name} len {len(ids)}: relative error {err:.3g}"
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     text = "<|im_start|>user\nhello 42<|im_end|>\n"

@@ -26,16 +26,8 @@ from llmdb.engine.params import SamplingParams
 from llmdb.samples import SAMPLES
 
 from .helpers import assert_same_tokens
-from .test_gguf_loader import (
-    CONTEXT,
-    LOGIT_RTOL,
-    SMALL,
-    _gguf_tensors,
-    _hf_llama,
-    _max_err,
-    _ref_logits,
-    _rms_err,
-)
+from .model_builders import LOGIT_RTOL, ref_logits, write_gguf_file
+from .test_gguf_loader import CONTEXT, SMALL, _gguf_tensors, _hf_llama, _max_err, _rms_err
 
 spm = pytest.importorskip("sentencepiece", reason="sentencepiece is not installed (pip install "
                           "'.[test]'): it trains the vocabularies and is their reference")
@@ -164,10 +156,7 @@ def _write_spm_gguf(path: Path, sp: spm.SentencePieceProcessor, *,
     if model is not None:
         for name, arr in _gguf_tensors(model).items():
             w.add_tensor(name, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf_file(w)
     return path
 
 
@@ -411,11 +400,11 @@ def test_a_sentencepiece_gguf_generates(spm_model):
     prompt = "The quick brown fox, naïve 東京 🙂"
     ids = engine.encode_prompt(prompt)
     assert ids == [sp.bos_id(), *sp.encode(prompt)]
-    err = _max_err(engine.logits(ids), _ref_logits(model, ids))
+    err = _max_err(engine.logits(ids), ref_logits(model, ids))
     assert err <= LOGIT_RTOL, f"relative error {err:.3g}"
     want = list(ids)
     for _ in range(12):  # greedy decoding, step by step in transformers
-        want.append(int(_ref_logits(model, want)[-1].argmax()))
+        want.append(int(ref_logits(model, want)[-1].argmax()))
     want = want[len(ids):]
     [result] = engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))
     assert_same_tokens(engine, ids, want, result.token_ids)

@@ -22,23 +22,32 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer
 
 from llmdb.engine.engine import LLMEngine
 from llmdb.engine.models import ModelLoadError, load_model
 from llmdb.engine.params import SamplingParams
 
+from .model_builders import (
+    WORDS,
+    add_bpe_vocab,
+    add_gguf_shape,
+    assert_close,
+    assert_greedy_matches,
+    assert_logits_match,
+    assert_triton_path_matches,
+    cached_engines,
+    copy_dir,
+    edit_config,
+    gguf_tensor_name,
+    randomize,
+    ref_logits,
+    reference_models,
+    word_level_tokenizer,
+    write_gguf_file,
+)
 from .test_gguf_loader import _train_bpe
 from .test_gguf_loader import _vocab as _bpe_vocab
-from .test_hf_models import (
-    WORDS,
-    _assert_close,
-    _assert_same_greedy,
-    _copy_dir,
-    _edit_config,
-    _randomize,
-    _ref_logits,
-)
 
 CONTEXT = 256
 ORIGINAL = 64  # the LongRoPE models' pretrained context
@@ -85,7 +94,7 @@ def _phi3_config(vocab_size: int, *, kv_heads: int, tie: bool, theta: float = 10
 def _phi3(vocab_size: int, seed: int, **kw) -> transformers.Phi3ForCausalLM:
     torch.manual_seed(seed)
     model = transformers.Phi3ForCausalLM(_phi3_config(vocab_size, **kw))
-    _randomize(model, seed)
+    randomize(model, seed)
     model.config._attn_implementation = "eager"
     return model.eval()
 
@@ -118,10 +127,7 @@ def _ids(n: int, seed: int, vocab_size: int = VOCAB_SIZE) -> list[int]:
 
 
 def _tokenizer() -> Tokenizer:
-    tok = Tokenizer(models.WordLevel(VOCAB, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(SPECIALS)
-    return tok
+    return word_level_tokenizer(VOCAB, SPECIALS, unk="<unk>")
 
 
 def _save(model, path: Path) -> Path:
@@ -147,32 +153,15 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def hf_ref(hf_dirs):
     """name -> transformers' model reloaded from the directory (eager, fp32, no EOS)."""
-    cache: dict[str, torch.nn.Module] = {}
-
-    def get(name: str):
-        if name not in cache:
-            m = transformers.AutoModelForCausalLM.from_pretrained(
-                hf_dirs[name], dtype=torch.float32, attn_implementation="eager").eval()
-            m.generation_config.eos_token_id = None
-            cache[name] = m
-        return cache[name]
-
-    return get
+    return reference_models(hf_dirs)
 
 
 @pytest.fixture(scope="module")
 def engines(hf_dirs):
-    cache: dict[tuple, LLMEngine] = {}
-
-    def get(name: str, max_context: int | None = None, attention: str = "cpu", **kw):
-        key = (name, max_context, attention, *sorted(kw.items()))
-        if key not in cache:
-            cache[key] = LLMEngine(model=str(hf_dirs[name]), dtype="fp32",
-                                   kv_cache_bytes=4 << 20, attention=attention, threads=2,
-                                   max_context=max_context, **kw)
-        return cache[key]
-
-    return get
+    """(name, max_context, attention, **options) -> an engine on the directory."""
+    get = cached_engines(hf_dirs, kv_cache_bytes=4 << 20)
+    return lambda name, max_context=None, attention="cpu", **options: get(
+        name, attention, max_context=max_context, **options)
 
 
 # ---- Hugging Face directories against transformers -------------------------------------------
@@ -183,12 +172,8 @@ def engines(hf_dirs):
 def test_logits_match_transformers(name, attention, hf_ref, engines):
     for max_context, lengths in _modes(name):
         engine = engines(name, max_context, attention)
-        for n in lengths:
-            ids = _ids(n, seed=1)
-            ref = _ref_logits(hf_ref(name), ids)
-            assert float(ref.std()) > 0.5
-            _assert_close(engine.logits(ids), ref, f"{name}/{attention} ctx {max_context} "
-                          f"len {n}")
+        assert_logits_match(engine, hf_ref(name), [_ids(n, seed=1) for n in lengths],
+                            f"{name}/{attention} ctx {max_context}")
         assert engine.pool.num_free == engine.pool.num_blocks
 
 
@@ -205,7 +190,7 @@ def test_longrope_serves_one_set_by_context(hf_dirs, hf_ref, engines):
     assert engines("phi3-longrope").config.max_context == ORIGINAL
     ids = _ids(40, seed=2)
     long_logits = engines("phi3-longrope", CONTEXT).logits(ids)
-    assert float((long_logits - _ref_logits(ref_model, ids)).abs().max()) > 0.1
+    assert float((long_logits - ref_logits(ref_model, ids)).abs().max()) > 0.1
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -214,46 +199,29 @@ def test_chunked_prefill_logits_match_transformers(name, hf_ref, engines):
     for max_context, lengths in _modes(name):
         engine = engines(name, max_context, max_num_batched_tokens=24)
         ids = _ids(lengths[-1], seed=3)
-        _assert_close(engine.logits(ids), _ref_logits(hf_ref(name), ids), f"{name} chunked")
+        assert_close(engine.logits(ids), ref_logits(hf_ref(name), ids), f"{name} chunked")
 
 
 @pytest.mark.parametrize("attention", ["reference", "cpu"])
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_greedy_generation_matches_transformers(name, attention, hf_ref, engines):
-    ref_model = hf_ref(name)
     for max_context, _ in _modes(name):
         # Within the pretrained context even after 10 tokens, or past it from the start.
         prompts = [_ids(n, seed=4) for n in ((1, 6, 21) if max_context is None
                                              else (ORIGINAL + 1, 100))]
-        results = engines(name, max_context, attention).generate(
-            prompts, SamplingParams(max_tokens=10, ignore_eos=True))
-        for prompt, res in zip(prompts, results, strict=True):
-            with torch.inference_mode():
-                out = ref_model.generate(
-                    torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
-                                                                      dtype=torch.long),
-                    max_new_tokens=10, do_sample=False, pad_token_id=0)
-            _assert_same_greedy(ref_model, prompt, out[0, len(prompt):].tolist(), res.token_ids)
+        assert_greedy_matches(engines(name, max_context, attention), hf_ref(name), prompts,
+                              10, pad_token_id=0)
 
 
 @pytest.mark.parametrize("name", ["phi3", "phi3-window", "phi3-longrope", "phi4-mini-like"])
-def test_triton_path_matches_transformers(name, hf_dirs, hf_ref, engines):
+def test_triton_path_matches_transformers(name, hf_dirs, hf_ref):
     """The GPU kernels (RoPE from the scaled cos/sin table, fused with the K/V write), under
     Triton's interpreter in CI: transformers' logits, whole and chunked, and the CPU path's
     greedy tokens. (The default context only: the long set changes the table, built for
     both paths alike, and the interpreter takes seconds a step.)"""
-    pytest.importorskip("triton", reason="triton is not installed")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    engine = LLMEngine(model=str(hf_dirs[name]), device=device, attention="triton",
-                       dtype="fp32", kv_cache_bytes=4 << 20, threads=2,
-                       max_num_batched_tokens=24)
-    ids = _ids(40, seed=5)
-    _assert_close(engine.logits(ids), _ref_logits(hf_ref(name), ids), f"{name}/triton")
-    prompts = [_ids(n, seed=6) for n in (1, 9)]
-    params = SamplingParams(max_tokens=4, ignore_eos=True)
-    assert ([r.token_ids for r in engine.generate(prompts, params)]
-            == [r.token_ids for r in engines(name).generate(prompts, params)])
-    assert engine.pool.num_free == engine.pool.num_blocks
+    assert_triton_path_matches(hf_dirs[name], hf_ref(name), [_ids(40, seed=5)],
+                               [_ids(n, seed=6) for n in (1, 9)], max_tokens=4,
+                               kv_cache_bytes=4 << 20, what=f"{name}/triton")
 
 
 def _serve(engine: LLMEngine, prompts: list[list[int]], cache_types: list[str],
@@ -340,7 +308,7 @@ def test_generation_stops_at_end_of_turn(hf_dirs, tmp_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     free = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    d = _copy_dir(src, tmp_path / "ends")
+    d = copy_dir(src, tmp_path / "ends")
     weights = load_file(str(d / "model.safetensors"))
     weights["lm_head.weight"][END] = 1.3 * weights["lm_head.weight"][free[2]]
     save_file(weights, str(d / "model.safetensors"), metadata={"format": "pt"})
@@ -365,7 +333,7 @@ def test_legacy_su_config_is_read(hf_dirs, tmp_path):
         cfg["rope_scaling"] = {"type": "su", "short_factor": rope["short_factor"],
                                "long_factor": rope["long_factor"]}
 
-    d = _edit_config(hf_dirs["phi3-longrope"], tmp_path / "su", legacy)
+    d = edit_config(hf_dirs["phi3-longrope"], tmp_path / "su", legacy)
     assert load_model(d).config == load_model(hf_dirs["phi3-longrope"]).config
 
 
@@ -375,7 +343,7 @@ def test_legacy_su_config_is_read(hf_dirs, tmp_path):
      "short_factor has 6 values for 8 rotary frequencies"),
 ], ids=["no-long-factor", "short-factor-count"])
 def test_what_we_do_not_run_is_refused_by_name(hf_dirs, tmp_path, edit, pattern):
-    d = _edit_config(hf_dirs["phi3-longrope"], tmp_path / "bad", edit)
+    d = edit_config(hf_dirs["phi3-longrope"], tmp_path / "bad", edit)
     with pytest.raises(ModelLoadError, match=pattern):
         load_model(d)
 
@@ -406,15 +374,6 @@ GGUF_NAMES = {
     "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
     "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
 }
-GGUF_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-
-
-def _gguf_name(hf_name: str) -> str:
-    base, _, kind = hf_name.rpartition(".")
-    if base.startswith("model.layers."):
-        i, rest = base.removeprefix("model.layers.").split(".", 1)
-        return f"blk.{i}.{GGUF_NAMES[rest]}.{kind}"
-    return f"{GGUF_TOP[base]}.{kind}"
 
 
 @pytest.fixture(scope="module")
@@ -431,40 +390,27 @@ def _write_phi3_gguf(path: Path, model, vocab, arch: str = "phi3") -> Path:
     tensors unpermuted, LongRoPE's factors as two tensors."""
     cfg, rope = model.config, model.config.rope_parameters
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_context_length(cfg.max_position_embeddings)
+    add_gguf_shape(w, cfg)
     w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_dimension_count(int(rope["partial_rotary_factor"] * cfg.hidden_size)
                                // cfg.num_attention_heads)
     w.add_rope_freq_base(float(rope["rope_theta"]))
     w.add_sliding_window(cfg.sliding_window or 0)  # (0: none, as the converter writes it)
     w.add_file_type(int(gguf.LlamaFileType.ALL_F32))
-    tokens, types, merges = vocab
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
+    add_bpe_vocab(w, *vocab)
     w.add_bos_token_id(0)
     w.add_eos_token_id(0)  # <|endoftext|>, as Phi-3's eos
     w.add_add_bos_token(False)
     w.add_chat_template(PHI3_CHAT)
     for name, p in model.state_dict().items():
         if not (name == "lm_head.weight" and cfg.tie_word_embeddings):
-            w.add_tensor(_gguf_name(name), p.detach().float().numpy().copy())
+            w.add_tensor(gguf_tensor_name(name, GGUF_NAMES),
+                         p.detach().float().numpy().copy())
     if rope["rope_type"] == "longrope":
         w.add_rope_scaling_attn_factors(model.model.rotary_emb.attention_scaling)
         w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
         w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf_file(w)
     return path
 
 
@@ -507,7 +453,7 @@ def test_gguf_logits_match_transformers(name, gguf_models, vocab):
     for max_context, lengths in _gguf_modes(name):
         engine = _gguf_engine(path, max_context)
         for ids in (_ids(n, seed=9, vocab_size=len(vocab[0])) for n in lengths):
-            _assert_close(engine.logits(ids), _ref_logits(model, ids), f"{name} len {len(ids)}")
+            assert_close(engine.logits(ids), ref_logits(model, ids), f"{name} len {len(ids)}")
 
 
 @pytest.mark.parametrize("name", list(GGUF_VARIANTS))
@@ -567,8 +513,8 @@ def test_exported_phi3_runs_in_transformers(name, gguf_models, tmp_path):
     assert type(exported).__name__ == "Phi3ForCausalLM"
     for max_context, lengths in _gguf_modes(name):
         ids = _ids(lengths[-1], seed=10, vocab_size=model.config.vocab_size)
-        _assert_close(_gguf_engine(path, max_context).logits(ids), _ref_logits(exported, ids),
-                      f"{name} exported, len {len(ids)}")
+        assert_close(_gguf_engine(path, max_context).logits(ids), ref_logits(exported, ids),
+                     f"{name} exported, len {len(ids)}")
 
 
 # ---- llama.cpp on the same files ----------------------------------------------------------------
@@ -618,7 +564,7 @@ def test_a_phi3_files_window_is_ignored_as_llama_cpp_does(vocab, tmp_path, llama
     theirs = torch.from_numpy(np.array(llm.scores[:100], dtype=np.float32))
     ours = engine.logits(ids)
     assert float((ours - theirs).norm() / theirs.norm()) <= 1e-5
-    windowed = _ref_logits(model, ids)
+    windowed = ref_logits(model, ids)
     assert float((ours - windowed).norm() / windowed.norm()) > 0.01
 
 

@@ -15,12 +15,12 @@ from .sql_support import (
     cache_entries,
     child_result,
     finish_child,
-    isolated_cache_dir,
     last_query,
     run_child,
     start_child,
-    start_engine,
 )
+
+pytestmark = pytest.mark.usefixtures("eng", "own_cache_dir")
 
 CHILD = """
 import json, sys
@@ -32,16 +32,6 @@ rows = con.execute(
     f"FROM range({first}, {first + count}) t(i) ORDER BY i").fetchall()
 print("RESULT", json.dumps({"rows": rows, "stats": con.stats()["total"]}))
 """
-
-
-@pytest.fixture(scope="module", autouse=True)
-def eng():
-    return start_engine()
-
-
-@pytest.fixture(autouse=True)
-def _own_cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("LLMDB_CACHE_DIR", str(isolated_cache_dir(tmp_path / "default-cache")))
 
 
 @pytest.fixture
@@ -206,7 +196,7 @@ def test_cache_clear_empties_it(con, tmp_path):
 def test_cache_off_neither_reads_nor_writes(tmp_path):
     cached = llmdb.connect()  # the default cache, under this test's LLMDB_CACHE_DIR
     cached.execute("SELECT llm_complete('Name a color.', max_tokens := 3)").fetchall()
-    path = tmp_path / "default-cache" / "results.sqlite"
+    path = tmp_path / "cache" / "results.sqlite"  # (own_cache_dir's)
     assert cache_entries(path) == 1
     off = llmdb.connect(cache=False)
     off.execute("SELECT llm_complete('Name a color.', max_tokens := 3)").fetchall()

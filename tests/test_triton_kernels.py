@@ -387,24 +387,22 @@ def test_add_rms_norm_updates_residual_in_place(shape, dtype):
     torch.testing.assert_close(normed, expected, **_norm_tol(dtype))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(3, 2 * 1536), (5, 2 * 100), (2, 2, 2 * 64)])
-def test_silu_mul_equals_reference(shape, dtype):
-    g = torch.Generator().manual_seed(shape[-1] + 2)
-    gate_up = (torch.randn(*shape, generator=g) * 3).to(DEVICE, dtype)
-    out = silu_mul(gate_up)
-    ref = silu_mul_reference(gate_up)
-    assert out.shape == ref.shape and out.dtype == dtype
-    torch.testing.assert_close(out, ref, **_norm_tol(dtype))
+# name -> (kernel, reference, generator seed offset, gate scale). GeGLU's (Gemma's) gates run
+# out to +-12, where gelu is 0 or the identity.
+GATED = {
+    "silu_mul": (silu_mul, silu_mul_reference, 2, 3),
+    "gelu_tanh_mul": (gelu_tanh_mul, gelu_tanh_mul_reference, 5, 4),
+}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(3, 2 * 1536), (5, 2 * 100), (2, 2, 2 * 64)])
-def test_gelu_tanh_mul_equals_reference(shape, dtype):
-    """GeGLU (Gemma), gates out to +-12 where gelu is 0 or the identity."""
-    g = torch.Generator().manual_seed(shape[-1] + 5)
-    gate_up = (torch.randn(*shape, generator=g) * 4).to(DEVICE, dtype)
-    out = gelu_tanh_mul(gate_up)
-    ref = gelu_tanh_mul_reference(gate_up)
+@pytest.mark.parametrize("name", list(GATED))
+def test_gated_activation_equals_reference(name, shape, dtype):
+    kernel, reference, seed, scale = GATED[name]
+    g = torch.Generator().manual_seed(shape[-1] + seed)
+    gate_up = (torch.randn(*shape, generator=g) * scale).to(DEVICE, dtype)
+    out = kernel(gate_up)
+    ref = reference(gate_up)
     assert out.shape == ref.shape and out.dtype == dtype
     torch.testing.assert_close(out, ref, **_norm_tol(dtype))

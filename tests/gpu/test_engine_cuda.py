@@ -18,7 +18,8 @@ from llmdb.engine.params import SamplingParams
 
 from .. import gemma_models
 from ..helpers import assert_same_tokens
-from ..test_hf_models import VARIANTS, _randomize, _save
+from ..model_builders import randomize
+from ..test_hf_models import VARIANTS, _save
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU: torch sees none (tests/gpu runs where one is; make test-gpu)",
@@ -45,7 +46,7 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
         build, tok_cfg, prepend = VARIANTS[name]
         torch.manual_seed(seed)
         model = build()
-        _randomize(model, seed)
+        randomize(model, seed)
         _save(model, root / name, tok_cfg, prepend)
         out[name] = str(root / name)
     return out
