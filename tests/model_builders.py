@@ -80,15 +80,17 @@ def edit_config(src: Path, dst: Path, edit: Callable[[dict], object]) -> Path:
 # ---- transformers as the reference ---------------------------------------------------------
 
 
-def reference_models(dirs: dict[str, Path]) -> Callable[[str], torch.nn.Module]:
-    """name -> transformers' model reloaded from dirs[name] (eager attention, fp32), loaded
-    once; with no EOS, its generate() runs the full length (as ignore_eos does)."""
+def reference_models(dirs: dict[str, Path], cls=transformers.AutoModelForCausalLM
+                     ) -> Callable[[str], torch.nn.Module]:
+    """name -> transformers' model (of class cls) reloaded from dirs[name] (eager attention,
+    fp32), loaded once; with no EOS, its generate() runs the full length (as ignore_eos
+    does)."""
     cache: dict[str, torch.nn.Module] = {}
 
     def get(name: str) -> torch.nn.Module:
         if name not in cache:
-            m = transformers.AutoModelForCausalLM.from_pretrained(
-                dirs[name], dtype=torch.float32, attn_implementation="eager").eval()
+            m = cls.from_pretrained(dirs[name], dtype=torch.float32,
+                                    attn_implementation="eager").eval()
             m.generation_config.eos_token_id = None
             cache[name] = m
         return cache[name]
