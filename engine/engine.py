@@ -26,7 +26,7 @@ from .cache.kv_cache import KVCache
 from .compute import run_on_compute_thread, run_on_device
 from .costmodel import engine_cost_model
 from .device import default_dtype, device_name, resolve_device
-from .models import load_model
+from .models import ModelLoadError, load_model
 from .models.gemma import GemmaModel
 from .models.llama import KERNEL_SETS, LlamaModel
 from .models.opt import OPTModel
@@ -159,8 +159,11 @@ class LLMEngine:
         self.fingerprint = loaded.fingerprint
         model_cls = {"llama": LlamaModel, "opt": OPTModel, "gemma2": GemmaModel,
                      "gemma3": GemmaModel}[self.config.arch]
-        self.model = model_cls(self.config, loaded.weights, self.dtype, self.device,
-                               self.kernels)
+        try:
+            self.model = model_cls(self.config, loaded.weights, self.dtype, self.device,
+                                   self.kernels)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"{loaded.path}: {e}") from None
         del loaded
         if kv_cache_bytes is None:
             kv_cache_bytes = DEFAULT_KV_CACHE_BYTES

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers  # the reference; a test dependency (pyproject's [test] extra)
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, processors
 
 from llmdb.engine.engine import LLMEngine
@@ -292,6 +293,17 @@ def test_unsupported_architecture_is_named(hf_dirs, tmp_path):
 def test_incomplete_directory_is_refused(hf_dirs, tmp_path, missing, pattern):
     d = copy_dir(hf_dirs["llama-gqa-tied"], tmp_path / "incomplete", skip=missing)
     with pytest.raises(ModelLoadError, match=pattern):
+        LLMEngine(model=str(d), dtype="fp32", kv_cache_bytes=1 << 20)
+
+
+def test_a_missing_weight_is_named_with_the_directory(hf_dirs, tmp_path):
+    """An untied model saved without its head: the tensor and the directory are named, not
+    a bare KeyError."""
+    d = copy_dir(hf_dirs["llama-gqa"], tmp_path / "headless")
+    weights = load_file(d / "model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, d / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=f"{d}: the weights have no tensor 'lm_head.weight'"):
         LLMEngine(model=str(d), dtype="fp32", kv_cache_bytes=1 << 20)
 
 

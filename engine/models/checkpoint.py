@@ -9,6 +9,8 @@ import torch
 
 from llmdb.kernels.linear import Linear, linear
 
+from .errors import ModelLoadError
+
 
 @dataclass(frozen=True)
 class Checkpoint:
@@ -22,7 +24,11 @@ class Checkpoint:
     device: torch.device
 
     def __call__(self, name: str) -> torch.Tensor:
-        return self.tensors[name].to(self.device, self.dtype).contiguous()
+        tensor = self.tensors.get(name)
+        if tensor is None:  # (a truncated file, or an untied model saved without its head)
+            raise ModelLoadError(f"the weights have no tensor {name!r}, which the "
+                                 "model's config needs")
+        return tensor.to(self.device, self.dtype).contiguous()
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
