@@ -555,24 +555,26 @@ class LLMEngine:
 
     # ---- waiting for results -------------------------------------------------------------
 
-    def abort(self, request_id: str) -> None:
-        """End the request; it is finished when this returns (but see below).
+    def abort(self, *request_ids: str) -> None:
+        """End these requests; they are finished when this returns (but see below).
 
-        A step under way may be launching this request's K/V writes into its blocks: freed
-        then, the prefix cache could hand them to another request first. So a step under
-        way finishes it as it ends (_finish_aborted), and this waits for that. (Not by
-        taking the step lock: a busy loop takes it back first, every time.) Called by the
-        step itself (a token callback), it returns at once and the step ends it."""
+        A step under way may be launching their K/V writes into their blocks: freed then,
+        the prefix cache could hand them to another request first. So a step under way
+        finishes them as it ends (_finish_aborted), and this waits for that (not by taking
+        the step lock: a busy loop takes it back first, every time). Pass every request to
+        end in one call: one at a time, each would wait for a step of its own. Called by the
+        step itself (a token callback), it returns at once and the step ends them."""
         own = threading.get_ident() in self._step_threads
         with self._cond:
-            while request_id in self._requests:
+            while left := [r for r in request_ids if r in self._requests]:
                 if not own and self._step_lock.acquire(blocking=False):
                     try:
-                        self._finish(self._requests[request_id], "abort")
+                        for r in left:
+                            self._finish(self._requests[r], "abort")
                     finally:
                         self._step_lock.release()
                     return
-                self._aborts.add(request_id)
+                self._aborts.update(left)
                 if own:
                     return
                 self._cond.wait(0.05)

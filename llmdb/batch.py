@@ -139,8 +139,7 @@ class _Batch:
             self.stats.calls += 1
 
     def fail(self, i: int, cause: str) -> None:
-        for h in self.handles.pop(i, []):
-            self.backend.abort(h)
+        self.backend.abort(*self.handles.pop(i, []))
         self.parts.pop(i, None)
         self.session.progress_done()
         self.settle(i, Outcome(error=describe_row(self.function, self.calls[i].row, cause)))
@@ -237,9 +236,8 @@ class _Batch:
                 pass
 
     def abort_all(self) -> None:
-        for i in list(self.handles):
-            for h in self.handles.pop(i):
-                self.backend.abort(h)
+        self.backend.abort(*(h for handles in self.handles.values() for h in handles))
+        self.handles.clear()
         for i in list(self.owned):
             self.release(i, None)
 

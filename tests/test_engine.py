@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import threading
+import time
 
 import pytest
 import torch
@@ -176,6 +177,32 @@ def test_abort_frees_blocks_and_engine_keeps_serving(engine):
     r = engine.wait(rid)
     assert r.finish_reason == "abort"
     assert engine.wait(keep).usage.generated_tokens == 5
+
+
+def test_aborting_many_running_requests_waits_for_one_step_not_one_each(engine, monkeypatch):
+    """abort(*ids) with the background loop busy: every request ends (their blocks freed)
+    as the step under way ends, not one per step. (Query cancellation aborts its rows so.)"""
+    launches = []
+    launch = engine.runner.launch
+    monkeypatch.setattr(engine.runner, "launch", lambda *a: launches.append(1) or launch(*a))
+    ids = engine.encode_prompt(chat(CHAT_QUESTIONS[2]))
+    rids = [engine.add_request(ids + [i], SamplingParams(max_tokens=400, ignore_eos=True))
+            for i in range(8)]
+    engine.start_background_loop()
+    try:
+        deadline = time.monotonic() + 60
+        while min(engine.num_generated(r) for r in rids) < 2:
+            assert time.monotonic() < deadline, "the requests never started decoding"
+            time.sleep(0.01)
+        before = len(launches)
+        engine.abort(*rids)
+        steps = len(launches) - before
+        assert all(r not in engine._requests for r in rids)
+    finally:
+        engine.stop_background_loop()
+    assert steps <= 2, f"{len(rids)} aborts took {steps} steps"
+    assert [engine.wait(r).finish_reason for r in rids] == ["abort"] * len(rids)
+    assert engine.pool.num_free == engine.pool.num_blocks
 
 
 @dataclasses.dataclass

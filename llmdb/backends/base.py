@@ -125,7 +125,8 @@ class Backend(Protocol):
         """Tokens a request in flight has generated (0 where the backend cannot tell): the
         progress bar's measure within one big batch."""
 
-    def abort(self, handle: str) -> None: ...
+    def abort(self, *handles: str) -> None:
+        """End these requests (all in one call: a local engine ends them in one step)."""
 
     # ---- for EXPLAIN LLM -----------------------------------------------------------------
 

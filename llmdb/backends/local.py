@@ -114,14 +114,15 @@ class LocalBackend:
     def generated_so_far(self, handle: str) -> int:
         return self.engine.num_generated(handle)
 
-    def abort(self, handle: str) -> None:
-        self.engine.abort(handle)
-        with self._lock:
-            self._choices.pop(handle, None)
-        try:  # drop the aborted result so that nothing accumulates in the engine
-            self.engine.wait(handle, timeout=0)
-        except KeyError:
-            pass
+    def abort(self, *handles: str) -> None:
+        self.engine.abort(*handles)
+        for handle in handles:
+            with self._lock:
+                self._choices.pop(handle, None)
+            try:  # drop the aborted result so that nothing accumulates in the engine
+                self.engine.wait(handle, timeout=0)
+            except KeyError:
+                pass
 
     # ---- for EXPLAIN LLM -----------------------------------------------------------------
 

@@ -175,13 +175,15 @@ class OpenAIBackend:
     def simulation(self) -> None:
         return None
 
-    def abort(self, handle: str) -> None:
-        """Cancel the request; its HTTP connection closes, which aborts it on the server."""
-        with self._lock:
-            future = self._futures.pop(handle, None)
-            self._results.pop(handle, None)
-        if future is not None:
-            future.cancel()
+    def abort(self, *handles: str) -> None:
+        """Cancel the requests; their HTTP connections close, which aborts them on the
+        server."""
+        for handle in handles:
+            with self._lock:
+                future = self._futures.pop(handle, None)
+                self._results.pop(handle, None)
+            if future is not None:
+                future.cancel()
 
     def close(self) -> None:
         if self._loop.is_closed():

@@ -80,9 +80,10 @@ class StandinBackend:
     def generated_so_far(self, handle: str) -> int:
         return 0  # answers are made whole at submit
 
-    def abort(self, handle: str) -> None:
+    def abort(self, *handles: str) -> None:
         with self._lock:
-            self._results.pop(handle, None)
+            for handle in handles:
+                self._results.pop(handle, None)
 
     # ---- for EXPLAIN LLM: a word is a token; no prefix cache, no model time ---------------
 

@@ -153,12 +153,16 @@ class VLLMBackend:
     def simulation(self) -> None:
         return None
 
-    def abort(self, handle: str) -> None:
+    def abort(self, *handles: str) -> None:
+        parts = []
         with self._lock:
-            pending = self._pending.pop(handle, None)
-            self._results.pop(handle, None)
-        if pending is not None:
-            self._inbox.put(("abort", [f"{handle}.{j}" for j in range(len(pending.parts))]))
+            for handle in handles:
+                pending = self._pending.pop(handle, None)
+                self._results.pop(handle, None)
+                if pending is not None:
+                    parts += [f"{handle}.{j}" for j in range(len(pending.parts))]
+        if parts:
+            self._inbox.put(("abort", parts))
 
     def close(self) -> None:
         """Stop the engine's thread and vLLM's engine processes; pending requests fail."""
