@@ -30,6 +30,8 @@ from .session import Options, QueryCancelled, Session
 # `EXPLAIN LLM <query>`: the planner's report on the query's model calls (not DuckDB syntax).
 EXPLAIN_LLM = re.compile(r"^\s*EXPLAIN\s+LLM\s+(?P<query>.*?)\s*;?\s*$", re.I | re.S)
 _EXPLAIN_VIEW = "__llmdb_explain"
+# A query that reads llm_stats() or llm_errors(): they report the query before it.
+_INSPECTS = re.compile(r"\bllm_(?:stats|errors)\s*\(", re.I)
 
 
 class RowCallError(LLMError, duckdb.InvalidInputException):
@@ -124,7 +126,7 @@ class Connection:
             self._con.execute(f"SELECT * FROM {_EXPLAIN_VIEW}")
             return self
         with self._tables(query, caller_frame()):
-            self.session.begin_query()
+            self.session.begin_query(bool(_INSPECTS.search(query)))
             self._run(lambda: self._con.execute(self._planned(query, parameters), parameters))
         return self
 
@@ -142,7 +144,7 @@ class Connection:
             # each fetch, and would show the latest report).
             return self._con.from_arrow(self.explain_report(explained["query"]).table())
         with self._tables(query, caller_frame()):
-            self.session.begin_query()
+            self.session.begin_query(bool(_INSPECTS.search(query)))
             prepared = self._run(lambda: self.planner.rewrite(query, kwargs.get("params"))) \
                 if self.planner else None
             if prepared is None:
@@ -161,7 +163,7 @@ class Connection:
         self._con.sql("SELECT 1").fetchall()  # (an unread execute() result: as in sql())
         outer, self._con.tables = self._con.tables, tables
         try:
-            self.session.begin_query()
+            self.session.begin_query(bool(_INSPECTS.search(prepared.plan.written_sql)))
             self._run(lambda: self.planner.prefetch(prepared, whole))
         finally:
             self._con.tables = outer

@@ -215,10 +215,15 @@ class Session:
 
     # ---- query scope ---------------------------------------------------------------------
 
-    def begin_query(self) -> None:
+    def begin_query(self, inspects: bool = False) -> None:
+        """A query starts: last_query's counters are its own from now on (zero for a query
+        that makes no model call), except in a query that reads llm_stats() or llm_errors()
+        (inspects), which report the query before it until it makes a call of its own."""
         with self._lock:
             self.query_id += 1
-            self._fresh_query = True
+            self._fresh_query = inspects
+            if not inspects:
+                self.last = Stats()
             self._memory = QueryMemory()
             self.cancel.clear()
             self._bar_total = self._bar_done = 0  # one progress bar per query
