@@ -77,6 +77,8 @@ class Connection:
                     Session(Options.from_kwargs(model=model, **options)), planner)
         if self.session.options.engine:
             self.session.backend()  # start now: contradicting options fail at connect
+        else:
+            self.session.check_model()
 
     def _setup(self, con: duckdb.DuckDBPyConnection, session: Session, planner: bool) -> None:
         self.session = session
@@ -299,5 +301,6 @@ def register(con: duckdb.DuckDBPyConnection, model: str = "smollm2-135m",
     stops. session.cancel.set() aborts them, and stays set until cleared (no query ends
     here to clear it); llmdb.connect's interrupt() does both per query."""
     session = Session(Options.from_kwargs(model=model, **options))
+    session.check_model()
     functions.register(con, session)
     return session

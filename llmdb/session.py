@@ -175,16 +175,13 @@ class Session:
 
     def backend(self, model: str | None = None) -> Backend:
         """The backend for a registered model name (SQL never opens arbitrary paths)."""
-        from llmdb.engine.registry import registered_models
-
         from .backends.remote_models import remote_models
 
         opts = self.options
         name = model or opts.model
         if name == STANDIN_MODEL:
             return standin_backend()
-        if opts.backend is not None and not isinstance(opts.backend, str) and \
-                name == opts.model:
+        if self._given_backend(name):
             return opts.backend
         if opts.backend == "openai":
             return self._openai(name, endpoints=opts.endpoints, api_key_env=opts.api_key_env,
@@ -192,12 +189,33 @@ class Session:
         remote = remote_models()
         if name in remote:
             return self._openai(name, **remote[name])
-        if name not in registered_models():
-            raise ValueError(f"unknown model {name!r}; registered models: "
-                             f"{', '.join(sorted({*registered_models(), *remote}))}")
+        self.check_model(name)
         from .backends.local import local_backend
 
         return local_backend(name, **opts.engine)
+
+    def _given_backend(self, name: str) -> bool:
+        """Whether `name` runs on the Backend object passed as backend=."""
+        backend = self.options.backend
+        return backend is not None and not isinstance(backend, str) and \
+            name == self.options.model
+
+    def check_model(self, model: str | None = None) -> None:
+        """Raises ValueError naming the registered models unless the model has a backend,
+        without loading it: a misspelt name given to connect() failed every row of the
+        first query instead (each one NULL under on_error='null')."""
+        from llmdb.engine.registry import registered_models
+
+        from .backends.remote_models import remote_models
+
+        name = model or self.options.model
+        if name == STANDIN_MODEL or self._given_backend(name) or \
+                self.options.backend == "openai" or name in registered_models():
+            return
+        remote = remote_models()
+        if name not in remote:
+            raise ValueError(f"unknown model {name!r}; registered models: "
+                             f"{', '.join(sorted({*registered_models(), *remote}))}")
 
     def _openai(self, name: str, **config: Any) -> Backend:
         try:
