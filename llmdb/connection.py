@@ -23,6 +23,7 @@ import duckdb
 from . import functions, relation, samples
 from .batch import LLMError
 from .planner import Planner, Report, explain
+from .planner.callsites import draws_per_row
 from .planner.run import Prepared
 from .scope import ScopedConnection, caller_frame, tables_named
 from .session import Options, QueryCancelled, Session
@@ -118,8 +119,13 @@ class Connection:
             self._con.tables = {}
 
     def _planned(self, query: str, parameters: Any = None) -> str:
-        """The SQL to run: the planner's rewrite, its calls prefetched (on the query thread)."""
-        return self.planner.prepare(query, parameters) if self.planner else query
+        """The SQL to run: the planner's rewrite, its calls prefetched (on the query thread);
+        else the query as written (draws_per_row)."""
+        prepared = self.planner.rewrite(query, parameters) if self.planner else None
+        if prepared is None:
+            return draws_per_row(query)
+        self.planner.prefetch(prepared)
+        return prepared.sql
 
     def execute(self, query: str, parameters: Any = None) -> Connection:
         explained = EXPLAIN_LLM.match(query)
@@ -150,7 +156,7 @@ class Connection:
             prepared = self._run(lambda: self.planner.rewrite(query, kwargs.get("params"))) \
                 if self.planner else None
             if prepared is None:
-                return self._con.sql(query, **kwargs)
+                return self._con.sql(draws_per_row(query), **kwargs)
             if prepared.plan.writes or not relation.LAZY_READS:
                 self._run(lambda: self.planner.prefetch(prepared))
                 return self._con.sql(prepared.sql, **kwargs)
