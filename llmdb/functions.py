@@ -645,11 +645,12 @@ def register(con: duckdb.DuckDBPyConnection, session: Session) -> list[str]:
                         f"{checked_arg(f.name, p, 'x')}")
         args = ", ".join(_with_default(p) for p in f.params)
         checked = ", ".join(f"{check_macro(f.name, p)}({p.name})" for p in f.params)
-        macros = {f.name: False}
-        if f.name == DRAWN:  # a volatile copy for the calls that draw per row (see DRAWS)
-            macros[DRAWS] = True
-        for macro, volatile in macros.items():
-            impl = udf(f.name + "_draws" * volatile, _arrow_udf(session, f.rows, f.names),
+        # (macro, its UDF's name, whether DuckDB treats the UDF as volatile)
+        macros = [(f.name, f.name, False)]
+        if f.name == DRAWN:  # a copy for the calls that draw per row (see DRAWS)
+            macros.append((DRAWS, f"{f.name}_draws", True))
+        for macro, name, volatile in macros:
+            impl = udf(name, _arrow_udf(session, f.rows, f.names),
                        [*(p.udf_type for p in f.params), "UBIGINT"], f.returns,
                        type="arrow", null_handling="special", side_effects=volatile)
             con.execute(f"CREATE OR REPLACE TEMP MACRO {macro}({args}) AS "
