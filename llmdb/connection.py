@@ -23,6 +23,7 @@ import duckdb
 from . import functions, relation, samples
 from .batch import LLMError
 from .planner import Planner, Report, explain
+from .planner.callsites import draws_per_row
 from .planner.run import Prepared
 from .scope import ScopedConnection, caller_frame, tables_named
 from .session import Options, QueryCancelled, Session
@@ -30,6 +31,8 @@ from .session import Options, QueryCancelled, Session
 # `EXPLAIN LLM <query>`: the planner's report on the query's model calls (not DuckDB syntax).
 EXPLAIN_LLM = re.compile(r"^\s*EXPLAIN\s+LLM\s+(?P<query>.*?)\s*;?\s*$", re.I | re.S)
 _EXPLAIN_VIEW = "__llmdb_explain"
+# A query that reads llm_stats() or llm_errors(): they report the query before it.
+_INSPECTS = re.compile(r"\bllm_(?:stats|errors)\s*\(", re.I)
 
 
 class RowCallError(LLMError, duckdb.InvalidInputException):
@@ -75,6 +78,8 @@ class Connection:
                     Session(Options.from_kwargs(model=model, **options)), planner)
         if self.session.options.engine:
             self.session.backend()  # start now: contradicting options fail at connect
+        else:
+            self.session.check_model()
 
     def _setup(self, con: duckdb.DuckDBPyConnection, session: Session, planner: bool) -> None:
         self.session = session
@@ -114,8 +119,13 @@ class Connection:
             self._con.tables = {}
 
     def _planned(self, query: str, parameters: Any = None) -> str:
-        """The SQL to run: the planner's rewrite, its calls prefetched (on the query thread)."""
-        return self.planner.prepare(query, parameters) if self.planner else query
+        """The SQL to run: the planner's rewrite, its calls prefetched (on the query thread);
+        else the query as written (draws_per_row)."""
+        prepared = self.planner.rewrite(query, parameters) if self.planner else None
+        if prepared is None:
+            return draws_per_row(query)
+        self.planner.prefetch(prepared)
+        return prepared.sql
 
     def execute(self, query: str, parameters: Any = None) -> Connection:
         explained = EXPLAIN_LLM.match(query)
@@ -124,7 +134,7 @@ class Connection:
             self._con.execute(f"SELECT * FROM {_EXPLAIN_VIEW}")
             return self
         with self._tables(query, caller_frame()):
-            self.session.begin_query()
+            self.session.begin_query(bool(_INSPECTS.search(query)))
             self._run(lambda: self._con.execute(self._planned(query, parameters), parameters))
         return self
 
@@ -142,11 +152,11 @@ class Connection:
             # each fetch, and would show the latest report).
             return self._con.from_arrow(self.explain_report(explained["query"]).table())
         with self._tables(query, caller_frame()):
-            self.session.begin_query()
+            self.session.begin_query(bool(_INSPECTS.search(query)))
             prepared = self._run(lambda: self.planner.rewrite(query, kwargs.get("params"))) \
                 if self.planner else None
             if prepared is None:
-                return self._con.sql(query, **kwargs)
+                return self._con.sql(draws_per_row(query), **kwargs)
             if prepared.plan.writes or not relation.LAZY_READS:
                 self._run(lambda: self.planner.prefetch(prepared))
                 return self._con.sql(prepared.sql, **kwargs)
@@ -161,7 +171,7 @@ class Connection:
         self._con.sql("SELECT 1").fetchall()  # (an unread execute() result: as in sql())
         outer, self._con.tables = self._con.tables, tables
         try:
-            self.session.begin_query()
+            self.session.begin_query(bool(_INSPECTS.search(prepared.plan.written_sql)))
             self._run(lambda: self.planner.prefetch(prepared, whole))
         finally:
             self._con.tables = outer
@@ -297,5 +307,6 @@ def register(con: duckdb.DuckDBPyConnection, model: str = "smollm2-135m",
     stops. session.cancel.set() aborts them, and stays set until cleared (no query ends
     here to clear it); llmdb.connect's interrupt() does both per query."""
     session = Session(Options.from_kwargs(model=model, **options))
+    session.check_model()
     functions.register(con, session)
     return session

@@ -115,11 +115,15 @@ def _check_call(session: Session, function: str, call: dict[str, Any]) -> None:
 
 
 def check_columns(names: list[str], present: list[str]) -> None:
-    """KeyError naming the columns a call reads that the table lacks."""
+    """KeyError naming the columns a call reads that the table lacks, or holds twice."""
     missing = [n for n in names if n not in present]
     if missing:
         raise KeyError(f"column(s) {', '.join(missing)} not in the table "
                        f"(columns: {', '.join(map(str, present))})")
+    for n in names:
+        if present.count(n) > 1:
+            raise KeyError(f"column {n!r} is in the table {present.count(n)} times: which "
+                           f"one is the row's value? Rename them apart")
 
 
 def columns_read(function: str, args: tuple, options: dict[str, Any]) -> list[str]:

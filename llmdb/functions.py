@@ -610,6 +610,16 @@ def is_argument_error(e: duckdb.Error) -> bool:
         f"{f.name}: {p.name} " in text for f in FUNCTIONS.values() for p in f.params)
 
 
+# llm_complete sampling without a seed is a fresh draw per row, but DuckDB computes a pure
+# function of constant arguments once and copies its value to every row: `SELECT
+# llm_complete('Invent a name', temperature := 1.0) FROM range(4)` was one draw, four times.
+# The connection renames such calls (planner.callsites.draws_per_row) to this macro, whose
+# UDF DuckDB treats as volatile, as it does random(). (Not every call: a volatile one is
+# refused in a window's ORDER BY and in a WHERE that names its alias.)
+DRAWN = "llm_complete"
+DRAWS = "__llmdb_llm_complete_draws"
+
+
 def register(con: duckdb.DuckDBPyConnection, session: Session) -> list[str]:
     """Add the llm_* functions (and their macros) to a DuckDB connection; the names of the
     session's UDFs. Connections to one database (cursors, or one file opened twice) share
@@ -630,16 +640,21 @@ def register(con: duckdb.DuckDBPyConnection, session: Session) -> list[str]:
         return udfs[-1]
 
     for f in FUNCTIONS.values():
-        impl = udf(f.name, _arrow_udf(session, f.rows, f.names),
-                   [*(p.udf_type for p in f.params), "UBIGINT"], f.returns, type="arrow",
-                   null_handling="special", side_effects=False)
         for p in f.params:
             con.execute(f"CREATE OR REPLACE TEMP MACRO {check_macro(f.name, p)}(x) AS "
                         f"{checked_arg(f.name, p, 'x')}")
         args = ", ".join(_with_default(p) for p in f.params)
         checked = ", ".join(f"{check_macro(f.name, p)}({p.name})" for p in f.params)
-        con.execute(f"CREATE OR REPLACE TEMP MACRO {f.name}({args}) AS "
-                    f"{impl}({checked}, txid_current())")
+        # (macro, its UDF's name, whether DuckDB treats the UDF as volatile)
+        macros = [(f.name, f.name, False)]
+        if f.name == DRAWN:  # a copy for the calls that draw per row (see DRAWS)
+            macros.append((DRAWS, f"{f.name}_draws", True))
+        for macro, name, volatile in macros:
+            impl = udf(name, _arrow_udf(session, f.rows, f.names),
+                       [*(p.udf_type for p in f.params), "UBIGINT"], f.returns,
+                       type="arrow", null_handling="special", side_effects=volatile)
+            con.execute(f"CREATE OR REPLACE TEMP MACRO {macro}({args}) AS "
+                        f"{impl}({checked}, txid_current())")
     # Zero-argument helpers, evaluated per query (side effects: never folded or cached).
     stats = udf("stats", lambda: json.dumps(session.stats()), [], "VARCHAR", side_effects=True)
     con.execute(f"CREATE OR REPLACE TEMP MACRO llm_stats() AS CAST({stats}() AS JSON)")

@@ -81,6 +81,10 @@ class Options:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {opts.on_error!r}")
         if opts.priority not in (None, "RT", "BE"):
             raise ValueError(f"priority must be 'RT', 'BE' or None, got {opts.priority!r}")
+        size = opts.cache_max_bytes  # (checked by the cache only at every 256th answer)
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ValueError(f"cache_max_bytes must be a whole number of bytes above 0, got "
+                             f"{size!r}")
         return opts
 
 
@@ -175,16 +179,13 @@ class Session:
 
     def backend(self, model: str | None = None) -> Backend:
         """The backend for a registered model name (SQL never opens arbitrary paths)."""
-        from llmdb.engine.registry import registered_models
-
         from .backends.remote_models import remote_models
 
         opts = self.options
         name = model or opts.model
         if name == STANDIN_MODEL:
             return standin_backend()
-        if opts.backend is not None and not isinstance(opts.backend, str) and \
-                name == opts.model:
+        if self._given_backend(name):
             return opts.backend
         if opts.backend == "openai":
             return self._openai(name, endpoints=opts.endpoints, api_key_env=opts.api_key_env,
@@ -192,12 +193,33 @@ class Session:
         remote = remote_models()
         if name in remote:
             return self._openai(name, **remote[name])
-        if name not in registered_models():
-            raise ValueError(f"unknown model {name!r}; registered models: "
-                             f"{', '.join(sorted({*registered_models(), *remote}))}")
+        self.check_model(name)
         from .backends.local import local_backend
 
         return local_backend(name, **opts.engine)
+
+    def _given_backend(self, name: str) -> bool:
+        """Whether `name` runs on the Backend object passed as backend=."""
+        backend = self.options.backend
+        return backend is not None and not isinstance(backend, str) and \
+            name == self.options.model
+
+    def check_model(self, model: str | None = None) -> None:
+        """Raises ValueError naming the registered models unless the model has a backend,
+        without loading it: a misspelt name given to connect() failed every row of the
+        first query instead (each one NULL under on_error='null')."""
+        from llmdb.engine.registry import registered_models
+
+        from .backends.remote_models import remote_models
+
+        name = model or self.options.model
+        if name == STANDIN_MODEL or self._given_backend(name) or \
+                self.options.backend == "openai" or name in registered_models():
+            return
+        remote = remote_models()
+        if name not in remote:
+            raise ValueError(f"unknown model {name!r}; registered models: "
+                             f"{', '.join(sorted({*registered_models(), *remote}))}")
 
     def _openai(self, name: str, **config: Any) -> Backend:
         try:
@@ -215,10 +237,15 @@ class Session:
 
     # ---- query scope ---------------------------------------------------------------------
 
-    def begin_query(self) -> None:
+    def begin_query(self, inspects: bool = False) -> None:
+        """A query starts: last_query's counters are its own from now on (zero for a query
+        that makes no model call), except in a query that reads llm_stats() or llm_errors()
+        (inspects), which report the query before it until it makes a call of its own."""
         with self._lock:
             self.query_id += 1
-            self._fresh_query = True
+            self._fresh_query = inspects
+            if not inspects:
+                self.last = Stats()
             self._memory = QueryMemory()
             self.cancel.clear()
             self._bar_total = self._bar_done = 0  # one progress bar per query

@@ -59,6 +59,24 @@ def test_connection_options_are_checked():
         llmdb.connect(endpoint="http://127.0.0.1:1")
 
 
+def test_an_unknown_model_fails_at_connect(config_dir):
+    """Not in the first query's rows, each of them NULL under on_error='null'."""
+    import duckdb
+
+    unknown = r"unknown model 'smolm2-135m'; registered models: smollm2-135m"
+    with pytest.raises(ValueError, match=unknown):
+        llmdb.connect(model="smolm2-135m", on_error="null")
+    with pytest.raises(ValueError, match=unknown):
+        llmdb.register(duckdb.connect(), model="smolm2-135m", on_error="null")
+    # Names with a backend: registered, the stand-in, served at endpoints, a Backend object.
+    cli.main(["models", "add", "remote", "--endpoint", "http://127.0.0.1:9/v1"])
+    for model in ("smollm2-135m", "hash-standin", "remote"):
+        llmdb.connect(model=model).close()
+    llmdb.connect(model="any", backend="openai", endpoints=["http://127.0.0.1:9/v1"]).close()
+    llmdb.connect(model="mine", backend=llmdb.connect(model="hash-standin").session.backend()
+                  ).close()
+
+
 def test_a_missing_key_variable_is_named(monkeypatch):
     monkeypatch.delenv(KEY_VAR, raising=False)
     con = llmdb.connect(backend="openai", endpoints=["http://127.0.0.1:9/v1"],

@@ -181,6 +181,19 @@ def test_unknown_column_and_table_type_are_named():
         llmdb.complete([{"review": "x"}], "{review}", cache=False)
 
 
+@pytest.mark.parametrize("kind", ["pandas", "pyarrow"])  # (polars refuses such a table)
+def test_a_column_name_the_table_repeats_is_named(kind):
+    """Which of the two columns would be the row's value? pandas failed with an
+    AttributeError about a DataFrame's tolist."""
+    table = pd.DataFrame([["blender", "lamp"]], columns=["product", "product"])
+    if kind == "pyarrow":
+        table = pa.table([["blender"], ["lamp"]], names=["product", "product"])
+    for call in (lambda: llmdb.complete(table, "Name: {product}", model="hash-standin"),
+                 lambda: llmdb.classify(table, "product", LABELS, model="hash-standin")):
+        with pytest.raises(KeyError, match="column 'product' is in the table 2 times"):
+            call()
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_empty_tables_come_back_empty_and_typed(kind):
     empty = _frame(kind)

@@ -26,6 +26,16 @@ def test_an_unknown_option_names_the_engines():
         Options.from_kwargs(kv_cache_size=1 << 20)
 
 
+@pytest.mark.parametrize("size", [0, -1, 1.5, "1GB", True])
+def test_a_cache_size_that_keeps_nothing_is_refused(size):
+    """The cache compares its size with the limit at every 256th answer it stores: 0 or
+    less emptied it there, and a string failed the job there, hundreds of rows in."""
+    with pytest.raises(ValueError, match=f"cache_max_bytes must be a whole number of bytes "
+                                         f"above 0, got {size!r}"):
+        Options.from_kwargs(model="hash-standin", cache_max_bytes=size)
+    assert Options.from_kwargs(cache_max_bytes=1 << 20).cache_max_bytes == 1 << 20
+
+
 def test_a_session_without_engine_options_loads_no_torch():
     code = ("import sys, llmdb\n"
             "con = llmdb.connect(model='hash-standin', cache=False, on_error='null')\n"

@@ -70,6 +70,31 @@ def test_sampling_without_seed_is_never_shared(con):
     assert last_query(con)["calls"] == 1  # a seeded draw is one answer
 
 
+CALL = "llm_complete({}, max_tokens := 4, {})"
+
+
+@pytest.mark.parametrize("run", ["execute", "sql"])
+@pytest.mark.parametrize("planner", [True, False], ids=["planned", "as written"])
+@pytest.mark.parametrize("prompt", ["'Name a color.'", "'Name a color.' || (i * 0)"],
+                         ids=["constant", "constant per row"])
+def test_sampling_without_seed_draws_per_row_for_a_constant_prompt(run, planner, prompt):
+    """DuckDB computes a pure function of constant arguments once and copies the value to
+    every row: `llm_complete('...', temperature := 1.0) FROM range(4)` (generating rows)
+    was one draw copied four times, where a column of four equal prompts is four draws."""
+    con = llmdb.connect(cache=False, planner=planner)
+
+    def calls(options: str) -> int:
+        before = con.stats()["total"]["calls"]
+        query = f"SELECT {CALL.format(prompt, options)} FROM range(4) t(i)"
+        assert len(getattr(con, run)(query).fetchall()) == 4
+        return con.stats()["total"]["calls"] - before
+
+    assert calls("temperature := 1.0") == 4  # four independent draws
+    # A seeded or greedy call of constants is one answer, computed once.
+    assert calls("temperature := 1.0, seed := 3") == 1
+    assert calls("temperature := 0.0") == 1
+
+
 def test_identical_queries_on_two_connections_share_in_flight_work():
     rows = [f"Write a word that rhymes with number {k}." for k in range(8)]
     barrier = threading.Barrier(2)

@@ -14,8 +14,9 @@ from dataclasses import dataclass, replace
 
 import sqlglot
 from sqlglot import exp
+from sqlglot.errors import SqlglotError
 
-from llmdb.functions import CHECK_PREFIX, FUNCTIONS, SqlFunction, check_macro
+from llmdb.functions import CHECK_PREFIX, DRAWN, DRAWS, FUNCTIONS, SqlFunction, check_macro
 
 PRIORITIES = ("RT", "BE")
 
@@ -169,6 +170,32 @@ def deterministic(site: Site) -> bool:
     if temperature == 0.0:
         return True
     return _literal_number(site.arg("seed")) is not None  # -3 too (a Neg of a literal)
+
+
+def draws_per_row(sql: str) -> str:
+    """The statement with its calls that sample without a seed renamed to the volatile copy
+    of llm_complete (functions.DRAWS), so that DuckDB draws for every row even where the
+    arguments are constants; the text itself when it has none (or sqlglot cannot read it)."""
+    if "temperature" not in sql.lower():  # (every such call names it)
+        return sql
+    try:
+        statements = sqlglot.parse(sql, read="duckdb")
+    except SqlglotError:
+        return sql
+    if len(statements) != 1 or statements[0] is None:
+        return sql
+    renamed = False
+    for node in statements[0].find_all(exp.Anonymous):
+        if call_name(node) != DRAWN:
+            continue
+        try:
+            site = resolve(node, 0)
+        except (Unsupported, ValueError):
+            continue
+        if not deterministic(site):
+            node.set("this", DRAWS)
+            renamed = True
+    return statements[0].sql("duckdb") if renamed else sql
 
 
 def null_call(site: Site) -> bool:

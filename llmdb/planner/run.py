@@ -221,14 +221,6 @@ class Planner:
                               namespace=self.session.id, parameters=parameters,
                               learned=self.learned)
 
-    def prepare(self, sql: str, parameters: Any = None) -> str:
-        """The SQL to run in place of `sql`, its calls prefetched. On the query's thread."""
-        prepared = self.rewrite(sql, parameters)
-        if prepared is None:
-            return sql
-        self.prefetch(prepared)
-        return prepared.sql
-
     def rewrite(self, sql: str, parameters: Any = None) -> Prepared | None:
         """The statement planned and its rewrite bound, no call made yet (prefetch makes
         them); None: it runs as written."""
