@@ -120,8 +120,14 @@ class Value:
 
 def template_fields(template: str) -> list[str]:
     """The columns a template names ("{a.year} {b[0]:>4}" -> a, b), once each, in order."""
-    fields = [f for _, f, _, _ in string.Formatter().parse(template) if f]
-    return list(dict.fromkeys(f.split(".")[0].split("[")[0] for f in fields))
+    fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    names = list(dict.fromkeys(f.split(".")[0].split("[")[0] for f in fields))
+    positional = [n for n in names if not n or n.isdigit()]
+    if positional:  # str.format would take them for positional arguments: an IndexError
+        raise ValueError(f"template {template!r}: {{{positional[0]}}} names no column; write "
+                         "the column's name in the braces ({review}), and rename a column "
+                         "whose name is a number")
+    return names
 
 
 def render(template: str, rows: int, values: dict[str, Sequence[Any]],

@@ -126,6 +126,10 @@ def test_options_are_checked_before_any_row():
          "error_column and output are both 'label'"),
         (lambda: llmdb.filter(table, "{review}", error_column=1), TypeError,
          "error_column must be a column name, got 1"),
+        # str.format's positional fields are no column: not an IndexError from a row.
+        (lambda: llmdb.complete(table, "Say {}"), ValueError, r"\{\} names no column"),
+        (lambda: llmdb.complete(pa.table({"0": ["a"]}), "Say {0}", on_error="null"),
+         ValueError, r"\{0\} names no column.*rename a column whose name is a number"),
     ]
     before = llmdb.stats()["total"]
     for call, error, message in wrong:
