@@ -16,7 +16,7 @@ import torch
 from llmdb.engine.engine import LLMEngine
 from llmdb.engine.params import SamplingParams
 
-from .. import gemma_models
+from .. import gemma_models, test_smollm3
 from ..helpers import assert_same_tokens
 from ..model_builders import randomize
 from ..test_hf_models import VARIANTS, _save
@@ -30,8 +30,9 @@ GEN = SamplingParams(max_tokens=24, ignore_eos=True)
 # Llama with GQA; OPT; Qwen3 (per-head Q/K norms before the fused RoPE and cache write, and
 # hidden states smaller than its K/V, so the hybrid cache runs with them too); Gemma 2 (its
 # logit cap applied in place to a CUDA graph's logits buffer) and Gemma 3 (fp32-scaled Q/K
-# norms in the fused RoPE, two RoPE tables).
-MODELS = ("llama-gqa", "opt", "qwen3", "gemma2", "gemma3")
+# norms in the fused RoPE, two RoPE tables); SmolLM3 (NoPE layers: no table for the fused
+# RoPE there).
+MODELS = ("llama-gqa", "opt", "qwen3", "gemma2", "gemma3", "smollm3")
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +40,12 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("gpu_models")
     out = {}
     for seed, name in enumerate(MODELS):
+        if name in test_smollm3.VARIANTS:
+            path = root / name
+            _save(test_smollm3._smollm3(seed, **test_smollm3.VARIANTS[name]), path,
+                  {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False}, None)
+            out[name] = str(path)
+            continue
         if name in gemma_models.VARIANTS:
             out[name] = str(gemma_models._save(gemma_models._build(name, seed), root / name,
                                                [gemma_models.EOS, gemma_models.EOT]))
