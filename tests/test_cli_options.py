@@ -116,12 +116,16 @@ def test_documented_values_and_defaults_still_parse(monkeypatch):
     assert (args.passes, args.dtype, args.threads) == (1, "bf16", 2)
 
 
-def test_max_context_reaches_the_engine_from_sql_and_serve(monkeypatch, capsys):
+def test_max_context_reaches_the_engine_from_sql_and_serve(monkeypatch):
     """`--max-context N` is the engine's max_context: a longer prompt is refused naming the
     context served, where the model's own 8,192 would take it."""
+    # (A process of its own: this one's smollm2 engine, if another test started it, would
+    # refuse a second max_context.)
     query = "SELECT llm_complete(repeat('word ', 100)) AS a"
-    assert main(["sql", query, "--max-context", "64", "--no-progress"]) == 2
-    assert "131 tokens, longer than the context of 64 served" in capsys.readouterr().err
+    done = subprocess.run([sys.executable, "-m", "llmdb", "sql", query, "--max-context", "64",
+                           "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert "131 tokens, longer than the context of 64 served" in done.stderr
     served = []
     monkeypatch.setattr("llmdb.server.run.serve", lambda *a, **options: served.append(options))
     assert main(["serve", "--no-auth", "--max-context", "4096"]) == 0
