@@ -160,6 +160,24 @@ def test_stop_strings_never_reach_the_stream(client):
     assert streamed == full and " 7" not in full
 
 
+def test_stream_usage_comes_as_openai_sends_it(client):
+    """A stream's usage comes only when stream_options.include_usage asks for it, in a
+    chunk of its own with no choices after the one that finishes, as OpenAI and vLLM send it
+    (clients that read chunk.usage as "the stream is over" would lose that chunk's text)."""
+    kw = {"model": MODEL, "max_tokens": 4, "temperature": 0, "stream": True,
+          "extra_body": {"ignore_eos": True}}
+    for create, request in ((client.completions.create, {"prompt": "Hi"}),
+                            (client.chat.completions.create,
+                             {"messages": [{"role": "user", "content": "Hi"}]})):
+        *body, last = create(stream_options={"include_usage": True}, **request, **kw)
+        assert last.choices == [] and last.usage.completion_tokens == 4
+        assert body[-1].choices[0].finish_reason == "length"
+        assert all(c.usage is None for c in body)
+        plain = list(create(**request, **kw))
+        assert plain[-1].choices[0].finish_reason == "length"
+        assert all(c.usage is None for c in plain)
+
+
 def test_logprobs(client):
     r = client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0, logprobs=True,
                                        top_logprobs=3,

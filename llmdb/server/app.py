@@ -237,6 +237,8 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
             result = await asyncio.to_thread(engine.wait, call.request_id)
             try:
                 yield _sse(render.chunk(text.flush(result), result, sent(call, unsent)))
+                if render.stream_usage:
+                    yield _sse(render.usage_chunk(result))
             except ServerError as e:  # headers are sent: the error goes in the stream
                 yield _sse(e.body())
             yield "data: [DONE]\n\n"
@@ -317,8 +319,8 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
         return out
 
     def usage(body) -> bool:
-        """Usage on a stream's last chunk unless stream_options turns it off."""
-        return body.stream_options is None or body.stream_options.include_usage
+        """A stream's usage, in a last chunk of its own, only where stream_options asks."""
+        return bool(body.stream_options and body.stream_options.include_usage)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request, body: ChatCompletionRequest):
@@ -444,16 +446,22 @@ class _Render:
     """The OpenAI objects of one endpoint: a final body, or stream chunks."""
 
     def __init__(self, model: str, engine: LLMEngine, logprobs: int | None,
-                 stream_usage: bool = True):
+                 stream_usage: bool = False):
         self.model, self.engine, self.logprobs = model, engine, logprobs
         self.stream_usage = stream_usage
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
     prefix = "cmpl"
+    chunk_object = "text_completion"  # the "object" of a stream's chunks
 
     def _base(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def usage_chunk(self, r: RequestResult) -> dict:
+        """The whole request's usage after the last choice chunk, as OpenAI sends it: no
+        choices, so that a client reading it as the end loses no text."""
+        return {**self._base(self.chunk_object), "choices": [], "usage": _usage(r)}
 
     tokens_written = 0  # output tokens whose logprobs entries are written so far
 
@@ -494,7 +502,7 @@ class _CompletionRender(_Render):
                 "text_offset": [start + o for o in _offsets(texts)]}
 
     def first_chunk(self) -> dict:
-        return {**self._base("text_completion"),
+        return {**self._base(self.chunk_object),
                 "choices": [{"index": 0, "text": "", "finish_reason": None, "logprobs": None}]}
 
     def chunk(self, text: str, result: RequestResult | None = None,
@@ -504,16 +512,14 @@ class _CompletionRender(_Render):
         if tokens is not None:
             logprobs = self._logprobs_of(tokens, self.streamed_chars)
             self.streamed_chars += sum(len(t) for t in logprobs["tokens"])
-        out = {**self._base("text_completion"), "choices": [{
+        return {**self._base(self.chunk_object), "choices": [{
             "index": 0, "text": text, "logprobs": logprobs,
             "finish_reason": _finish_reason(result) if result else None}]}
-        if result is not None and self.stream_usage:
-            out["usage"] = _usage(result)
-        return out
 
 
 class _ChatRender(_Render):
     prefix = "chatcmpl"
+    chunk_object = "chat.completion.chunk"
 
     def final(self, r: RequestResult) -> dict:
         return {**self._base("chat.completion"), "choices": [{
@@ -535,7 +541,7 @@ class _ChatRender(_Render):
                                                tokens, strict=True)]}
 
     def first_chunk(self) -> dict:
-        return {**self._base("chat.completion.chunk"), "choices": [{
+        return {**self._base(self.chunk_object), "choices": [{
             "index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
 
     def chunk(self, text: str, result: RequestResult | None = None,
@@ -545,10 +551,7 @@ class _ChatRender(_Render):
                   "finish_reason": _finish_reason(result) if result else None}
         if tokens is not None:
             choice["logprobs"] = self._logprobs_of(tokens)
-        out = {**self._base("chat.completion.chunk"), "choices": [choice]}
-        if result is not None and self.stream_usage:
-            out["usage"] = _usage(result)
-        return out
+        return {**self._base(self.chunk_object), "choices": [choice]}
 
 
 def _offsets(tokens: list[str]) -> list[int]:

@@ -45,7 +45,7 @@ class ServerError(Exception):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = True  # (usage rides on the last chunk unless turned off)
+    include_usage: bool | None = None  # a last chunk of usage, as in OpenAI's API
 
 
 class _Sampling(BaseModel):
