@@ -432,6 +432,26 @@ def test_standard_request_shapes_are_accepted(server, client, engine):
     assert parts.choices[0].message.content == plain.choices[0].message.content
 
 
+def test_null_options_take_their_defaults(server):
+    """OpenAI's API (and vLLM's) reads an optional field sent as null as one not sent, and
+    clients send them so ("temperature": null): the answer is the default's, not a 400. A
+    required field sent as null is still a 400 naming it."""
+    url, auth = server.url, {"Authorization": f"Bearer {KEY}"}
+    nulls = dict.fromkeys(["temperature", "top_p", "top_k", "n", "stream", "priority",
+                           "ignore_eos", "max_tokens", "stop", "stream_options"])
+    for path, request in (("/v1/completions", {"prompt": "Once upon a time"}),
+                          ("/v1/chat/completions", {"messages": [
+                              {"role": "user", "content": "Name a cat."}], "logprobs": None,
+                              "add_generation_prompt": None})):
+        body = {**request, "max_completion_tokens": 6, "seed": 11}
+        want = httpx.post(url + path, headers=auth, json=body, timeout=60)
+        got = httpx.post(url + path, headers=auth, json={**body, **nulls}, timeout=60)
+        assert got.status_code == 200, got.text
+        assert got.json()["choices"] == want.json()["choices"]
+    r = httpx.post(url + "/v1/completions", headers=auth, json={"prompt": None})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("prompt")
+
+
 @pytest.mark.parametrize("field,value", [
     ("presence_penalty", 0.5), ("frequency_penalty", 1.0), ("logit_bias", {"5": 10}),
     ("echo", True), ("best_of", 2), ("suffix", "!"), ("min_tokens", 3),
