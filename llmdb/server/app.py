@@ -89,8 +89,8 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
         deadline = time.monotonic() + shutdown_timeout_s
         while inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        for rid in list(inflight):
-            engine.abort(rid)
+        for rid in list(inflight):  # (in threads: see end_soon)
+            threading.Thread(target=engine.abort, args=(rid,), daemon=True).start()
         while inflight:  # their handlers answer
             await asyncio.sleep(0.01)
 
@@ -167,21 +167,27 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
             pass
         return await asyncio.to_thread(engine.wait, call.request_id)
 
-    def discard_result(rid: str) -> None:
-        """Drop a finished request's result that no one will collect."""
-        try:
-            engine.wait(rid, timeout=0)
-        except KeyError:  # already collected
-            pass
+    def end_soon(rid: str) -> None:
+        """Abort the request if it still runs (its blocks are freed) and drop a result no
+        one will collect. In a thread of its own, not awaited: engine.abort waits for the
+        step under way, so on the event loop it held up every other request, in a shared
+        pool requests ended together waited a step each in turn, and an await in a handler
+        cancelled mid-way (a client that left) was skipped, its request left running."""
+        def run() -> None:
+            engine.abort(rid)
+            try:
+                engine.wait(rid, timeout=0)
+            except KeyError:  # already collected
+                pass
+
+        threading.Thread(target=run, name="llmdb-end", daemon=True).start()
 
     def close(call: _Call) -> None:
-        """Abort the request if it still runs (its blocks are freed), drop an uncollected
-        result, free its concurrency slot; once per call, whatever ended it."""
+        """End the request, free its concurrency slot; once per call, whatever ended it."""
         if call.closed:
             return
         call.closed = True
-        engine.abort(call.request_id)
-        discard_result(call.request_id)
+        end_soon(call.request_id)
         inflight.discard(call.request_id)
         slots.release()
 
@@ -299,8 +305,7 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
                               type_="server_error") from e
         finally:
             abandoned.set()
-            engine.abort(rid)  # (a no-op unless this task was cancelled mid-way)
-            discard_result(rid)
+            end_soon(rid)  # (its abort is a no-op unless this task was cancelled mid-way)
             inflight.discard(rid)
 
     def ranked_prompt(rid: str, ids: list[int], k: int, abandoned: threading.Event) -> list:
