@@ -12,6 +12,7 @@ import json
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -160,6 +161,24 @@ def test_stop_strings_never_reach_the_stream(client):
     assert streamed == full and " 7" not in full
 
 
+def test_stream_usage_comes_as_openai_sends_it(client):
+    """A stream's usage comes only when stream_options.include_usage asks for it, in a
+    chunk of its own with no choices after the one that finishes, as OpenAI and vLLM send it
+    (clients that read chunk.usage as "the stream is over" would lose that chunk's text)."""
+    kw = {"model": MODEL, "max_tokens": 4, "temperature": 0, "stream": True,
+          "extra_body": {"ignore_eos": True}}
+    for create, request in ((client.completions.create, {"prompt": "Hi"}),
+                            (client.chat.completions.create,
+                             {"messages": [{"role": "user", "content": "Hi"}]})):
+        *body, last = create(stream_options={"include_usage": True}, **request, **kw)
+        assert last.choices == [] and last.usage.completion_tokens == 4
+        assert body[-1].choices[0].finish_reason == "length"
+        assert all(c.usage is None for c in body)
+        plain = list(create(**request, **kw))
+        assert plain[-1].choices[0].finish_reason == "length"
+        assert all(c.usage is None for c in plain)
+
+
 def test_logprobs(client):
     r = client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0, logprobs=True,
                                        top_logprobs=3,
@@ -209,6 +228,41 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server, engine):
     assert any(line.startswith("data: ") for line in got)
     _idle(engine)
     assert engine.tokens_generated < 400 + 200  # it did not run to its end
+
+
+def test_clients_that_leave_together_end_together(server, engine, monkeypatch):
+    """engine.abort waits for the step under way to end. Called on the event loop, it held
+    up every other request, one step per client that left (40 streams dropped together:
+    /health took 14 s); awaited from a thread pool, the aborts queued behind the pool's
+    threads were dropped when the handlers were cancelled, their requests left running.
+    Here every abort is held until all have begun and /health has answered."""
+    leaving = 8  # more than the default thread pool's threads on a machine of 1 to 3 cores
+    held, begun = threading.Event(), threading.Semaphore(0)
+    abort = engine.abort
+
+    def held_abort(request_id: str) -> None:
+        begun.release()
+        held.wait(60)
+        abort(request_id)
+
+    def leave(i: int) -> None:
+        body = {"model": MODEL, "prompt": f"Write a long story about dragon {i}.",
+                "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body,
+                          headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:
+            lines = r.iter_lines()
+            [next(lines) for _ in range(3)]
+
+    monkeypatch.setattr(engine, "abort", held_abort)
+    try:
+        with ThreadPoolExecutor(leaving) as pool:
+            list(pool.map(leave, range(leaving)))
+        for _ in range(leaving):
+            assert begun.acquire(timeout=30), "a request of a client that left was not aborted"
+        assert httpx.get(server.url + "/health", timeout=5).json() == {"status": "ok"}
+    finally:
+        held.set()
+    _idle(engine, timeout=30)
 
 
 def test_metrics(server, client):
@@ -412,6 +466,26 @@ def test_standard_request_shapes_are_accepted(server, client, engine):
         {"role": "user", "content": [{"type": "text", "text": "Hi"},
                                      {"type": "text", "text": "there"}]}])
     assert parts.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_null_options_take_their_defaults(server):
+    """OpenAI's API (and vLLM's) reads an optional field sent as null as one not sent, and
+    clients send them so ("temperature": null): the answer is the default's, not a 400. A
+    required field sent as null is still a 400 naming it."""
+    url, auth = server.url, {"Authorization": f"Bearer {KEY}"}
+    nulls = dict.fromkeys(["temperature", "top_p", "top_k", "n", "stream", "priority",
+                           "ignore_eos", "max_tokens", "stop", "stream_options"])
+    for path, request in (("/v1/completions", {"prompt": "Once upon a time"}),
+                          ("/v1/chat/completions", {"messages": [
+                              {"role": "user", "content": "Name a cat."}], "logprobs": None,
+                              "add_generation_prompt": None})):
+        body = {**request, "max_completion_tokens": 6, "seed": 11}
+        want = httpx.post(url + path, headers=auth, json=body, timeout=60)
+        got = httpx.post(url + path, headers=auth, json={**body, **nulls}, timeout=60)
+        assert got.status_code == 200, got.text
+        assert got.json()["choices"] == want.json()["choices"]
+    r = httpx.post(url + "/v1/completions", headers=auth, json={"prompt": None})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("prompt")
 
 
 @pytest.mark.parametrize("field,value", [

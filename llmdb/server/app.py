@@ -89,8 +89,8 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
         deadline = time.monotonic() + shutdown_timeout_s
         while inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        for rid in list(inflight):
-            engine.abort(rid)
+        for rid in list(inflight):  # (in threads: see end_soon)
+            threading.Thread(target=engine.abort, args=(rid,), daemon=True).start()
         while inflight:  # their handlers answer
             await asyncio.sleep(0.01)
 
@@ -167,21 +167,27 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
             pass
         return await asyncio.to_thread(engine.wait, call.request_id)
 
-    def discard_result(rid: str) -> None:
-        """Drop a finished request's result that no one will collect."""
-        try:
-            engine.wait(rid, timeout=0)
-        except KeyError:  # already collected
-            pass
+    def end_soon(rid: str) -> None:
+        """Abort the request if it still runs (its blocks are freed) and drop a result no
+        one will collect. In a thread of its own, not awaited: engine.abort waits for the
+        step under way, so on the event loop it held up every other request, in a shared
+        pool requests ended together waited a step each in turn, and an await in a handler
+        cancelled mid-way (a client that left) was skipped, its request left running."""
+        def run() -> None:
+            engine.abort(rid)
+            try:
+                engine.wait(rid, timeout=0)
+            except KeyError:  # already collected
+                pass
+
+        threading.Thread(target=run, name="llmdb-end", daemon=True).start()
 
     def close(call: _Call) -> None:
-        """Abort the request if it still runs (its blocks are freed), drop an uncollected
-        result, free its concurrency slot; once per call, whatever ended it."""
+        """End the request, free its concurrency slot; once per call, whatever ended it."""
         if call.closed:
             return
         call.closed = True
-        engine.abort(call.request_id)
-        discard_result(call.request_id)
+        end_soon(call.request_id)
         inflight.discard(call.request_id)
         slots.release()
 
@@ -237,6 +243,8 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
             result = await asyncio.to_thread(engine.wait, call.request_id)
             try:
                 yield _sse(render.chunk(text.flush(result), result, sent(call, unsent)))
+                if render.stream_usage:
+                    yield _sse(render.usage_chunk(result))
             except ServerError as e:  # headers are sent: the error goes in the stream
                 yield _sse(e.body())
             yield "data: [DONE]\n\n"
@@ -297,8 +305,7 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
                               type_="server_error") from e
         finally:
             abandoned.set()
-            engine.abort(rid)  # (a no-op unless this task was cancelled mid-way)
-            discard_result(rid)
+            end_soon(rid)  # (its abort is a no-op unless this task was cancelled mid-way)
             inflight.discard(rid)
 
     def ranked_prompt(rid: str, ids: list[int], k: int, abandoned: threading.Event) -> list:
@@ -317,8 +324,8 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
         return out
 
     def usage(body) -> bool:
-        """Usage on a stream's last chunk unless stream_options turns it off."""
-        return body.stream_options is None or body.stream_options.include_usage
+        """A stream's usage, in a last chunk of its own, only where stream_options asks."""
+        return bool(body.stream_options and body.stream_options.include_usage)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request, body: ChatCompletionRequest):
@@ -444,16 +451,22 @@ class _Render:
     """The OpenAI objects of one endpoint: a final body, or stream chunks."""
 
     def __init__(self, model: str, engine: LLMEngine, logprobs: int | None,
-                 stream_usage: bool = True):
+                 stream_usage: bool = False):
         self.model, self.engine, self.logprobs = model, engine, logprobs
         self.stream_usage = stream_usage
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
     prefix = "cmpl"
+    chunk_object = "text_completion"  # the "object" of a stream's chunks
 
     def _base(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def usage_chunk(self, r: RequestResult) -> dict:
+        """The whole request's usage after the last choice chunk, as OpenAI sends it: no
+        choices, so that a client reading it as the end loses no text."""
+        return {**self._base(self.chunk_object), "choices": [], "usage": _usage(r)}
 
     tokens_written = 0  # output tokens whose logprobs entries are written so far
 
@@ -494,7 +507,7 @@ class _CompletionRender(_Render):
                 "text_offset": [start + o for o in _offsets(texts)]}
 
     def first_chunk(self) -> dict:
-        return {**self._base("text_completion"),
+        return {**self._base(self.chunk_object),
                 "choices": [{"index": 0, "text": "", "finish_reason": None, "logprobs": None}]}
 
     def chunk(self, text: str, result: RequestResult | None = None,
@@ -504,16 +517,14 @@ class _CompletionRender(_Render):
         if tokens is not None:
             logprobs = self._logprobs_of(tokens, self.streamed_chars)
             self.streamed_chars += sum(len(t) for t in logprobs["tokens"])
-        out = {**self._base("text_completion"), "choices": [{
+        return {**self._base(self.chunk_object), "choices": [{
             "index": 0, "text": text, "logprobs": logprobs,
             "finish_reason": _finish_reason(result) if result else None}]}
-        if result is not None and self.stream_usage:
-            out["usage"] = _usage(result)
-        return out
 
 
 class _ChatRender(_Render):
     prefix = "chatcmpl"
+    chunk_object = "chat.completion.chunk"
 
     def final(self, r: RequestResult) -> dict:
         return {**self._base("chat.completion"), "choices": [{
@@ -535,7 +546,7 @@ class _ChatRender(_Render):
                                                tokens, strict=True)]}
 
     def first_chunk(self) -> dict:
-        return {**self._base("chat.completion.chunk"), "choices": [{
+        return {**self._base(self.chunk_object), "choices": [{
             "index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
 
     def chunk(self, text: str, result: RequestResult | None = None,
@@ -545,10 +556,7 @@ class _ChatRender(_Render):
                   "finish_reason": _finish_reason(result) if result else None}
         if tokens is not None:
             choice["logprobs"] = self._logprobs_of(tokens)
-        out = {**self._base("chat.completion.chunk"), "choices": [choice]}
-        if result is not None and self.stream_usage:
-            out["usage"] = _usage(result)
-        return out
+        return {**self._base(self.chunk_object), "choices": [choice]}
 
 
 def _offsets(tokens: list[str]) -> list[int]:

@@ -44,11 +44,23 @@ class ServerError(Exception):
                           "code": self.code}}
 
 
+class _Body(BaseModel):
+    """A request body. OpenAI's API (and vLLM's) reads a field sent as null as one not sent,
+    and clients send them so ("temperature": null): its default applies."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_sent(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
 class StreamOptions(BaseModel):
-    include_usage: bool = True  # (usage rides on the last chunk unless turned off)
+    include_usage: bool | None = None  # a last chunk of usage, as in OpenAI's API
 
 
-class _Sampling(BaseModel):
+class _Sampling(_Body):
     model_config = ConfigDict(extra="ignore")  # clients send fields we do not use
 
     model: str | None = None
@@ -142,7 +154,7 @@ class ChatMessage(BaseModel):
         return v if isinstance(v, str) else "\n".join(part.text for part in v)
 
 
-class ChatTemplateOptions(BaseModel):
+class ChatTemplateOptions(_Body):
     """vLLM's options for how chat messages become the prompt."""
 
     model_config = ConfigDict(extra="ignore")
