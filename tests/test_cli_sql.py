@@ -49,3 +49,12 @@ def test_explain_llm_takes_one_statement(capsys):
     assert main(["sql", "EXPLAIN LLM SELECT llm_complete('a'); CREATE TABLE made AS SELECT 1"]
                 ) != 0
     assert "EXPLAIN LLM explains one statement" in capsys.readouterr().err
+
+
+def test_explain_takes_one_statement_duckdb_can_parse(capsys):
+    """`llmdb explain` as EXPLAIN LLM in `llmdb sql`: a query that does not parse, or
+    several, is an error, not a report (exit 0) that the query "runs as written"."""
+    assert main(["explain", "SELEC llm_complete('a')"]) == 2
+    assert "syntax error" in capsys.readouterr().err
+    assert main(["explain", "SELECT llm_complete('a'); SELECT 2"]) == 2
+    assert "EXPLAIN LLM explains one statement" in capsys.readouterr().err
