@@ -3,8 +3,8 @@
 Built on FastAPI (request validation, OpenAPI description) and served by uvicorn. Each HTTP
 request becomes one engine request on the engine's background loop; tokens come back
 through the engine's per-token callback onto the event loop, so a stream is sent as the
-tokens are made, and a client that goes away aborts its request (its blocks are freed at
-once). Limits answer 4xx in OpenAI's error shape before any work is queued.
+tokens are made, and a client that goes away aborts its request (its blocks are freed as
+the step under way ends). Limits answer 4xx in OpenAI's error shape before any work is queued.
 """
 
 from __future__ import annotations
