@@ -75,8 +75,7 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
         owns_loop = not engine.background_loop_running
         engine.start_background_loop()
         yield
-        for rid in list(inflight):  # after drain(): nothing should be left
-            engine.abort(rid)
+        engine.abort(*inflight)  # (after drain(): nothing should be left)
         if owns_loop:
             engine.stop_background_loop()
 
@@ -89,8 +88,8 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
         deadline = time.monotonic() + shutdown_timeout_s
         while inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        for rid in list(inflight):  # (in threads: see end_soon)
-            threading.Thread(target=engine.abort, args=(rid,), daemon=True).start()
+        # All in one call (they end with one step), off the event loop: see end_soon.
+        threading.Thread(target=engine.abort, args=tuple(inflight), daemon=True).start()
         while inflight:  # their handlers answer
             await asyncio.sleep(0.01)
 
