@@ -438,7 +438,7 @@ def write_random_model(shape: str, out_dir: str | Path, seed: int = 0,
     for old in [*out.glob("*.safetensors"), out / "model.safetensors.index.json"]:
         old.unlink(missing_ok=True)  # a previous shape's shards would be loaded too
     _write_weights(s, out, seed, dtype, dev, max_shard_bytes, log)
-    _write_metadata(s, out, dtype)
+    write_metadata(s, out, dtype)
     (out / MARKER).write_text(json.dumps(_marker(shape, seed, dtype, dev), indent=2))
     return out
 
@@ -466,7 +466,7 @@ def _write_weights(s: Shape, out: Path, seed: int, dtype: torch.dtype, dev: torc
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def _write_metadata(s: Shape, out: Path, dtype: torch.dtype) -> None:
+def write_metadata(s: Shape, out: Path, dtype: torch.dtype) -> None:
     (out / "config.json").write_text(json.dumps(config_json(s, dtype), indent=2))
     gen = {"bos_token_id": s.bos, "eos_token_id": s.eos}
     if s.pad is not None:

@@ -234,7 +234,7 @@ def test_published_gemma_configs_read_as_transformers_reads_them(name, tmp_path)
 
     from .gemma_models import _assert_config_is
 
-    random_model._write_metadata(SHAPES[name], tmp_path, torch.bfloat16)
+    random_model.write_metadata(SHAPES[name], tmp_path, torch.bfloat16)
     config, _ = read_hf_metadata(tmp_path)
     _assert_config_is(config, transformers.AutoConfig.from_pretrained(tmp_path))
     assert max(config.layer_windows) == SHAPES[name].extra["sliding_window"]

@@ -33,7 +33,9 @@ import triton.language as tl
 
 from llmdb.kernels.attention import AttentionBatch
 
-_LOG2E = 1.4426950408889634
+# A global a kernel reads must be a tl.constexpr: Triton's compiler refuses a plain float
+# (its interpreter, which CI runs, accepts one; tests/gpu_compile.py compiles for real).
+_LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -229,17 +231,20 @@ def choose_num_splits(num_seqs: int, kv_heads: int, max_seq_len: int, num_sms: i
     return max(1, min(by_occupancy, by_length, max_splits))
 
 
-def _launch_config(group: int, max_query_len: int) -> tuple[int, int, int]:
+def _launch_config(group: int, max_query_len: int, head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps): a tiling hint only, any choice is correct.
 
     tl.dot needs M >= 16; decode-only steps use the smallest tile that holds a group so no
     rows are wasted, steps with prefill chunks a taller one. On an H100, 64-key tiles beat 32
     for decodes and prefills alike, and 128-row tiles only helped whole prefills at head dim
-    128 while slowing mixed steps."""
+    128 while slowing mixed steps. Heads wider than 128 (Gemma's 256) take 32-key tiles, the
+    bytes of a 64-key tile at 128: with 64 keys a 64-row tile's pipelined K/V loads need
+    104 KiB of shared memory on sm_80/sm_89 and 160 KiB on sm_90 (tests/gpu_compile.py), more
+    than an L4, A10 or RTX 4090 has (99 KiB); with 32, 68 and 96 KiB."""
     rows = triton.next_power_of_2(max(group, 16))
     if group * max(1, max_query_len) > rows:
         rows = max(rows, 64)
-    return rows, 64, 4
+    return rows, 64 if head_dim <= 128 else 32, 4
 
 
 def paged_attention(
@@ -267,7 +272,7 @@ def paged_attention(
     if num_tokens == 0:
         return out
     num_seqs = batch.seq_lens.shape[0]
-    block_m, block_n, num_warps = _launch_config(group, batch.max_query_len)
+    block_m, block_n, num_warps = _launch_config(group, batch.max_query_len, head_dim)
     block_q = block_m // group
     num_splits = max(1, int(num_splits))
     if num_splits > 1:
@@ -282,7 +287,7 @@ def paged_attention(
     _attention_kernel[grid](
         q, k_cache, v_cache, out, part, lse,
         batch.query_start_loc, batch.seq_lens, batch.block_tables,
-        num_seqs, num_tokens, num_splits, scale * _LOG2E, int(window), float(softcap),
+        num_seqs, num_tokens, num_splits, scale * _LOG2E.value, int(window), float(softcap),
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

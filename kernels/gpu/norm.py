@@ -75,8 +75,9 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, out_ptr, n_cols, stride_
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-# sqrt(2 / pi), in the tanh approximation of gelu.
-_GELU_C = 0.7978845608028654
+# sqrt(2 / pi), in the tanh approximation of gelu (a tl.constexpr: a kernel may read no plain
+# float global, see attention.py's _LOG2E).
+_GELU_C = tl.constexpr(0.7978845608028654)
 
 
 @triton.jit
