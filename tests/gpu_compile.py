@@ -53,7 +53,7 @@ ARCHS = {
 # Layers kept per shape: enough for each kind of layer (Gemma 3: five windowed, then global).
 SHAPES = {"smollm2-135m": 1, "llama3.2-1b": 1, "qwen3-0.6b": 1, "phi3-mini": 1,
           "llama2-7b": 1, "opt-13b": 1, "gemma2-2b": 2, "gemma3-1b": 6}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 class CompileOnlyDriver:
