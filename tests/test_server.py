@@ -191,6 +191,55 @@ def test_logprobs(client):
         assert item.logprob == pytest.approx(max(t.logprob for t in item.top_logprobs))
 
 
+def test_completion_top_logprobs_hold_the_sampled_token(client, engine):
+    """OpenAI and vLLM put the sampled token in its position's top_logprobs even when it is
+    not among the k most likely (k + 1 entries then). Sampled hot with a seed, some tokens
+    fall outside the top 1; every entry is the engine's own log-probability, whole answer
+    and stream alike."""
+    prompt, n = "Once upon a time", 16
+    want = engine.generate([prompt], SamplingParams(max_tokens=n, temperature=2.0, seed=3,
+                                                    logprobs=1, ignore_eos=True))[0]
+    text = engine.tokenizer.token_text
+    expected = [{text(t): v for t, v in top.items()} | {text(tok): lp}
+                for tok, (lp, top) in zip(want.token_ids, want.logprobs, strict=True)]
+    assert sum(tok not in top for tok, (_, top) in zip(want.token_ids, want.logprobs,
+                                                        strict=True)) >= 3
+    kw = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 2.0, "seed": 3,
+          "logprobs": 1, "extra_body": {"ignore_eos": True}}
+    whole = client.completions.create(**kw).choices[0].logprobs
+    streamed = [c.choices[0].logprobs for c in client.completions.create(**kw, stream=True)
+                if c.choices and c.choices[0].logprobs]
+    for got in (whole.top_logprobs, [x for p in streamed for x in p.top_logprobs]):
+        assert [set(x) for x in got] == [set(x) for x in expected]
+        assert got == [pytest.approx(x) for x in expected]
+    assert whole.token_logprobs == pytest.approx([lp for lp, _ in want.logprobs])
+
+
+def test_chat_logprobs_have_openais_shape(server, engine):
+    """content[i]: token, logprob, bytes (its UTF-8 bytes) and top_logprobs, a list of
+    exactly top_logprobs {token, logprob, bytes}: the sampled token is not added (OpenAI's
+    chat API keeps it to k). Sampled hot, so some tokens fall outside the top 2."""
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    want = engine.generate([messages], SamplingParams(max_tokens=12, temperature=2.0, seed=5,
+                                                      logprobs=2, ignore_eos=True))[0]
+    assert any(tok not in top for tok, (_, top) in zip(want.token_ids, want.logprobs,
+                                                        strict=True))
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                   headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": MODEL, "messages": messages, "max_tokens": 12,
+                         "temperature": 2.0, "seed": 5, "logprobs": True, "top_logprobs": 2,
+                         "ignore_eos": True})
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    text = engine.tokenizer.token_text
+    assert len(content) == len(want.token_ids)
+    for item, (lp, top) in zip(content, want.logprobs, strict=True):
+        assert set(item) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert item["bytes"] == list(item["token"].encode())
+        assert item["logprob"] == pytest.approx(lp)
+        assert item["top_logprobs"] == [
+            {"token": text(t), "logprob": pytest.approx(v), "bytes": list(text(t).encode())}
+            for t, v in top.items()]
+
 def test_seeded_sampling_is_reproducible(client):
     kw = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 16, "temperature": 1.0,
           "seed": 7}
