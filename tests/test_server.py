@@ -408,6 +408,62 @@ def test_api_key_rules(monkeypatch):
     assert api_key_for("0.0.0.0", "LLMDB_TEST_KEY", no_auth=False) == "k"
 
 
+def test_serve_fails_at_once_on_a_taken_port(monkeypatch, capsys):
+    """`llmdb serve` on a port another server holds says so, naming host:port, before it
+    loads the model (a user waited for the load, then got uvicorn's bind error)."""
+    from llmdb import cli
+    from llmdb.engine import engine as engine_module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(engine_module, "LLMEngine", refuse)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert cli.main(["serve", "--no-auth", "--host", "127.0.0.1", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"127.0.0.1:{port}" in err and "in use" in err, err
+
+
+def test_serve_answers_on_the_port_it_bound_first(engine, monkeypatch):
+    """serve() takes its port before the model loads (no other server can take it during
+    the load, even one that reuses addresses as uvicorn does) and uvicorn serves on it."""
+    from llmdb.engine import engine as engine_module
+    from llmdb.server import run
+
+    def load(*args, **kwargs) -> LLMEngine:
+        with socket.socket() as other:
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            with pytest.raises(OSError):
+                other.bind(("127.0.0.1", port))
+                other.listen()
+        return engine
+
+    servers = []
+    make = run.uvicorn_server
+    monkeypatch.setattr(engine_module, "LLMEngine", load)
+    monkeypatch.setattr(run, "uvicorn_server", lambda *a, **k: servers.append(make(*a, **k))
+                        or servers[-1])
+    port = _free_port()
+    thread = threading.Thread(target=run.serve, daemon=True, args=(
+        MODEL, "127.0.0.1", port, None, Limits(), 1.0))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not (servers and servers[0].started):
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    try:
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"prompt": "Hello", "max_tokens": 3, "temperature": 0})
+        want = engine.generate(["Hello"], SamplingParams(max_tokens=3))[0]
+        assert r.json()["choices"][0]["text"] == want.text
+    finally:
+        servers[0].should_exit = True
+        thread.join(30)
+    _idle(engine)
+
 def test_prompt_logprobs_equal_the_engine_scores(client, engine):
     prompt = "The quick brown fox jumps over the lazy dog"
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
