@@ -279,6 +279,48 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server, engine):
     assert engine.tokens_generated < 400 + 200  # it did not run to its end
 
 
+def test_a_queued_stream_whose_client_leaves_never_runs(server, engine):
+    """A stream still waiting for its turn (no token yet) whose client leaves is aborted
+    there: it never takes a place in the batch nor computes a prompt token, and its blocks
+    are free, while the request ahead of it runs on. (Starlette's StreamingResponse listens
+    on the receive channel for the disconnect with servers of ASGI spec < 2.4, uvicorn 0.54's
+    2.3; from 2.4 it would notice only a failed send, at the first token.)"""
+    from llmdb.engine.sched.request import Status
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    ahead = {"model": MODEL, "prompt": "Write a long story about a dragon.", "max_tokens": 400,
+             "temperature": 0, "ignore_eos": True, "stream": True}
+    queued = {**ahead, "prompt": "Write a long story about an owl."}
+    ids = engine.encode_prompt(queued["prompt"])
+    sched = engine.scheduler
+    saved = sched.max_num_seqs
+    sched.max_num_seqs = 1  # one request runs at a time: the second waits
+    try:
+        with httpx.stream("POST", server.url + "/v1/completions", json=ahead, headers=auth,
+                          timeout=30) as running:
+            lines = running.iter_lines()
+            [next(lines) for _ in range(4)]  # its tokens come: it holds the one place
+            [first] = [r for r in engine._requests.values() if r.status is Status.RUNNING]
+            with httpx.stream("POST", server.url + "/v1/completions", json=queued,
+                              headers=auth, timeout=30) as r:
+                assert next(r.iter_lines()).startswith("data: ")  # its opening chunk only
+                deadline = time.monotonic() + 10
+                while not (jobs := [q for q in list(engine._requests.values())
+                                    if q.prompt_ids == ids]):
+                    assert time.monotonic() < deadline, "the second request was not queued"
+                    time.sleep(0.01)
+                [job] = jobs
+                assert job.status is Status.WAITING
+            deadline = time.monotonic() + 10
+            while job.finish_reason is None:
+                assert time.monotonic() < deadline, "the departed client's request still waits"
+                time.sleep(0.02)
+            assert first.finish_reason is None, "it was aborted only once the first ended"
+        assert job.finish_reason == "abort" and job.num_computed == 0
+    finally:
+        sched.max_num_seqs = saved
+    _idle(engine)
+
 def test_clients_that_leave_together_end_together(server, engine, monkeypatch):
     """engine.abort waits for the step under way to end. Called on the event loop, it held
     up every other request, one step per client that left (40 streams dropped together:
