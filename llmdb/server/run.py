@@ -48,8 +48,9 @@ def uvicorn_server(app, host: str, port: int, log_level: str = "info"):
 
 def listen(host: str, port: int) -> list[socket.socket]:
     """Listening sockets on every address of host, as uvicorn would open them. Opened
-    before the model loads, so that a taken port fails at once, not after the load, and
-    stays this server's during it (only bound, another server could still take it)."""
+    before the model loads, so that a taken port fails at once, not after the load, and is
+    this server's during it (a socket only bound, not listening, could still be taken by
+    another server that reuses addresses, as uvicorn does)."""
     where = _address(host, port)
     try:
         addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
