@@ -48,6 +48,7 @@ import ray.data
 from ray.exceptions import UserCodeException
 
 from . import dataframe
+from .backends.standin import STANDIN_MODEL
 from .batch import LLMError
 from .session import Options, Session
 
@@ -55,20 +56,30 @@ FUNCTIONS = ("complete", "filter", "classify")
 log = logging.getLogger(__name__)
 
 
-class LLMErrorInWorker(LLMError, UserCodeException):
-    """A row's LLMError as a worker raises it, to reach the driver as an llmdb.LLMError.
+class _ToTheDriver(UserCodeException):
+    """An llmdb error as a worker raises it, to reach the driver as the error it is.
 
     Ray Data wraps what a map function raises in a UserCodeException of its own ("UDF failed
     to process a data block"), and the original, its __cause__, does not survive pickling on
-    the way to the driver: the row and the cause were left as lines of a traceback. Raised as
-    it is (RowMapper asks Ray to), this one reaches the driver as Ray's
-    RayTaskError(LLMErrorInWorker), which is an llmdb.LLMError; being a UserCodeException
-    too, Ray reports it as the user's error, not as a fault of Ray's own."""
+    the way to the driver: the error was left as lines of a traceback. Raised as it is
+    (RowMapper asks Ray to), a subclass reaches the driver as Ray's RayTaskError(subclass),
+    which is an instance of the llmdb error too; being a UserCodeException, Ray reports it as
+    the user's error, not as a fault of Ray's own. (First among its bases: its __init__.)"""
 
     def __init__(self, message: str):
         super().__init__(message)
         # Ray appends its retry advice to args[0] on the way; this copy arrives as written.
         self.message = message
+
+
+class LLMErrorInWorker(_ToTheDriver, LLMError):
+    """A row's LLMError, to reach the driver as an llmdb.LLMError naming the row."""
+
+
+class ColumnsMissingInWorker(_ToTheDriver, KeyError):
+    """A column the call reads that a batch lacks (map_rows finds it on the driver unless
+    the rows' schema is not known there), to reach the driver as the single-process call's
+    KeyError."""
 
 
 class RowMapper:
@@ -81,19 +92,23 @@ class RowMapper:
         self.function = getattr(dataframe, function)
         self.args = args
         self.call, session_options = _split_options(function, options)
+        self.columns = dataframe.columns_read(function, args, options)
         # Ray Data shows the job's progress; a bar per worker would interleave with it.
         session_options.setdefault("progress", False)
         self.session = Session(Options.from_kwargs(**session_options))
         self.warned = False
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        try:
+            dataframe.check_columns(self.columns, batch.column_names)
+        except KeyError as e:
+            _raise_as_is()
+            raise ColumnsMissingInWorker(e.args[0]) from e
         failed_before = self.session.total.errors
         try:
             out = self.function(batch, *self.args, session=self.session, **self.call)
         except LLMError as e:
-            # Else Ray Data wraps it (see LLMErrorInWorker). The flag is this task's copy of
-            # the job's DataContext, which Ray reads as the exception leaves this call.
-            ray.data.DataContext.get_current().raise_original_map_exception = True
+            _raise_as_is()
             raise LLMErrorInWorker(str(e)) from e
         self._warn_of_failed_rows(self.session.total.errors - failed_before)
         return out
@@ -108,6 +123,13 @@ class RowMapper:
                         "filter drops them), e.g. %s; map_rows(..., error_column='error') "
                         "keeps each row's error in the output", failed,
                         self.session.errors[-1].error)
+
+
+def _raise_as_is() -> None:
+    """Asks Ray Data not to wrap the exception being raised (see _ToTheDriver). The flag is
+    this task's copy of the job's DataContext, which Ray reads as the exception leaves the
+    call."""
+    ray.data.DataContext.get_current().raise_original_map_exception = True
 
 
 def _split_options(function: str, options: dict[str, Any]) -> tuple[dict, dict]:
@@ -142,7 +164,8 @@ def map_rows(rows: ray.data.Dataset | pa.Table, function: str, *args: Any,
     session (model, cache_path, engine options such as device or max_num_seqs). num_cpus
     and num_gpus are each worker's Ray resources; mapper, a RowMapper subclass, adds work per
     batch (logging, metrics). Lazy, like every Ray Dataset: the work runs
-    when the result is consumed (written, iterated or converted).
+    when the result is consumed (written, iterated or converted); a wrong option, or a
+    column the rows lack, raises here what the same call raises in one process.
 
     error_column="error" (an option of the DataFrame functions) adds a column with the error
     of each row that failed under on_error='null', NULL for the others: the only way the
@@ -150,13 +173,8 @@ def map_rows(rows: ray.data.Dataset | pa.Table, function: str, *args: Any,
     if function not in FUNCTIONS:
         raise ValueError(f"function must be one of {FUNCTIONS}, got {function!r}")
     Options.from_kwargs(**_split_options(function, options)[1])  # fail here, not in a worker
-    # A column the call reads that the rows lack: said here, not by every worker after its
-    # model loads (where Ray would wrap the error). A dataset whose schema is not known
-    # without running it is checked by the workers.
     schema = rows.schema if isinstance(rows, pa.Table) else rows.schema(fetch_if_missing=False)
-    if schema is not None:
-        dataframe.check_columns(dataframe.columns_read(function, args, options),
-                                list(schema.names))
+    _check_call(function, args, options, None if schema is None else list(schema.names))
     if isinstance(rows, pa.Table):
         rows = _dataset(rows, batch_size)
     resources = {k: v for k, v in (("num_cpus", num_cpus), ("num_gpus", num_gpus))
@@ -164,6 +182,22 @@ def map_rows(rows: ray.data.Dataset | pa.Table, function: str, *args: Any,
     return rows.map_batches(mapper, fn_constructor_args=(function, args, options),
                             batch_size=batch_size, batch_format="pyarrow",
                             compute=ray.data.ActorPoolStrategy(size=num_workers), **resources)
+
+
+def _check_call(function: str, args: tuple, options: dict[str, Any],
+                columns: list[str] | None) -> None:
+    """The call's own checks, here: a wrong option, or a column the rows lack, fails as the
+    same call in one process does, not in every worker after its model loads, where Ray
+    wraps the error in a traceback of its own. The call runs on no rows, on the model-free
+    stand-in. columns None: a dataset whose schema is not known without running it (the
+    workers find a column it lacks)."""
+    call = _split_options(function, options)[0]
+    call.pop("model", None)  # (a model named per call would load here)
+    if columns is None:
+        columns = dataframe.columns_read(function, args, options)
+    no_rows = pa.Table.from_arrays([pa.array([], pa.string()) for _ in columns], columns)
+    standin = Session(Options(model=STANDIN_MODEL, cache=False, progress=False))
+    getattr(dataframe, function)(no_rows, *args, session=standin, **call)
 
 
 def to_arrow(ds: ray.data.Dataset) -> pa.Table:
@@ -176,4 +210,6 @@ def to_arrow(ds: ray.data.Dataset) -> pa.Table:
         tables = ray.get(ds.to_arrow_refs())
     except LLMErrorInWorker as e:  # Ray's RayTaskError(LLMErrorInWorker)
         raise LLMError(e.message) from None  # (Ray's traceback: the worker's, not the row's)
+    except ColumnsMissingInWorker as e:
+        raise KeyError(e.message) from None
     return pa.concat_tables(tables) if tables else pa.table({})

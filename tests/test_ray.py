@@ -130,6 +130,41 @@ def test_bad_arguments_fail_on_the_driver():
             getattr(llmdb, function)(_rows(), *args, **options)
 
 
+
+@pytest.mark.parametrize("function,args,options", [
+    ("complete", ("Greet {name}.",), {"max_tokens": 0}),
+    ("complete", ("Greet {name}.",), {"temperature": -1}),
+    ("complete", ("Greet {name}.",), {"on_error": "sometimes"}),
+    ("complete", ("Greet {name}.",), {"error_column": "completion"}),
+    ("complete", ("Greet.",), {"reorder_fields": True}),
+    ("filter", ("{name}?",), {"error_column": ""}),
+    ("classify", ("name", ["a", "a"]), {}),
+    ("classify", ("name", "ab"), {})])
+def test_a_wrong_option_fails_on_the_driver_as_in_one_process(function, args, options):
+    """A wrong option of the call is the single-process call's error (type and message),
+    raised by map_rows before any worker starts: in a worker it came back, after a model
+    load, as Ray's RayTaskError(UserCodeException), a traceback of 27 lines."""
+    with pytest.raises((ValueError, TypeError)) as in_process:
+        getattr(llmdb, function)(_rows(), *args, cache=False, **options)
+    with pytest.raises(type(in_process.value)) as got:
+        llmdb.ray.map_rows(_rows(), function, *args, **options)
+    assert str(got.value) == str(in_process.value)
+
+
+
+def test_a_column_missing_from_a_dataset_of_unknown_schema_is_llmdbs_error(local_ray):
+    """A dataset whose schema is known only once it runs: a worker finds the column it
+    lacks, and to_arrow raises the single-process call's KeyError, not Ray's wrapper."""
+    rows = ray.data.from_arrow(_rows()).map_batches(lambda b: b, batch_format="pyarrow")
+    assert rows.schema(fetch_if_missing=False) is None  # (else map_rows finds it)
+    with pytest.raises(KeyError) as in_process:
+        llmdb.complete(_rows(), "Hi {nme}.")
+    out = llmdb.ray.map_rows(rows, "complete", "Hi {nme}.", **OPTIONS)
+    with pytest.raises(KeyError) as got:
+        llmdb.ray.to_arrow(out)
+    assert type(got.value) is KeyError and str(got.value) == str(in_process.value)
+
+
 LONG = "word " * 9000  # longer than the model's context: the row fails at submit
 TEMPLATE = "Write a one-line greeting for {name}."
 

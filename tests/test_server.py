@@ -191,6 +191,56 @@ def test_logprobs(client):
         assert item.logprob == pytest.approx(max(t.logprob for t in item.top_logprobs))
 
 
+def test_completion_top_logprobs_hold_the_sampled_token(client, engine):
+    """OpenAI and vLLM put the sampled token in its position's top_logprobs even when it is
+    not among the k most likely (k + 1 entries then). Sampled hot with a seed, some tokens
+    fall outside the top 1; every entry is the engine's own log-probability, whole answer
+    and stream alike."""
+    prompt, n = "Once upon a time", 16
+    want = engine.generate([prompt], SamplingParams(max_tokens=n, temperature=2.0, seed=3,
+                                                    logprobs=1, ignore_eos=True))[0]
+    text = engine.tokenizer.token_text
+    expected = [{text(t): v for t, v in top.items()} | {text(tok): lp}
+                for tok, (lp, top) in zip(want.token_ids, want.logprobs, strict=True)]
+    assert sum(tok not in top for tok, (_, top) in zip(want.token_ids, want.logprobs,
+                                                        strict=True)) >= 3
+    kw = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 2.0, "seed": 3,
+          "logprobs": 1, "extra_body": {"ignore_eos": True}}
+    whole = client.completions.create(**kw).choices[0].logprobs
+    streamed = [c.choices[0].logprobs for c in client.completions.create(**kw, stream=True)
+                if c.choices and c.choices[0].logprobs]
+    for got in (whole.top_logprobs, [x for p in streamed for x in p.top_logprobs]):
+        assert [set(x) for x in got] == [set(x) for x in expected]
+        assert got == [pytest.approx(x) for x in expected]
+    assert whole.token_logprobs == pytest.approx([lp for lp, _ in want.logprobs])
+
+
+def test_chat_logprobs_have_openais_shape(server, engine):
+    """content[i]: token, logprob, bytes (its UTF-8 bytes) and top_logprobs, a list of
+    exactly top_logprobs {token, logprob, bytes}: the sampled token is not added (OpenAI's
+    chat API keeps it to k). Sampled hot, so some tokens fall outside the top 2."""
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    want = engine.generate([messages], SamplingParams(max_tokens=12, temperature=2.0, seed=5,
+                                                      logprobs=2, ignore_eos=True))[0]
+    assert any(tok not in top for tok, (_, top) in zip(want.token_ids, want.logprobs,
+                                                        strict=True))
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                   headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": MODEL, "messages": messages, "max_tokens": 12,
+                         "temperature": 2.0, "seed": 5, "logprobs": True, "top_logprobs": 2,
+                         "ignore_eos": True})
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    text = engine.tokenizer.token_text
+    assert len(content) == len(want.token_ids)
+    for item, (lp, top) in zip(content, want.logprobs, strict=True):
+        assert set(item) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert item["bytes"] == list(item["token"].encode())
+        assert item["logprob"] == pytest.approx(lp)
+        assert item["top_logprobs"] == [
+            {"token": text(t), "logprob": pytest.approx(v), "bytes": list(text(t).encode())}
+            for t, v in top.items()]
+
+
 def test_seeded_sampling_is_reproducible(client):
     kw = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 16, "temperature": 1.0,
           "seed": 7}
@@ -228,6 +278,49 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server, engine):
     assert any(line.startswith("data: ") for line in got)
     _idle(engine)
     assert engine.tokens_generated < 400 + 200  # it did not run to its end
+
+
+def test_a_queued_stream_whose_client_leaves_never_runs(server, engine):
+    """A stream still waiting for its turn (no token yet) whose client leaves is aborted
+    there: it never takes a place in the batch nor computes a prompt token, and its blocks
+    are free, while the request ahead of it runs on. (Starlette's StreamingResponse listens
+    on the receive channel for the disconnect with servers of ASGI spec < 2.4, uvicorn 0.54's
+    2.3; from 2.4 it would notice only a failed send, at the first token.)"""
+    from llmdb.engine.sched.request import Status
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    ahead = {"model": MODEL, "prompt": "Write a long story about a dragon.", "max_tokens": 400,
+             "temperature": 0, "ignore_eos": True, "stream": True}
+    queued = {**ahead, "prompt": "Write a long story about an owl."}
+    ids = engine.encode_prompt(queued["prompt"])
+    sched = engine.scheduler
+    saved = sched.max_num_seqs
+    sched.max_num_seqs = 1  # one request runs at a time: the second waits
+    try:
+        with httpx.stream("POST", server.url + "/v1/completions", json=ahead, headers=auth,
+                          timeout=30) as running:
+            lines = running.iter_lines()
+            [next(lines) for _ in range(4)]  # its tokens come: it holds the one place
+            [first] = [r for r in engine._requests.values() if r.status is Status.RUNNING]
+            with httpx.stream("POST", server.url + "/v1/completions", json=queued,
+                              headers=auth, timeout=30) as r:
+                assert next(r.iter_lines()).startswith("data: ")  # its opening chunk only
+                deadline = time.monotonic() + 10
+                while not (jobs := [q for q in list(engine._requests.values())
+                                    if q.prompt_ids == ids]):
+                    assert time.monotonic() < deadline, "the second request was not queued"
+                    time.sleep(0.01)
+                [job] = jobs
+                assert job.status is Status.WAITING
+            deadline = time.monotonic() + 10
+            while job.finish_reason is None:
+                assert time.monotonic() < deadline, "the departed client's request still waits"
+                time.sleep(0.02)
+            assert first.finish_reason is None, "it was aborted only once the first ended"
+        assert job.finish_reason == "abort" and job.num_computed == 0
+    finally:
+        sched.max_num_seqs = saved
+    _idle(engine)
 
 
 def test_clients_that_leave_together_end_together(server, engine, monkeypatch):
@@ -357,6 +450,64 @@ def test_api_key_rules(monkeypatch):
         api_key_for("0.0.0.0", "LLMDB_TEST_KEY", no_auth=False)
     monkeypatch.setenv("LLMDB_TEST_KEY", "k")
     assert api_key_for("0.0.0.0", "LLMDB_TEST_KEY", no_auth=False) == "k"
+
+
+def test_serve_fails_at_once_on_a_taken_port(monkeypatch, capsys):
+    """`llmdb serve` on a port another server holds says so, naming host:port, before it
+    loads the model (a user waited for the load, then got uvicorn's bind error)."""
+    from llmdb import cli
+    from llmdb.engine import engine as engine_module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(engine_module, "LLMEngine", refuse)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert cli.main(["serve", "--no-auth", "--host", "127.0.0.1", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"127.0.0.1:{port}" in err and "in use" in err, err
+
+
+def test_serve_answers_on_the_port_it_bound_first(engine, monkeypatch):
+    """serve() takes its port before the model loads (no other server can take it during
+    the load, even one that reuses addresses as uvicorn does) and uvicorn serves on it."""
+    from llmdb.engine import engine as engine_module
+    from llmdb.server import run
+
+    def load(*args, **kwargs) -> LLMEngine:
+        with socket.socket() as other:
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            with pytest.raises(OSError):
+                other.bind(("127.0.0.1", port))
+                other.listen()
+        return engine
+
+    servers = []
+    make = run.uvicorn_server
+    monkeypatch.setattr(engine_module, "LLMEngine", load)
+    monkeypatch.setattr(run, "uvicorn_server", lambda *a, **k: servers.append(make(*a, **k))
+                        or servers[-1])
+    port = _free_port()
+    thread = threading.Thread(target=run.serve, daemon=True, args=(
+        MODEL, "127.0.0.1", port, None, Limits(), 1.0))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not (servers and servers[0].started):
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    try:
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"prompt": "Hello", "max_tokens": 3, "temperature": 0})
+        want = engine.generate(["Hello"], SamplingParams(max_tokens=3))[0]
+        assert r.json()["choices"][0]["text"] == want.text
+    finally:
+        if servers:
+            servers[0].should_exit = True
+        thread.join(30)
+    _idle(engine)
 
 
 def test_prompt_logprobs_equal_the_engine_scores(client, engine):

@@ -501,8 +501,11 @@ class _CompletionRender(_Render):
         text offset `start`."""
         text = self.engine.tokenizer.token_text
         texts = self._token_texts([t for t, _ in tokens])
+        # The sampled token is in its position's top_logprobs even outside the top k (k + 1
+        # entries then), as OpenAI's and vLLM's legacy completions have it.
         return {"tokens": texts, "token_logprobs": [lp for _, (lp, _) in tokens],
-                "top_logprobs": [{text(t): v for t, v in top.items()} for _, (_, top) in tokens],
+                "top_logprobs": [{text(t): v for t, v in (top | {tok: lp}).items()}
+                                 for tok, (lp, top) in tokens],
                 "text_offset": [start + o for o in _offsets(texts)]}
 
     def first_chunk(self) -> dict:
@@ -537,10 +540,11 @@ class _ChatRender(_Render):
         return self._logprobs_of(list(zip(r.token_ids, r.logprobs, strict=True)))
 
     def _logprobs_of(self, tokens: list[tuple[int, tuple]]) -> dict:
+        """OpenAI's chat logprobs: top_logprobs holds the k most likely tokens only."""
         text = self.engine.tokenizer.token_text
         return {"content": [{
-            "token": written, "logprob": lp,
-            "top_logprobs": [{"token": text(i), "logprob": v} for i, v in top.items()]}
+            **_chat_token(written, lp),
+            "top_logprobs": [_chat_token(text(i), v) for i, v in top.items()]}
             for written, (_, (lp, top)) in zip(self._token_texts([t for t, _ in tokens]),
                                                tokens, strict=True)]}
 
@@ -556,6 +560,12 @@ class _ChatRender(_Render):
         if tokens is not None:
             choice["logprobs"] = self._logprobs_of(tokens)
         return {**self._base(self.chunk_object), "choices": [choice]}
+
+
+def _chat_token(text: str, logprob: float) -> dict:
+    # (bytes from the decoded text, as vLLM's: a token that is part of a character reads as
+    # U+FFFD, whose bytes are not the token's own)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
 def _offsets(tokens: list[str]) -> list[int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 import socket
 
@@ -45,10 +46,53 @@ def uvicorn_server(app, host: str, port: int, log_level: str = "info"):
     return _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
 
 
+def listen(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets on every address of host, as uvicorn would open them. Opened
+    before the model loads, so that a taken port fails at once, not after the load, and is
+    this server's during it (a socket only bound, not listening, could still be taken by
+    another server that reuses addresses, as uvicorn does)."""
+    where = _address(host, port)
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                       flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"cannot serve on {where}: {e.strerror}") from e
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(addresses):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # (its IPv4 twin, if any, is an address of its own)
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen()
+    except OSError as e:
+        for sock in sockets:
+            sock.close()
+        raise ValueError(f"cannot serve on {where}: {e.strerror}") from e
+    return sockets
+
+
 def serve(model: str, host: str, port: int, api_key: str | None, limits: Limits,
           shutdown_timeout_s: float, **engine_options) -> None:
     from llmdb.engine.engine import LLMEngine
 
-    engine = LLMEngine(model, **engine_options)
+    sockets = listen(host, port)
+    try:
+        engine = LLMEngine(model, **engine_options)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
     app = create_app(engine, model, api_key, limits, shutdown_timeout_s)
-    uvicorn_server(app, host, port).run()
+    server = uvicorn_server(app, host, port)
+    # (uvicorn names the address it serves on only when it opens the sockets itself)
+    logging.getLogger("uvicorn.error").info(
+        "llmdb serve: %s on http://%s (Ctrl-C to stop)", model,
+        _address(*sockets[0].getsockname()[:2]))
+    server.run(sockets=sockets)
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
