@@ -162,9 +162,8 @@ def estimate_site(session: Session, site: Site, counts: SiteCounts, learned: Lea
     hits = cache.get_many(keys) if cache is not None and keys else {}
     hit_rate = sum(r.cache_key in hits for r in rows) / len(rows)
     if observed:
-        hit_rate = min(1.0, counts.cache_hits / counts.computed)
-    # Rows with a NULL argument make no call: scale by the sample's non-NULL share.
-    live = counts.computed * len(sample) / max(1, len(counts.sampled))
+        hit_rate = min(1.0, counts.cache_hits / counts.calling)
+    live = counts.calling  # (rows with a NULL argument make no call)
     est.cache_hits = round(live * hit_rate)
     requests = [q for r in rows for q in r.requests]
     per_row = len(requests) / len(rows)

@@ -46,8 +46,9 @@ class SiteCounts:
     """What a site did (or, in a dry run, would do) in one run of a query."""
 
     rows: int = 0  # rows it was evaluated on (its guard TRUE)
-    distinct: int = 0  # distinct argument tuples among them
+    distinct: int = 0  # distinct argument tuples among them without a NULL (those are prompts)
     computed: int = 0  # tuples sent to the model path (not already in the query's memo)
+    calling: int = 0  # of those, the tuples that call the model (no NULL argument)
     requests: int = 0  # model requests those take before the result cache (NULLs take none)
     batches: list[int] = field(default_factory=list)  # sizes of those sends
     calls: int = 0  # model requests (stats of the row functions)
@@ -187,10 +188,10 @@ class QueryRun:
             first = key not in seen
             if first:
                 seen.add(key)
-                c.distinct += 1
-            if n > first and not site.signature.null_row(
-                    dict(zip(site.signature.names, key, strict=True))):
-                repeats += n - first
+            if _null(site, key):  # (no prompt, no call)
+                continue
+            c.distinct += first
+            repeats += n - first
         if repeats and count_rows and not self.dry:
             self.session.record(Stats(rows=repeats, dedup_hits=repeats))
 
@@ -200,6 +201,7 @@ class QueryRun:
         counts = self.counts[site.id]
         with self._lock:
             counts.computed += len(keys)
+            counts.calling += sum(not _null(site, k) for k in keys)
             counts.requests += sum(requests_per_call(site, k) for k in keys)
             counts.batches.append(len(keys))
             self._sample(counts, keys)
@@ -303,6 +305,11 @@ class QueryRun:
             else:
                 out.append(_default_value(site, k, h))
         return out
+
+
+def _null(site: Site, key: tuple) -> bool:
+    """A NULL in a required argument: NULL without a model call."""
+    return site.signature.null_row(dict(zip(site.signature.names, key, strict=True)))
 
 
 def requests_per_call(site: Site, key: tuple) -> int:
