@@ -137,6 +137,7 @@ class _Batch:
                 return
             self.handles[i].append(h)
             self.stats.calls += 1
+            self.stats.calibration_calls += not self.as_rows
 
     def fail(self, i: int, cause: str) -> None:
         self.backend.abort(*self.handles.pop(i, []))

@@ -100,6 +100,9 @@ def engine_options() -> list[str]:
 class Stats:
     rows: int = 0  # non-NULL rows that reached an LLM function
     calls: int = 0  # model requests sent to the backend
+    # Of those, the content-free priors of filter and classify templates (once per template
+    # and process: functions.py's calibration), which belong to no row.
+    calibration_calls: int = 0
     model_rows: int = 0  # rows the model computed (a row may take several requests)
     cache_hits: int = 0  # rows answered by the result cache
     dedup_hits: int = 0  # rows answered by an identical row of the query or in flight
