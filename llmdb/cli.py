@@ -150,7 +150,6 @@ def _sql(args: argparse.Namespace) -> int:
     with llmdb.connect(args.db, model=args.model, **options) as con:
         explained = EXPLAIN_LLM.match(text)
         if explained:  # llmdb's syntax, which DuckDB cannot split: the report as `explain`'s
-            _one_statement(explained["query"])
             print(con.explain(explained["query"]), end="")
             return 0
         statements = [(s.query, s.type.name) for s in duckdb.extract_statements(text)]
@@ -182,15 +181,6 @@ def _sql(args: argparse.Namespace) -> int:
     return 0
 
 
-def _one_statement(query: str) -> None:
-    """EXPLAIN LLM's query: one statement that DuckDB parses (else the report would be of
-    the first one only, or say that a query which cannot run "runs as written")."""
-    count = len(duckdb.extract_statements(query))  # (a syntax error: DuckDB's own)
-    if count != 1:
-        raise ValueError(f"EXPLAIN LLM explains one statement, not {count}; run the others "
-                         "apart")
-
-
 def _calibrate(args: argparse.Namespace) -> int:
     from llmdb.engine.research.calibrate import calibrate, report
 
@@ -203,9 +193,10 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def _explain(args: argparse.Namespace) -> int:
     import llmdb
+    from llmdb.connection import check_one_statement
 
     query = args.query if args.query else sys.stdin.read()
-    _one_statement(query)
+    check_one_statement(query)  # (as the connection does, before the model loads)
     options = {"cache": not args.no_cache, "sample_rows": args.sample_rows, "progress": False,
                "device": args.device}
     with llmdb.connect(args.db, model=args.model, **options) as con:

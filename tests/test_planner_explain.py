@@ -120,6 +120,26 @@ def test_explain_of_a_wrong_query_raises_duckdbs_error(con, requests):
     assert requests == []  # binding it asked the model nothing
 
 
+@pytest.mark.parametrize("query", ["SELEC 1", "SELECT llm_complete('a') FROM"])
+def test_explain_of_a_query_duckdb_cannot_parse_raises_its_error(con, query, requests):
+    """DuckDB's own parser error, as running it raises and `llmdb explain` prints: not a
+    report that the query "runs as written: no LLM calls"."""
+    with pytest.raises(duckdb.ParserException) as reference:
+        duckdb.connect().execute(query)
+    for explain in (con.explain, lambda q: con.execute(f"EXPLAIN LLM {q}"),
+                    lambda q: con.sql(f"EXPLAIN LLM {q}")):
+        with pytest.raises(duckdb.ParserException) as raised:
+            explain(query)
+        assert str(raised.value) == str(reference.value)
+    assert requests == []
+
+
+def test_explain_takes_one_statement(con):
+    for explain in (con.explain, lambda q: con.execute(f"EXPLAIN LLM {q}")):
+        with pytest.raises(ValueError, match="EXPLAIN LLM explains one statement, not 2"):
+            explain("SELECT llm_complete(x) FROM t; SELECT 2")
+
+
 def test_cli_explain(capsys):
     code = cli_main(["explain", "--model", STANDIN, "--no-cache", "--analyze",
                      "SELECT llm_filter('a' || i) FROM range(10) t(i) WHERE i < 4"])
