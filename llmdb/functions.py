@@ -117,19 +117,19 @@ def _refused(session: Session, function: str, a: Mapping[str, Any], policy: str,
     the stats then say the same with the planner (whose memo sees each tuple once) and
     without it, where DuckDB hands the function every row. Returns the row's error."""
     key = request_key(function, "refused", {k: v for k, v in a.items() if k != "on_error"})
-    message = refused.get(key) or session.failed_before(key)
-    if message is not None:
-        session.record(Stats(rows=1, dedup_hits=1))
-        if policy != "null":
-            raise LLMError(message) from e
-        return message
     text = a[FUNCTIONS[function].params[0].name]
-    message = refused[key] = describe_row(function, text, str(e))
-    session.record(Stats(rows=1, errors=1))
-    session.note_failure(key, message)
+    message = refused.get(key) or session.failed_before(key)
+    first = message is None
+    if first:
+        message = describe_row(function, text, str(e))
+        earlier = session.note_failure(key, message)  # (another thread may have, meanwhile)
+        first, message = earlier is None, earlier or message
+        refused[key] = message
+    session.record(Stats(rows=1, errors=1) if first else Stats(rows=1, dedup_hits=1))
     if policy != "null":
         raise LLMError(message) from e
-    session.record_error(function, text, message)
+    if first:
+        session.record_error(function, text, message)
     return message
 
 

@@ -308,11 +308,19 @@ class Session:
             memory = self._query_memory(key)
             return None if memory is None else memory.failed.get(key)
 
-    def note_failure(self, key: str | None, error: str) -> None:
+    def note_failure(self, key: str | None, error: str) -> str | None:
+        """Remember the call's failure for the rest of the query. Returns the error noted
+        first where a thread of the query failed the same call before (a copy of that call,
+        counted and listed there), else None. (Checked and noted at once: two DuckDB threads
+        failing one call both found no failure before theirs, and both listed it.)"""
         with self._lock:
             memory = self._query_memory(key)
-            if memory is not None:
+            if memory is None:
+                return None
+            earlier = memory.failed.get(key)
+            if earlier is None:
                 memory.failed[key] = error
+            return earlier
 
     def answered_before(self, key: str | None) -> tuple[bool, Any]:
         """(whether an identical call was answered earlier in this query, its answer), as far
