@@ -32,6 +32,10 @@ REMOTE_OPTIONS = ("served_model", "max_concurrency", "requests_per_minute", "tok
                   "timeout_s", "max_retries", "send_priority")
 ON_ERROR = ("raise", "null")
 PROGRESS_MIN_ROWS = 32  # smaller jobs finish before a bar would be worth reading
+# The bar is redrawn at most this often, as rows finish. (By time alone: tqdm's default
+# waits for as many rows as its last step brought, which after a batch finishing together
+# held the bar still for dozens of single rows.)
+PROGRESS_REFRESH_S = 0.25
 MAX_KEPT_ERRORS = 10_000
 KEPT_DUCKDB_QUERIES = 8  # queries of one session that DuckDB may be running at once (cursors)
 
@@ -373,7 +377,8 @@ class Session:
             if self._bar is None and show and self._bar_total - self._bar_done > \
                     PROGRESS_MIN_ROWS:
                 self._bar = tqdm(total=self._bar_total, initial=self._bar_done, unit="row",
-                                 desc="llm", file=sys.stderr, leave=False)
+                                 desc="llm", file=sys.stderr, leave=False, miniters=0,
+                                 mininterval=PROGRESS_REFRESH_S)
             elif self._bar is not None:
                 self._bar.total = self._bar_total
                 self._bar.refresh()
