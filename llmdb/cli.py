@@ -6,6 +6,7 @@ import argparse
 import os
 import shutil
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -55,11 +56,30 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_table(table: pa.Table, max_rows: int) -> None:
+OUTPUT_FORMATS = ("auto", "box", "csv", "json")
+FORMAT_HELP = ("how rows are printed: box, DuckDB's table cut to the terminal's width and "
+               "--max-rows; csv, a header and then every row in full; json, one object per "
+               "row and line. auto (the default): box on a terminal, csv when stdout is a pipe "
+               "or a file")
+
+
+def _print_table(table: pa.Table, max_rows: int, fmt: str) -> None:
+    """A statement's rows on stdout, in `fmt` (box, csv or json): the last two as DuckDB's
+    COPY writes them, so each type reads as DuckDB writes it (NULL: an empty CSV field)."""
     view = duckdb.connect()
     try:
-        view.from_arrow(table).show(max_rows=max_rows,
-                                    max_width=shutil.get_terminal_size((120, 40)).columns)
+        if fmt == "box":
+            view.from_arrow(table).show(max_rows=max_rows,
+                                        max_width=shutil.get_terminal_size((120, 40)).columns)
+            return
+        view.register("result", table)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / f"result.{fmt}"
+            options = "FORMAT csv, HEADER" if fmt == "csv" else "FORMAT json"
+            view.execute(f"COPY result TO '{path.as_posix().replace(chr(39), chr(39) * 2)}' "
+                         f"({options})")
+            with path.open(encoding="utf-8", newline="") as rows:
+                shutil.copyfileobj(rows, sys.stdout)
     finally:
         view.close()
 
@@ -147,6 +167,9 @@ def _sql(args: argparse.Namespace) -> int:
         options["max_context"] = args.max_context
     if args.no_progress:
         options["progress"] = False
+    fmt = args.format
+    if fmt == "auto":
+        fmt = "box" if sys.stdout.isatty() else "csv"
     with llmdb.connect(args.db, model=args.model, **options) as con:
         explained = EXPLAIN_LLM.match(text)
         if explained:  # llmdb's syntax, which DuckDB cannot split: the report as `explain`'s
@@ -172,7 +195,7 @@ def _sql(args: argparse.Namespace) -> int:
                 with warnings.catch_warnings():  # the copy it warns about is what printing needs
                     warnings.simplefilter("ignore")
                     table = con.to_arrow_table()
-                _print_table(table, args.max_rows)
+                _print_table(table, args.max_rows, fmt)
         s = con.stats()["total"]
         if s["rows"]:
             print(f"-- llm: {s['rows']:,} rows, {s['calls']:,} model calls, "
@@ -266,8 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     sql.add_argument("--on-error", choices=("raise", "null"), default="raise")
     sql.add_argument("--no-cache", action="store_true", help="do not use the result cache")
     sql.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sql.add_argument("--format", choices=OUTPUT_FORMATS, default="auto", help=FORMAT_HELP)
     sql.add_argument("--max-rows", type=_whole_number(1), default=40,
-                     help="rows to print per result")
+                     help="rows to print per result in the box")
     sql.add_argument("--sample-rows", type=_whole_number(1), default=None,
                      help="use only the first N rows of samples.* tables")
     sql.set_defaults(func=_sql)
