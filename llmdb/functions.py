@@ -246,7 +246,7 @@ def template_priors(session: Session, function: str, rows: Sequence[Mapping[str,
     out: dict[str, tuple[str | None, Call]] = {}
     seen = set()
     for a in rows:
-        if spec.prior is None or spec.null_row(a):
+        if spec.null_row(a):
             continue
         template = tuple(tuple(v) if isinstance(v, list) else v
                          for v in (a[name] for name in spec.template))
@@ -266,9 +266,8 @@ def unmeasured_priors(session: Session, function: str, rows: Sequence[Mapping[st
     """The priors the rows need that this process has not measured yet, by key: calls the
     query makes before its rows (unless the result cache holds them), which EXPLAIN LLM
     counts and the interactive cut adds up with the rows'."""
-    return {key: call for key, (_, call) in template_priors(session, function, rows,
-                                                            "BE").items()
-            if key not in _priors}
+    templates = template_priors(session, function, rows, "BE")
+    return {key: call for key, (_, call) in templates.items() if key not in _priors}
 
 
 def _template_priors(session: Session, function: str, templates: dict[str, tuple[str | None,
