@@ -137,6 +137,7 @@ class _Batch:
                 return
             self.handles[i].append(h)
             self.stats.calls += 1
+            self.stats.calibration_calls += not self.as_rows
 
     def fail(self, i: int, cause: str) -> None:
         self.backend.abort(*self.handles.pop(i, []))
@@ -151,15 +152,20 @@ class _Batch:
             self.cache.put(call.key, outcome.value)  # now, not at the end of the batch
         if outcome.error is None:
             self.session.note_answer(call.key, outcome.value)
-        else:
-            self.session.note_failure(call.key, outcome.error)
+            self.release(i, outcome)
+            return
+        # A copy where another thread of the query failed this call first (this batch
+        # waited for it): counted and listed there.
+        first = self.session.note_failure(call.key, outcome.error) is None
         self.release(i, outcome)
-        if outcome.error is not None:
+        if first:
             self.stats.errors += self.as_rows
-            if call.on_error == "raise":
-                raise LLMError(outcome.error)
-            if self.as_rows:  # (a failed prior is reported on the rows it calibrates)
-                self.session.record_error(self.function, call.row, outcome.error)
+        else:
+            self.stats.dedup_hits += self.as_rows
+        if call.on_error == "raise":
+            raise LLMError(outcome.error)
+        if self.as_rows and first:  # (a failed prior is reported on the rows it calibrates)
+            self.session.record_error(self.function, call.row, outcome.error)
 
     def release(self, i: int, outcome: Outcome | None) -> None:
         pending = self.owned.pop(i, None)

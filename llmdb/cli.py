@@ -6,6 +6,7 @@ import argparse
 import os
 import shutil
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -55,11 +56,30 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_table(table: pa.Table, max_rows: int) -> None:
+OUTPUT_FORMATS = ("auto", "box", "csv", "json")
+FORMAT_HELP = ("how rows are printed: box, DuckDB's table cut to the terminal's width and "
+               "--max-rows; csv, a header and then every row in full; json, one object per "
+               "row and line. auto (the default): box on a terminal, csv when stdout is a pipe "
+               "or a file")
+
+
+def _print_table(table: pa.Table, max_rows: int, fmt: str) -> None:
+    """A statement's rows on stdout, in `fmt` (box, csv or json): the last two as DuckDB's
+    COPY writes them, so each type reads as DuckDB writes it (NULL: an empty CSV field)."""
     view = duckdb.connect()
     try:
-        view.from_arrow(table).show(max_rows=max_rows,
-                                    max_width=shutil.get_terminal_size((120, 40)).columns)
+        if fmt == "box":
+            view.from_arrow(table).show(max_rows=max_rows,
+                                        max_width=shutil.get_terminal_size((120, 40)).columns)
+            return
+        view.register("result", table)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / f"result.{fmt}"
+            options = "FORMAT csv, HEADER" if fmt == "csv" else "FORMAT json"
+            view.execute(f"COPY result TO '{path.as_posix().replace(chr(39), chr(39) * 2)}' "
+                         f"({options})")
+            with path.open(encoding="utf-8", newline="") as rows:
+                shutil.copyfileobj(rows, sys.stdout)
     finally:
         view.close()
 
@@ -147,10 +167,12 @@ def _sql(args: argparse.Namespace) -> int:
         options["max_context"] = args.max_context
     if args.no_progress:
         options["progress"] = False
+    fmt = args.format
+    if fmt == "auto":
+        fmt = "box" if sys.stdout.isatty() else "csv"
     with llmdb.connect(args.db, model=args.model, **options) as con:
         explained = EXPLAIN_LLM.match(text)
         if explained:  # llmdb's syntax, which DuckDB cannot split: the report as `explain`'s
-            _one_statement(explained["query"])
             print(con.explain(explained["query"]), end="")
             return 0
         statements = [(s.query, s.type.name) for s in duckdb.extract_statements(text)]
@@ -173,22 +195,13 @@ def _sql(args: argparse.Namespace) -> int:
                 with warnings.catch_warnings():  # the copy it warns about is what printing needs
                     warnings.simplefilter("ignore")
                     table = con.to_arrow_table()
-                _print_table(table, args.max_rows)
+                _print_table(table, args.max_rows, fmt)
         s = con.stats()["total"]
         if s["rows"]:
             print(f"-- llm: {s['rows']:,} rows, {s['calls']:,} model calls, "
                   f"{s['cache_hits']:,} cache hits, {s['dedup_hits']:,} deduplicated, "
                   f"{s['errors']:,} errors, {s['engine_s']:.1f} s in the model", file=sys.stderr)
     return 0
-
-
-def _one_statement(query: str) -> None:
-    """EXPLAIN LLM's query: one statement that DuckDB parses (else the report would be of
-    the first one only, or say that a query which cannot run "runs as written")."""
-    count = len(duckdb.extract_statements(query))  # (a syntax error: DuckDB's own)
-    if count != 1:
-        raise ValueError(f"EXPLAIN LLM explains one statement, not {count}; run the others "
-                         "apart")
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -203,9 +216,10 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def _explain(args: argparse.Namespace) -> int:
     import llmdb
+    from llmdb.connection import check_one_statement
 
     query = args.query if args.query else sys.stdin.read()
-    _one_statement(query)
+    check_one_statement(query)  # (as the connection does, before the model loads)
     options = {"cache": not args.no_cache, "sample_rows": args.sample_rows, "progress": False,
                "device": args.device}
     with llmdb.connect(args.db, model=args.model, **options) as con:
@@ -275,8 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     sql.add_argument("--on-error", choices=("raise", "null"), default="raise")
     sql.add_argument("--no-cache", action="store_true", help="do not use the result cache")
     sql.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sql.add_argument("--format", choices=OUTPUT_FORMATS, default="auto", help=FORMAT_HELP)
     sql.add_argument("--max-rows", type=_whole_number(1), default=40,
-                     help="rows to print per result")
+                     help="rows to print per result in the box")
     sql.add_argument("--sample-rows", type=_whole_number(1), default=None,
                      help="use only the first N rows of samples.* tables")
     sql.set_defaults(func=_sql)

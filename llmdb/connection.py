@@ -35,6 +35,15 @@ _EXPLAIN_VIEW = "__llmdb_explain"
 _INSPECTS = re.compile(r"\bllm_(?:stats|errors)\s*\(", re.I)
 
 
+def check_one_statement(query: str) -> None:
+    """EXPLAIN LLM's query: one statement that DuckDB parses (else the report would be of
+    the first one only, or say that a query which cannot run "runs as written")."""
+    count = len(duckdb.extract_statements(query))  # (a syntax error: DuckDB's own)
+    if count != 1:
+        raise ValueError(f"EXPLAIN LLM explains one statement, not {count}; run the others "
+                         "apart")
+
+
 class RowCallError(LLMError, duckdb.InvalidInputException):
     """A row's model call failed inside a query: an llmdb.LLMError, and the
     duckdb.InvalidInputException DuckDB raises for a failing UDF (the message is the row's)."""
@@ -182,7 +191,9 @@ class Connection:
 
     def explain_report(self, query: str) -> Report:
         """Per call site: estimated rows, prompts, cache hits, tokens, model time and
-        priority; next to what the query did when it last ran on this connection."""
+        priority; next to what the query did when it last ran on this connection. A query
+        DuckDB cannot parse raises DuckDB's error, several statements a ValueError."""
+        check_one_statement(query)
         if self.planner is None:
             return Report(query, notes=["the planner is off on this connection"])
         with self._tables(query, caller_frame()):

@@ -117,19 +117,19 @@ def _refused(session: Session, function: str, a: Mapping[str, Any], policy: str,
     the stats then say the same with the planner (whose memo sees each tuple once) and
     without it, where DuckDB hands the function every row. Returns the row's error."""
     key = request_key(function, "refused", {k: v for k, v in a.items() if k != "on_error"})
-    message = refused.get(key) or session.failed_before(key)
-    if message is not None:
-        session.record(Stats(rows=1, dedup_hits=1))
-        if policy != "null":
-            raise LLMError(message) from e
-        return message
     text = a[FUNCTIONS[function].params[0].name]
-    message = refused[key] = describe_row(function, text, str(e))
-    session.record(Stats(rows=1, errors=1))
-    session.note_failure(key, message)
+    message = refused.get(key) or session.failed_before(key)
+    first = message is None
+    if first:
+        message = describe_row(function, text, str(e))
+        earlier = session.note_failure(key, message)  # (another thread may have, meanwhile)
+        first, message = earlier is None, earlier or message
+        refused[key] = message
+    session.record(Stats(rows=1, errors=1) if first else Stats(rows=1, dedup_hits=1))
     if policy != "null":
         raise LLMError(message) from e
-    session.record_error(function, text, message)
+    if first:
+        session.record_error(function, text, message)
     return message
 
 
@@ -237,6 +237,39 @@ def _divide_prior(probs: Sequence[float], prior: Sequence[float]) -> list[float]
     return _normalized([p / max(q, _PROB_FLOOR) for p, q in zip(probs, prior, strict=True)])
 
 
+def template_priors(session: Session, function: str, rows: Sequence[Mapping[str, Any]],
+                    priority: str) -> dict[str, tuple[str | None, Call]]:
+    """The content-free prior call of each template among the rows of a calibrated function,
+    by its key, with its model. Built once per distinct template arguments, not per row. A
+    row whose prior cannot be built is left out: its own call fails on the same cause."""
+    spec = FUNCTIONS[function]
+    out: dict[str, tuple[str | None, Call]] = {}
+    seen = set()
+    for a in rows:
+        if spec.null_row(a):
+            continue
+        template = tuple(tuple(v) if isinstance(v, list) else v
+                         for v in (a[name] for name in spec.template))
+        if template in seen:
+            continue
+        seen.add(template)
+        try:
+            call = spec.prior(session.backend(a["model"]), a, priority)
+        except ValueError:
+            continue  # the row's own error, raised (or NULLed) when it is built
+        out.setdefault(call.key, (a["model"], call))
+    return out
+
+
+def unmeasured_priors(session: Session, function: str, rows: Sequence[Mapping[str, Any]]
+                      ) -> dict[str, Call]:
+    """The priors the rows need that this process has not measured yet, by key: calls the
+    query makes before its rows (unless the result cache holds them), which EXPLAIN LLM
+    counts and the interactive cut adds up with the rows'."""
+    templates = template_priors(session, function, rows, "BE")
+    return {key: call for key, (_, call) in templates.items() if key not in _priors}
+
+
 def _template_priors(session: Session, function: str, templates: dict[str, tuple[str | None,
                      Call]], combine: Callable[[Call, list[BackendResult]], Any]
                      ) -> tuple[dict[str, Any], dict[str, str]]:
@@ -285,8 +318,9 @@ def _p_yes(parts: list[BackendResult]) -> float:
     return sum(_normalized(p.word_probs)[0] for p in parts) / len(parts)
 
 
-def _filter_prior_call(backend: Backend, system: str | None, priority: str) -> Call:
-    parts = [filter_call(backend, text, system, priority) for text in CONTENT_FREE]
+def _filter_prior_call(backend: Backend, a: Mapping[str, Any], priority: str) -> Call:
+    """The content-free prior of a row's template: its system prompt, on its model."""
+    parts = [filter_call(backend, text, a["system"], priority) for text in CONTENT_FREE]
     reqs = [r for c in parts for r in c.requests]
     return Call(reqs, _key(backend, "filter-prior", [[r.prompt for r in reqs], CALIBRATION]),
                 "(content-free yes/no prior)")
@@ -295,7 +329,7 @@ def _filter_prior_call(backend: Backend, system: str | None, priority: str) -> C
 def _filter_row_call(backend: Backend, a: Mapping[str, Any], priority: str) -> Call:
     """A row's call, keyed by its prompts and its template's prior (call.prior)."""
     call = filter_call(backend, a["prompt"], a["system"], priority)
-    call.prior = _filter_prior_call(backend, a["system"], priority).key
+    call.prior = _filter_prior_call(backend, a, priority).key
     call.key = _key(backend, "filter", [call.key, call.prior])
     return call
 
@@ -310,15 +344,7 @@ def llm_filter_score(session: Session, *columns: Sequence,
     of the same question wrapper on content-free inputs (per system prompt and model)."""
     rows = _row_args("llm_filter_score", columns)
     priority = _priority(session, len(rows))
-    templates = {}
-    for a in rows:
-        if a["prompt"] is None:
-            continue
-        try:
-            call = _filter_prior_call(session.backend(a["model"]), a["system"], priority)
-        except ValueError:
-            continue  # the row's own error, raised (or NULLed) when it is built
-        templates.setdefault(call.key, (a["model"], call))
+    templates = template_priors(session, "llm_filter_score", rows, priority)
     priors, failed = _template_priors(session, "llm_filter", templates,
                                       lambda call, parts: _p_yes(parts))
     # Errors and stats name both functions llm_filter: one model call serves both.
@@ -386,10 +412,11 @@ def _label_probs(call: Call, parts: list[BackendResult]) -> list[float]:
     return _mean(rows)
 
 
-def _classify_prior_call(backend: Backend, labels: list[str], instruction: str | None,
-                         system: str | None, priority: str) -> Call:
-    parts = [classify_call(backend, t, labels, instruction, system, priority)
-             for t in CONTENT_FREE]
+def _classify_prior_call(backend: Backend, a: Mapping[str, Any], priority: str) -> Call:
+    """The content-free prior of a row's template: its labels, instruction and system
+    prompt, on its model."""
+    parts = [classify_call(backend, t, _labels(a["labels"]), a["instruction"], a["system"],
+                           priority) for t in CONTENT_FREE]
     return Call([r for c in parts for r in c.requests],
                 _key(backend, "classify-prior", [[c.key for c in parts], CALIBRATION]),
                 "(content-free label prior)")
@@ -406,8 +433,7 @@ def _classify_row_call(backend: Backend, a: Mapping[str, Any], priority: str) ->
     """A row's call, keyed by its prompts and its template's prior (call.prior)."""
     canon = _labels(a["labels"])
     call = classify_call(backend, a["text"], canon, a["instruction"], a["system"], priority)
-    call.prior = _classify_prior_call(backend, canon, a["instruction"], a["system"],
-                                      priority).key
+    call.prior = _classify_prior_call(backend, a, priority).key
     call.key = _key(backend, "classify", [call.key, call.prior])
     return call
 
@@ -419,16 +445,7 @@ def llm_classify(session: Session, *columns: Sequence,
     order."""
     rows = _row_args("llm_classify", columns)
     priority = _priority(session, len(rows))
-    templates = {}
-    for a in rows:
-        if FUNCTIONS["llm_classify"].null_row(a):
-            continue
-        try:
-            call = _classify_prior_call(session.backend(a["model"]), _labels(a["labels"]),
-                                        a["instruction"], a["system"], priority)
-        except ValueError:
-            continue  # the row's own error, raised (or NULLed) when it is built
-        templates.setdefault(call.key, (a["model"], call))
+    templates = template_priors(session, "llm_classify", rows, priority)
     priors, failed = _template_priors(session, "llm_classify", templates, _content_free_probs)
 
     def combine(call: Call, parts: list[BackendResult]) -> str:
@@ -489,6 +506,10 @@ class SqlFunction:
     returns: str  # SQL type
     # One row's model call (see row_call); None: the function calls no model.
     call: Callable[[Backend, Mapping[str, Any], str], Call] | None = None
+    # The content-free prior that calibrates a row (see calibration), built from the row's
+    # `template` arguments alone, so that rows of one template share it; None: none.
+    prior: Callable[[Backend, Mapping[str, Any], str], Call] | None = None
+    template: tuple[str, ...] = ()
 
     @property
     def names(self) -> list[str]:
@@ -507,6 +528,7 @@ def _params(*params: tuple[str, str, str | None]) -> tuple[Param, ...]:
 
 
 _MODEL = (("model", "VARCHAR", "NULL"), ("on_error", "VARCHAR", "NULL"))
+_FILTER_TEMPLATE = ("system", "model")
 
 FUNCTIONS: dict[str, SqlFunction] = {f.name: f for f in (
     SqlFunction("llm_complete", llm_complete, _params(
@@ -517,14 +539,14 @@ FUNCTIONS: dict[str, SqlFunction] = {f.name: f for f in (
         _complete_call),
     SqlFunction("llm_filter", llm_filter, _params(
         ("prompt", "VARCHAR", None), ("system", "VARCHAR", "NULL"), *_MODEL), "BOOLEAN",
-        _filter_row_call),
+        _filter_row_call, _filter_prior_call, _FILTER_TEMPLATE),
     SqlFunction("llm_filter_score", llm_filter_score, _params(
         ("prompt", "VARCHAR", None), ("system", "VARCHAR", "NULL"), *_MODEL), "DOUBLE",
-        _filter_row_call),
+        _filter_row_call, _filter_prior_call, _FILTER_TEMPLATE),
     SqlFunction("llm_classify", llm_classify, _params(
         ("text", "VARCHAR", None), ("labels", "VARCHAR[]", None),
         ("instruction", "VARCHAR", "NULL"), ("system", "VARCHAR", "NULL"), *_MODEL), "VARCHAR",
-        _classify_row_call),
+        _classify_row_call, _classify_prior_call, ("labels", "instruction", "system", "model")),
     SqlFunction("llm_count_tokens", llm_count_tokens, _params(
         ("text", "VARCHAR", None), ("model", "VARCHAR", "NULL")), "INTEGER"),
 )}

@@ -32,6 +32,10 @@ REMOTE_OPTIONS = ("served_model", "max_concurrency", "requests_per_minute", "tok
                   "timeout_s", "max_retries", "send_priority")
 ON_ERROR = ("raise", "null")
 PROGRESS_MIN_ROWS = 32  # smaller jobs finish before a bar would be worth reading
+# The bar is redrawn at most this often, as rows finish. (By time alone: tqdm's default
+# waits for as many rows as its last step brought, which after a batch finishing together
+# held the bar still for dozens of single rows.)
+PROGRESS_REFRESH_S = 0.25
 MAX_KEPT_ERRORS = 10_000
 KEPT_DUCKDB_QUERIES = 8  # queries of one session that DuckDB may be running at once (cursors)
 
@@ -100,6 +104,9 @@ def engine_options() -> list[str]:
 class Stats:
     rows: int = 0  # non-NULL rows that reached an LLM function
     calls: int = 0  # model requests sent to the backend
+    # Of those, the content-free priors of filter and classify templates (once per template
+    # and process: functions.py's calibration), which belong to no row.
+    calibration_calls: int = 0
     model_rows: int = 0  # rows the model computed (a row may take several requests)
     cache_hits: int = 0  # rows answered by the result cache
     dedup_hits: int = 0  # rows answered by an identical row of the query or in flight
@@ -305,11 +312,19 @@ class Session:
             memory = self._query_memory(key)
             return None if memory is None else memory.failed.get(key)
 
-    def note_failure(self, key: str | None, error: str) -> None:
+    def note_failure(self, key: str | None, error: str) -> str | None:
+        """Remember the call's failure for the rest of the query. Returns the error noted
+        first where a thread of the query failed the same call before (a copy of that call,
+        counted and listed there), else None. (Checked and noted at once: two DuckDB threads
+        failing one call both found no failure before theirs, and both listed it.)"""
         with self._lock:
             memory = self._query_memory(key)
-            if memory is not None:
+            if memory is None:
+                return None
+            earlier = memory.failed.get(key)
+            if earlier is None:
                 memory.failed[key] = error
+            return earlier
 
     def answered_before(self, key: str | None) -> tuple[bool, Any]:
         """(whether an identical call was answered earlier in this query, its answer), as far
@@ -362,7 +377,8 @@ class Session:
             if self._bar is None and show and self._bar_total - self._bar_done > \
                     PROGRESS_MIN_ROWS:
                 self._bar = tqdm(total=self._bar_total, initial=self._bar_done, unit="row",
-                                 desc="llm", file=sys.stderr, leave=False)
+                                 desc="llm", file=sys.stderr, leave=False, miniters=0,
+                                 mininterval=PROGRESS_REFRESH_S)
             elif self._bar is not None:
                 self._bar.total = self._bar_total
                 self._bar.refresh()

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import csv
+import io
+import json
+import sys
+
+import duckdb
 import pytest
 
 from llmdb import cli
@@ -22,7 +28,7 @@ SELECT p, llm_complete(p, max_tokens := 2) AS a FROM t ORDER BY p;
 
 def test_rows_are_printed_whatever_the_statement_type(tmp_path, monkeypatch, capsys):
     printed = []
-    monkeypatch.setattr(cli, "_print_table", lambda table, max_rows: printed.append(
+    monkeypatch.setattr(cli, "_print_table", lambda table, *how: printed.append(
         table.to_pydict()))
     script = tmp_path / "script.sql"
     script.write_text(SCRIPT)
@@ -58,3 +64,49 @@ def test_explain_takes_one_statement_duckdb_can_parse(capsys):
     assert "syntax error" in capsys.readouterr().err
     assert main(["explain", "SELECT llm_complete('a'); SELECT 2"]) == 2
     assert "EXPLAIN LLM explains one statement" in capsys.readouterr().err
+
+
+# Rows of several types, more of them than --max-rows prints in the box, and wider than it.
+ROWS_QUERY = ("SELECT i, CASE WHEN i % 7 = 0 THEN NULL ELSE 'text, \"quoted\" ' || i END AS s, "
+              "repeat('x', 200) AS wide, [i, i + 1] AS l, i / 4 AS d FROM range(100) t(i)")
+
+
+def _plain_duckdb(query: str) -> tuple[list[str], list[tuple]]:
+    """The reference: the query's columns and rows on plain DuckDB, each value as its text."""
+    rel = duckdb.sql(query)
+    texts = duckdb.sql(f"SELECT CAST(COLUMNS(*) AS VARCHAR) FROM ({query})").fetchall()
+    return rel.columns, texts
+
+
+def test_rows_into_a_pipe_are_csv_every_row(capsys):
+    """stdout is not a terminal (here: pytest's capture): a header, then every row in full."""
+    assert main(["sql", "--model", "hash-standin", ROWS_QUERY]) == 0
+    out = capsys.readouterr().out
+    header, *rows = csv.reader(io.StringIO(out))
+    columns, texts = _plain_duckdb(ROWS_QUERY)
+    assert header == columns
+    assert [tuple(None if v == "" else v for v in r) for r in rows] == texts
+
+
+def test_rows_as_json_lines(capsys):
+    assert main(["sql", "--model", "hash-standin", "--format", "json", ROWS_QUERY]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    columns, _ = _plain_duckdb(ROWS_QUERY)
+    assert rows == [dict(zip(columns, r, strict=True)) for r in duckdb.sql(ROWS_QUERY).fetchall()]
+
+
+def test_rows_on_a_terminal_are_the_box_table(capsys, monkeypatch):
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True, raising=False)
+    assert main(["sql", "--model", "hash-standin", "--max-rows", "10", ROWS_QUERY]) == 0
+    out = capsys.readouterr().out
+    assert "│" in out and "100 rows" in out and "(10 shown)" in out
+    assert main(["sql", "--model", "hash-standin", "--format", "csv", "SELECT 1 AS a"]) == 0
+    assert capsys.readouterr().out == "a\n1\n"
+
+
+def test_sql_help_names_the_formats(capsys):
+    with pytest.raises(SystemExit):
+        main(["sql", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--format {auto,box,csv,json}" in help_text
+    assert "csv when stdout is a pipe or a file" in help_text

@@ -53,12 +53,13 @@ def test_example_runs_and_keeps_its_promise(path, tmp_path, monkeypatch, capsys)
     printed = []
     show = cli._print_table
 
-    def record(table, max_rows):
+    def record(table, *how):
         printed.append(table.to_pydict())
-        show(table, max_rows)
+        show(table, *how)
 
     monkeypatch.setattr(cli, "_print_table", record)
-    rc = main(["sql", "-f", str(path), "--sample-rows", str(SAMPLE_ROWS), "--no-progress"])
+    rc = main(["sql", "-f", str(path), "--sample-rows", str(SAMPLE_ROWS), "--no-progress",
+               "--format", "box"])
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert "│" in out  # a result table was printed

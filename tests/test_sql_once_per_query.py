@@ -7,6 +7,8 @@ llmdb.connect's, planned or not. The model is the hash stand-in."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import Counter
 
 import duckdb
@@ -14,6 +16,7 @@ import pyarrow as pa
 import pytest
 
 import llmdb
+from llmdb import functions
 from llmdb.backends.standin import StandinBackend
 
 BAD = "bad row"
@@ -118,3 +121,71 @@ def test_on_a_plain_connection_the_queries_of_a_transaction_share_their_memory(t
     assert con.execute(query).fetchall() == [(None,)]
     assert backend.sent[BAD] == 2
     con.close()
+
+
+class FailsSlowly(StandinBackend):
+    """The stand-in, noting the threads that submit; a request for the row BAD fails at
+    submit after a while (as a prompt too long for the context does once tokenized), long
+    enough for another thread that meets the same call to wait for it."""
+
+    name = "fails-slowly"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: set[int] = set()
+
+    def submit(self, request, on_finish):
+        self.threads.add(threading.get_ident())
+        if BAD in request.prompt:
+            time.sleep(0.5)
+            raise ValueError("the prompt is longer than the context")
+        return super().submit(request, on_finish)
+
+
+def _four_row_groups(tmp_path, bad: str) -> str:
+    """A file DuckDB scans on several threads, a row group each: 4 x 2,048 rows, each row
+    group ending with a row of `bad`."""
+    path = tmp_path / "t.parquet"
+    duckdb.execute(f"COPY (SELECT CASE WHEN i % 2048 = 2047 THEN '{bad}' ELSE 'row ' || i END "
+                   f"AS p FROM range(4 * 2048) r(i)) TO '{path}' (ROW_GROUP_SIZE 2048)")
+    return f"'{path}'"
+
+
+def _failures(kind: str, backend, threads: int, query: str, **options) -> tuple:
+    """What the query's failed rows came to: counters, and the rows llm_errors() lists."""
+    con, session = _connect(kind, backend, cache=False, on_error="null", **options)
+    con.execute(f"SET threads = {threads}")
+    con.execute(query).fetchall()
+    s = session.stats()["last_query"]
+    listed = con.execute("SELECT prompt, error FROM llm_errors()").fetchall()
+    con.close()
+    return (s["rows"], s["errors"], s["dedup_hits"], s["model_rows"]), listed
+
+
+@pytest.mark.parametrize("kind", ["register", "as written"])  # (the planner: one batch)
+def test_a_call_failing_on_two_threads_is_recorded_once(tmp_path, kind):
+    """Each DuckDB thread meets the failing row; one computes it, the other waits for it.
+    Reference: the same query on one thread."""
+    query = f"SELECT count(llm_complete(p, max_tokens := 1)) FROM {_four_row_groups(tmp_path, BAD)}"
+    backend = FailsSlowly()
+    threaded = _failures(kind, backend, 2, query)
+    assert len(backend.threads) == 2
+    one_thread = _failures(kind, FailsSlowly(), 1, query)
+    assert threaded == one_thread
+    assert threaded[0] == (4 * 2048, 1, 3, 4 * 2047 + 1) and len(threaded[1]) == 1
+
+
+@pytest.mark.parametrize("kind", ["register", "as written"])
+def test_an_ill_formed_row_on_two_threads_is_recorded_once(tmp_path, kind, monkeypatch):
+    """A row refused before any call (max_tokens < 0), met by two threads at once: its
+    error is written slowly here, so that both are between checking and noting it."""
+    describe = functions.describe_row
+    monkeypatch.setattr(functions, "describe_row",
+                        lambda *a: (time.sleep(0.5), describe(*a))[1])
+    query = (f"SELECT count(llm_complete(p, max_tokens := CASE WHEN p = '{BAD}' THEN -1 "
+             f"ELSE 1 END)) FROM {_four_row_groups(tmp_path, BAD)}")
+    backend = FailsSlowly()
+    threaded = _failures(kind, backend, 2, query)
+    assert len(backend.threads) == 2
+    assert threaded == _failures(kind, FailsSlowly(), 1, query)
+    assert threaded[0] == (4 * 2048, 1, 3, 4 * 2047) and len(threaded[1]) == 1

@@ -81,3 +81,44 @@ def test_a_jupyter_kernel_shows_the_bar_by_default(monkeypatch):
     session.progress_add(1)
     assert session._bar is not None
     session.progress_done(101)
+
+
+def test_the_bar_shows_single_rows_after_a_big_jump(monkeypatch, capfd):
+    """tqdm by default adapts how many rows it waits for to the steps it saw: after 600 rows
+    at once (a batch finishing together) it ignored the next ~90 single rows. The bar is
+    redrawn by time alone, at most 1 / PROGRESS_REFRESH_S times a second, and ends on the
+    query's rows."""
+    import re
+    import time
+
+    from llmdb import session as session_module
+    from llmdb.session import PROGRESS_REFRESH_S, Options, Session
+
+    closed_at = []
+
+    class Bar(session_module.tqdm):
+        def close(self) -> None:
+            if not self.disable:  # (tqdm closes again when it is collected)
+                closed_at.append(self.n)
+            super().close()
+
+    monkeypatch.setattr(session_module, "tqdm", Bar)
+    session = Session(Options(progress=True, cache=False))
+    session.progress_add(1000)
+    time.sleep(PROGRESS_REFRESH_S)
+    session.progress_done(600)
+    for _ in range(3):
+        time.sleep(PROGRESS_REFRESH_S)
+        session.progress_done(1)
+    shown = [int(n) for n in re.findall(r"(\d+)/1000", capfd.readouterr().err)]
+    assert shown[-4:] == [600, 601, 602, 603]
+    # Rows finishing fast: a few redraws a second, not one per row.
+    start = time.perf_counter()
+    for _ in range(393):
+        session.progress_done(1)
+        time.sleep(0.001)
+    session.progress_done(4)
+    elapsed = time.perf_counter() - start
+    redraws = len(re.findall(r"\d+/1000", capfd.readouterr().err))
+    assert redraws <= elapsed / PROGRESS_REFRESH_S + 1, (redraws, elapsed)
+    assert closed_at == [1000]

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmdb.backends import Backend, GenerationRequest
+from llmdb.batch import Call
 from llmdb.engine.costmodel import CostModel, load_cost_model
 from llmdb.functions import row_call
 from llmdb.session import Session
@@ -52,6 +53,7 @@ class SiteEstimate:
     distinct: int = 0
     cache_hits: int = 0
     calls: int = 0  # model requests
+    calibration_calls: int = 0  # of those, content-free priors (see SiteCounts.priors)
     prompt_tokens: int = 0
     output_tokens: int = 0
     model_s: float | None = None
@@ -98,17 +100,22 @@ def row_requests(site: Site, key: tuple, backend: Backend, lengths: list[int]) -
         return None
     if call is None:
         return None
+    return Row(call_requests(call, backend, lengths[stable_hash(key) % len(lengths)]
+                             if lengths else None), call.key)
+
+
+def call_requests(call: Call, backend: Backend, length: int | None = None) -> list[Request]:
+    """The call's requests as the engine sees them; a generation makes `length` tokens (a
+    learned output length), else its max_tokens (no early end of turn)."""
     requests = []
     for r in call.requests:
         t = backend.tokenize(r)
         out = 1  # a scored or choice request computes its prompt only
         if isinstance(r, GenerationRequest):
-            # The learned output-length histogram, else max_tokens (no early end of turn).
-            out = r.params.max_tokens
-            if lengths:
-                out = max(1, min(lengths[stable_hash(key) % len(lengths)], out))
+            out = r.params.max_tokens if length is None else max(1, min(length,
+                                                                        r.params.max_tokens))
         requests.append(Request(t.ids, t.count, out, t.cacheable))
-    return Row(requests, call.key)
+    return requests
 
 
 def pool_prefixes(requests: list[Request], backend: Backend) -> list[int]:
@@ -158,13 +165,12 @@ def estimate_site(session: Session, site: Site, counts: SiteCounts, learned: Lea
     if not rows:
         return est
     cache = None if observed else session.cache()
-    keys = [r.cache_key for r in rows if r.cache_key is not None]
+    keys = [r.cache_key for r in rows if r.cache_key is not None] + list(counts.priors)
     hits = cache.get_many(keys) if cache is not None and keys else {}
     hit_rate = sum(r.cache_key in hits for r in rows) / len(rows)
     if observed:
-        hit_rate = min(1.0, counts.cache_hits / counts.computed)
-    # Rows with a NULL argument make no call: scale by the sample's non-NULL share.
-    live = counts.computed * len(sample) / max(1, len(counts.sampled))
+        hit_rate = min(1.0, counts.cache_hits / counts.calling)
+    live = counts.calling  # (rows with a NULL argument make no call)
     est.cache_hits = round(live * hit_rate)
     requests = [q for r in rows for q in r.requests]
     per_row = len(requests) / len(rows)
@@ -178,9 +184,24 @@ def estimate_site(session: Session, site: Site, counts: SiteCounts, learned: Lea
     cached = [round(counts.cached_tokens / counts.calls)] * len(requests) \
         if observed and counts.calls else None
     est.model_s = model_time(backend, counts.batches, share, per_row, requests, cached)
+    _add_calibration(est, backend, [c for k, c in counts.priors.items() if k not in hits])
     if est.model_s is not None and not observed:
         est.model_s *= learned.time_scale(backend.name)[0]
     return est
+
+
+def _add_calibration(est: SiteEstimate, backend: Backend, priors: list[Call]) -> None:
+    """The content-free priors the query measures: their requests, tokens and time, as a
+    batch of their own before the rows' (as the SQL functions send them)."""
+    requests = [q for c in priors for q in call_requests(c, backend)]
+    if not requests:
+        return
+    est.calibration_calls = len(requests)
+    est.calls += len(requests)
+    est.prompt_tokens += sum(q.tokens for q in requests)
+    if est.model_s is not None:
+        more = model_time(backend, [1], 1.0, len(requests), requests)
+        est.model_s = None if more is None else est.model_s + more
 
 
 def model_time(backend: Backend, batches: list[int], share: float, per_row: float,

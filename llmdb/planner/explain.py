@@ -24,10 +24,11 @@ from .memo import QueryRun, SiteCounts
 from .placement import Placement
 from .run import Planner
 
-MEASURES = ("rows", "distinct", "cache_hits", "calls", "prompt_tokens", "output_tokens",
-            "model_s")
+MEASURES = ("rows", "distinct", "cache_hits", "calls", "calibration_calls", "prompt_tokens",
+            "output_tokens", "model_s")
 _LABELS = {"rows": "rows reaching it", "distinct": "distinct prompts",
            "cache_hits": "result-cache hits", "calls": "model calls",
+           "calibration_calls": "calibration calls",
            "prompt_tokens": "prompt tokens", "output_tokens": "output tokens",
            "model_s": "model time (s)"}
 
@@ -184,7 +185,8 @@ def duckdb_rows(con: duckdb.DuckDBPyConnection, sql: str, sites: list[Site]) -> 
 
 def actual(c: SiteCounts) -> SiteEstimate:
     return SiteEstimate(rows=c.rows, distinct=c.distinct, cache_hits=c.cache_hits,
-                        calls=c.calls, prompt_tokens=c.prompt_tokens,
+                        calls=c.calls, calibration_calls=c.calibration_calls,
+                        prompt_tokens=c.prompt_tokens,
                         output_tokens=c.generated_tokens, model_s=c.model_s,
                         batches=list(c.batches))
 
@@ -226,6 +228,12 @@ def explain(planner: Planner, sql: str) -> Report:
         if last is not None and site.id in last:
             r.actual = actual(last[site.id])
         report.sites.append(r)
+    calibration = sum(s.est.calibration_calls for s in report.sites)
+    if calibration:
+        report.notes.append(
+            f"model calls include {calibration:,} calibration calls: the content-free prior "
+            "of each llm_filter/llm_classify template this process has not measured yet "
+            "(measured once per template, then reused)")
     if last is not None:
         report.notes.append("actual: the last run of this query on this connection")
     return report

@@ -26,7 +26,15 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from llmdb.functions import FUNCTIONS, PRIORITY, RT_MAX_CALLS, SqlFunction, passes
+from llmdb.batch import Call
+from llmdb.functions import (
+    FUNCTIONS,
+    PRIORITY,
+    RT_MAX_CALLS,
+    SqlFunction,
+    passes,
+    unmeasured_priors,
+)
 from llmdb.session import Session, Stats
 
 from .callsites import SIGNATURES, Site
@@ -46,11 +54,18 @@ class SiteCounts:
     """What a site did (or, in a dry run, would do) in one run of a query."""
 
     rows: int = 0  # rows it was evaluated on (its guard TRUE)
-    distinct: int = 0  # distinct argument tuples among them
+    distinct: int = 0  # distinct argument tuples among them without a NULL (those are prompts)
     computed: int = 0  # tuples sent to the model path (not already in the query's memo)
-    requests: int = 0  # model requests those take before the result cache (NULLs take none)
+    calling: int = 0  # of those, the tuples that call the model (no NULL argument)
+    # Model requests those take before the result cache (NULLs take none), and the priors'.
+    requests: int = 0
+    # The content-free priors of filter and classify templates first needed here that this
+    # process had not measured yet, by key (functions.unmeasured_priors): the query's calls
+    # too, made before its rows (unless the result cache holds them).
+    priors: dict[str, Call] = field(default_factory=dict)
     batches: list[int] = field(default_factory=list)  # sizes of those sends
     calls: int = 0  # model requests (stats of the row functions)
+    calibration_calls: int = 0  # of those, the priors'
     cache_hits: int = 0
     dedup_hits: int = 0
     prompt_tokens: int = 0
@@ -88,6 +103,7 @@ class QueryRun:
         self.memo: dict[tuple, Any] = {}
         self.counts = {s.id: SiteCounts() for s in sites}
         self._seen: dict[int, set[tuple]] = {s.id: set() for s in sites}
+        self._priors: set[str] = set()  # keys of the priors some site's counts hold
         self._lock = threading.Lock()
         # Tuples being computed, by memo key: DuckDB evaluates a query's pipelines on
         # several threads, and a lookup that misses a tuple another thread is computing
@@ -187,10 +203,10 @@ class QueryRun:
             first = key not in seen
             if first:
                 seen.add(key)
-                c.distinct += 1
-            if n > first and not site.signature.null_row(
-                    dict(zip(site.signature.names, key, strict=True))):
-                repeats += n - first
+            if _null(site, key):  # (no prompt, no call)
+                continue
+            c.distinct += first
+            repeats += n - first
         if repeats and count_rows and not self.dry:
             self.session.record(Stats(rows=repeats, dedup_hits=repeats))
 
@@ -198,9 +214,17 @@ class QueryRun:
 
     def compute(self, site: Site, keys: list[tuple]) -> list[Any]:
         counts = self.counts[site.id]
+        sig = site.signature
+        priors = unmeasured_priors(self.session, site.function, [
+            dict(zip(sig.names, thaw(sig, k), strict=True)) for k in keys]) if sig.prior else {}
         with self._lock:
+            new = {k: c for k, c in priors.items() if k not in self._priors}
+            self._priors.update(new)
+            counts.priors.update(new)
             counts.computed += len(keys)
-            counts.requests += sum(requests_per_call(site, k) for k in keys)
+            counts.calling += sum(not _null(site, k) for k in keys)
+            counts.requests += sum(requests_per_call(site, k) for k in keys) + sum(
+                len(c.requests) for c in new.values())
             counts.batches.append(len(keys))
             self._sample(counts, keys)
             priority = site.priority or self.session.options.priority or self._query_class()
@@ -253,6 +277,8 @@ class QueryRun:
             after = self.session.stats()["total"]
             with self._lock:
                 counts.calls += after["calls"] - before["calls"]
+                counts.calibration_calls += (after["calibration_calls"]
+                                             - before["calibration_calls"])
                 counts.cache_hits += after["cache_hits"] - before["cache_hits"]
                 counts.dedup_hits += after["dedup_hits"] - before["dedup_hits"]
                 counts.prompt_tokens += after["prompt_tokens"] - before["prompt_tokens"]
@@ -303,6 +329,11 @@ class QueryRun:
             else:
                 out.append(_default_value(site, k, h))
         return out
+
+
+def _null(site: Site, key: tuple) -> bool:
+    """A NULL in a required argument: NULL without a model call."""
+    return site.signature.null_row(dict(zip(site.signature.names, key, strict=True)))
 
 
 def requests_per_call(site: Site, key: tuple) -> int:
