@@ -8,6 +8,7 @@ threads can submit and abort during a step.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import queue
 import random
@@ -38,6 +39,8 @@ from .sched.policies import Policy, make_policy
 from .sched.request import PENDING_TOKEN, Request, Status
 from .sched.scheduler import Scheduler
 from .stop_strings import StopStringWatch
+
+log = logging.getLogger(__name__)
 
 Prompt = str | list[int] | list[dict[str, Any]]
 
@@ -477,12 +480,15 @@ class LLMEngine:
     def _after_token(self, req: Request, token: int, result: StepOutput) -> bool:
         """Stream the new token and finish the request if it stops here."""
         p = req.params
+        notify = [(cb, token) for cb in req.callbacks]
         if p.logprobs is not None:
             req.logprobs.append(result.logprobs[req.request_id])
             if req.on_logprobs is not None:
-                req.on_logprobs(req.logprobs[-1])
-        for cb in req.callbacks:
-            cb(token)
+                notify.insert(0, (req.on_logprobs, req.logprobs[-1]))
+        for cb, value in notify:
+            if (failed := self._notify(req, cb, value)) is not None:
+                self._finish(req, "error", error=failed)
+                return True
         if token in p.stop_token_ids or (not p.ignore_eos and token in self._eos):
             reason = "stop"
         elif p.stop and self._stop_watch(req).add(token):
@@ -516,10 +522,23 @@ class LLMEngine:
         self._results[req.request_id] = self._result(req)
         del self._requests[req.request_id]
         for cb in req.callbacks:
-            cb(None)
+            self._notify(req, cb, None)
         if req.on_finish is not None:
-            req.on_finish(req.request_id)
+            self._notify(req, req.on_finish, req.request_id)
         self._cond.notify_all()
+
+    @staticmethod
+    def _notify(req: Request, callback: Callable, value: Any) -> str | None:
+        """Call one of a request's callbacks. One that raises (its reader is gone: a server
+        whose event loop has closed) must not end the step, the other requests or the
+        background loop, which died of it and left every later caller waiting: it is
+        logged, and the error is returned for the caller to end this request with."""
+        try:
+            callback(value)
+        except Exception as e:  # noqa: BLE001 (the caller's code, not the engine's)
+            log.exception("request %s: its callback raised; the request ends", req.request_id)
+            return f"its callback raised {type(e).__name__}: {e}"
+        return None
 
     def _result(self, req: Request) -> RequestResult:
         p, out = req.params, req.output_ids
@@ -725,7 +744,16 @@ class LLMEngine:
                     self._cond.wait()
                 if self._stopping:
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception as e:  # noqa: BLE001 (a bug: without this the thread died
+                # silently and every caller of wait() waited for ever)
+                log.exception("the engine's step failed; the requests under way fail")
+                with self._cond:
+                    self._in_flight = None
+                    for req in list(self._requests.values()):
+                        self._finish(req, "error", error=f"the engine's step failed: "
+                                     f"{type(e).__name__}: {e}")
 
 
 @dataclass

@@ -406,6 +406,34 @@ def test_background_loop_serves_many_threads(engine):
         assert_same_tokens(engine, prompt, alone[i], results[i])
 
 
+def test_a_callback_that_raises_ends_its_request_not_the_loop(engine):
+    """A token callback whose reader is gone (a stopped server's closed event loop) raised
+    in the background loop's thread, which died of it: every later request waited for ever.
+    Now that request ends with an error naming the callback; the one beside it, and those
+    after, are served as before."""
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = _mixed_prompts(engine, 2)
+    alone = engine.generate([prompts[1]], params)[0].token_ids
+
+    def gone(token):
+        if token is not None:
+            raise RuntimeError("Event loop is closed")
+
+    engine.start_background_loop()
+    try:
+        bad = engine.add_request(prompts[0], params, on_token=gone)
+        good = engine.add_request(prompts[1], params)
+        failed, served = engine.wait(bad, timeout=60), engine.wait(good, timeout=60)
+        after = engine.add_request(prompts[1], params)
+        again = engine.wait(after, timeout=60)
+        assert engine.background_loop_running and engine._loop.is_alive()
+    finally:
+        engine.stop_background_loop()
+    assert failed.finish_reason == "error" and len(failed.token_ids) == 1
+    assert "callback raised RuntimeError: Event loop is closed" in failed.error
+    assert served.token_ids == alone and again.token_ids == alone
+
+
 def test_prefix_cache_hits_and_keeps_outputs(engine_fp32):
     shared = "Answer in one word. " * 12
     prompts = [engine_fp32.encode_prompt(chat(shared + q)) for q in CHAT_QUESTIONS[:4]]
