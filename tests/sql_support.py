@@ -83,20 +83,23 @@ def cache_entries(path: Path) -> int:
         db.close()
 
 
-_kernels: Path | None = None
+_shared: Path | None = None
 
 
 def isolated_cache_dir(path: Path) -> Path:
     """`path` as an LLMDB_CACHE_DIR of its own. The C++ kernels are built under that
-    directory too, which takes seconds each time, so its kernels/ is one build directory
-    shared by the whole test session; the result cache is this directory's own."""
-    global _kernels
-    if _kernels is None:
-        _kernels = Path(tempfile.mkdtemp(prefix="llmdb-test-kernels-"))
-        atexit.register(shutil.rmtree, _kernels, True)
+    directory too, which takes seconds each time, and the bundled GGUF is dequantized into
+    its weights/, about 7 s for each process that starts an engine: its kernels/ and weights/
+    are the whole test session's, built once; the result cache is this directory's own."""
+    global _shared
+    if _shared is None:
+        _shared = Path(tempfile.mkdtemp(prefix="llmdb-test-cache-"))
+        atexit.register(shutil.rmtree, _shared, True)
     path.mkdir(parents=True, exist_ok=True)
-    if not (path / "kernels").exists():
-        (path / "kernels").symlink_to(_kernels, target_is_directory=True)
+    for name in ("kernels", "weights"):
+        (_shared / name).mkdir(exist_ok=True)
+        if not (path / name).exists():
+            (path / name).symlink_to(_shared / name, target_is_directory=True)
     return path
 
 

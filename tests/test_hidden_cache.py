@@ -263,8 +263,12 @@ def test_triton_path_serves_hidden_mode(name, model_dirs):
     eng = LLMEngine(str(model_dirs[name]), device=device, dtype="float32",
                     kv_cache_bytes=1 << 20, block_size=BLOCK, attention="triton",
                     cuda_graphs=False)
-    prompts = [p[:10] for p in _prompts(3, 280, seed=2)]
-    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    # The interpreter pays per launch and per program (a program per token, every hidden
+    # context token re-projected each step), so few steps: prompts of 8, 2 and 7 tokens and
+    # 3 new ones, decoded at positions 8 and 9 (7 and 8), start a new block in decode, run
+    # past the windowed model's window, and leave a decode step after the switch at step 2.
+    prompts = [p[:8] for p in _prompts(3, 280, seed=2)]
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
     want = _generate(eng, prompts, ["kv"] * 3, params=params)
     assert _generate(eng, prompts, ["kv", "hidden", "hidden"], params=params) == want
     assert _generate(eng, prompts, ["hidden"] * 3, switch={2: ["kv"] * 3}, params=params,

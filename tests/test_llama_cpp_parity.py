@@ -34,15 +34,16 @@ def _llama_logits(llama, ids: list[int]) -> torch.Tensor:
 
 def _compare(engine: LLMEngine, llama) -> tuple[float, float]:
     agree, total, cosines = 0, 0, []
-    for q in CHAT_QUESTIONS:
-        prompt = engine.encode_prompt(chat(q))
+    prompts = [engine.encode_prompt(chat(q)) for q in CHAT_QUESTIONS]
+    for q, prompt in zip(CHAT_QUESTIONS, prompts, strict=True):
         assert prompt == llama.tokenize(
             engine.tokenizer.apply_chat_template(chat(q)).encode(), add_bos=False, special=True
         ), "tokenization differs from llama.cpp"
-        cont = engine.generate(
-            [prompt], SamplingParams(max_tokens=CONTINUATION, ignore_eos=True)
-        )[0].token_ids
-        ids = prompt + cont
+    # The continuations are only text to teacher-force both on: generated in one batch
+    # (32 steps), not one question at a time (12 x 32 steps, 9x the time).
+    results = engine.generate(prompts, SamplingParams(max_tokens=CONTINUATION, ignore_eos=True))
+    for prompt, result in zip(prompts, results, strict=True):
+        ids = prompt + result.token_ids
         ours = engine.logits(ids)[len(prompt) - 1 :]
         theirs = _llama_logits(llama, ids)[len(prompt) - 1 :]
         agree += int((ours.argmax(-1) == theirs.argmax(-1)).sum())

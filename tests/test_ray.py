@@ -9,6 +9,7 @@ call gives it; under 'raise' the driver gets llmdb.LLMError naming the row and t
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -28,17 +29,23 @@ from .sql_support import isolated_cache_dir  # noqa: E402
 # The process's own engine runs in fp32 (tests/sql_support.start_engine); the workers' match.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("eng")]
 OPTIONS = {"dtype": "fp32", "max_tokens": 4}
-NAMES = ["Ada", "Grace", "Alan", "Edsger", "Barbara", "Donald", "Ken", "Dennis", "Frances",
-         "John", "Leslie", "Tony", "Niklaus", "Margaret", "Radia", "Guido"]
+# Two batches of BATCH rows: one for each of two workers, the second holding "Donald" (whose
+# worker DiesOnce kills). Each row is a prefill in every run, so no more rows than that.
+NAMES = ["Ada", "Grace", "Alan", "Edsger", "Barbara", "Donald"]
+BATCH = 3
 
 
 @pytest.fixture(scope="module")
 def local_ray(tmp_path_factory):
-    kernels = isolated_cache_dir(tmp_path_factory.mktemp("ray-cache"))
-    # Workers inherit these: the CPU engine, and the kernels the tests already built.
-    env = {"LLMDB_CACHE_DIR": str(kernels), "LLMDB_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": env})
+    cache = isolated_cache_dir(tmp_path_factory.mktemp("ray-cache"))
+    # Workers inherit these: the CPU engine, and the kernels the tests already built. Set in
+    # the environment Ray's processes start in (not as a runtime_env, which costs each
+    # worker pool 2-4 s to set up), and only while they start.
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in {"LLMDB_CACHE_DIR": str(cache), "LLMDB_DEVICE": "cpu",
+                            "OMP_NUM_THREADS": "1"}.items():
+            env.setenv(name, value)
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     # The test's RowMapper subclass travels by value: workers cannot import tests/.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     yield
@@ -49,6 +56,7 @@ def _rows() -> pa.Table:
     return pa.table({"id": list(range(len(NAMES))), "name": NAMES})
 
 
+@functools.cache  # one in-process run answers every test that compares with it
 def _expected() -> dict[int, str]:
     out = llmdb.complete(_rows(), "Write a one-line greeting for {name}.", cache=False,
                          **OPTIONS)
@@ -58,7 +66,8 @@ def _expected() -> dict[int, str]:
 
 def test_map_rows_equals_the_in_process_call(local_ray, tmp_path):
     out = llmdb.ray.map_rows(_rows(), "complete", "Write a one-line greeting for {name}.",
-                             num_workers=2, batch_size=4, cache_path=str(tmp_path / "r.sqlite"),
+                             num_workers=2, batch_size=BATCH,
+                             cache_path=str(tmp_path / "r.sqlite"),
                              **OPTIONS)
     table = llmdb.ray.to_arrow(out)
     assert table.column_names == ["id", "name", "completion"]  # no error column unless asked
@@ -98,7 +107,7 @@ class DiesOnce(llmdb.ray.RowMapper):
 def test_a_killed_worker_loses_no_row_and_recomputes_nothing(local_ray, tmp_path):
     DiesOnce.log_dir = str(tmp_path)
     out = llmdb.ray.map_rows(_rows(), "complete", "Write a one-line greeting for {name}.",
-                             num_workers=2, batch_size=4, mapper=DiesOnce,
+                             num_workers=2, batch_size=BATCH, mapper=DiesOnce,
                              cache_path=str(tmp_path / "r.sqlite"), **OPTIONS)
     table = llmdb.ray.to_arrow(out)
     assert sorted(table.column("id").to_pylist()) == list(range(len(NAMES)))  # none lost or twice
@@ -171,8 +180,8 @@ TEMPLATE = "Write a one-line greeting for {name}."
 
 def _rows_with_failures() -> pa.Table:
     names = list(NAMES)
-    names[2] = names[9] = LONG  # the same failing call in two batches
-    names[13] = "Also " + LONG
+    names[2] = names[4] = LONG  # the same failing call in two batches
+    names[5] = "Also " + LONG
     return pa.table({"id": list(range(len(names))), "name": names})
 
 
@@ -182,13 +191,13 @@ def test_failed_rows_bring_their_error_to_the_driver(local_ray, tmp_path):
     the driver."""
     rows = _rows_with_failures()
     options = {**OPTIONS, "on_error": "null", "error_column": "error"}
-    out = llmdb.ray.map_rows(rows, "complete", TEMPLATE, num_workers=2, batch_size=4,
+    out = llmdb.ray.map_rows(rows, "complete", TEMPLATE, batch_size=BATCH,
                              cache_path=str(tmp_path / "r.sqlite"), **options)
     table = llmdb.ray.to_arrow(out).sort_by("id")
     expected = llmdb.complete(rows, TEMPLATE, cache=False, **options)
     assert table.to_pylist() == expected.to_pylist()
     errors = table.column("error").to_pylist()
-    assert [i for i, e in enumerate(errors) if e is not None] == [2, 9, 13]
+    assert [i for i, e in enumerate(errors) if e is not None] == [2, 4, 5]
     assert errors[2].startswith("llm_complete failed on the row with prompt 'Write a one")
     assert "longer than the model's context" in errors[2]
 
@@ -196,13 +205,13 @@ def test_failed_rows_bring_their_error_to_the_driver(local_ray, tmp_path):
 def test_a_worker_without_error_column_says_rows_failed(caplog):
     """Without error_column the failed rows' errors stay in the worker: its log (which Ray
     shows on the driver) says so once, with one of them, and how to keep them."""
-    rows = _rows_with_failures().slice(0, 4)
+    rows = _rows_with_failures().slice(1, 2)  # a good row, then a failed one
     mapper = llmdb.ray.RowMapper("complete", (TEMPLATE,),
                                  {**OPTIONS, "on_error": "null", "cache": False})
     with caplog.at_level(logging.WARNING, logger="llmdb.ray"):
         out = mapper(rows)
         mapper(rows)
-    assert out.column("completion").to_pylist()[2] is None
+    assert out.column("completion").to_pylist()[1] is None
     [warning] = caplog.records
     assert "1 row(s) of a batch failed under on_error='null'" in warning.getMessage()
     assert mapper.session.errors[-1].error in warning.getMessage()
@@ -219,10 +228,10 @@ def test_a_failed_row_under_raise_is_llmdbs_error_on_the_driver(local_ray, tmp_p
     """to_arrow raises the error the single-process call raises: llmdb.LLMError naming the
     row's prompt and the cause. Ray's own consumers (write_parquet here) raise Ray's error,
     which is an llmdb.LLMError too, reported by Ray as the user's, with llmdb's message."""
-    rows = _rows_with_failures().slice(0, 4)
+    rows = _rows_with_failures().slice(1, 2)  # a good batch, then a failed one
     with pytest.raises(llmdb.LLMError) as in_process:
         llmdb.complete(rows, TEMPLATE, cache=False, **OPTIONS)
-    out = llmdb.ray.map_rows(rows, "complete", TEMPLATE, batch_size=2,
+    out = llmdb.ray.map_rows(rows, "complete", TEMPLATE, batch_size=1,
                              cache_path=str(tmp_path / "r.sqlite"), **OPTIONS)
     with pytest.raises(llmdb.LLMError) as got:
         llmdb.ray.to_arrow(out)
