@@ -49,8 +49,10 @@ def _prompts(engine: LLMEngine, n: int) -> tuple[list[list[int]], list[SamplingP
 def test_more_rows_than_slots_run_in_graphs_and_give_the_eager_tokens(engine):
     """Rows outnumber the running slots, so new prompts join running decodes: those mixed
     steps, and the decode steps, replay graphs; tokens equal the eager engine's, stepping
-    and launching ahead, and every block comes back."""
-    prompts, params = _prompts(engine, 9)
+    and launching ahead, and every block comes back. Five rows for SEQS = 4 slots: the fifth
+    joins three running decodes in a mixed step (each mixed step runs a 64-token bucket in
+    the interpreter, some 2 s)."""
+    prompts, params = _prompts(engine, SEQS + 1)
     eager = engine.generate(prompts, params)
     graphs = StepGraphs(engine.runner, SEQS, emulate=True)
     graphs.capture_all()
