@@ -480,15 +480,16 @@ class LLMEngine:
     def _after_token(self, req: Request, token: int, result: StepOutput) -> bool:
         """Stream the new token and finish the request if it stops here."""
         p = req.params
-        notify = [(cb, token) for cb in req.callbacks]
+        failed = None
         if p.logprobs is not None:
             req.logprobs.append(result.logprobs[req.request_id])
             if req.on_logprobs is not None:
-                notify.insert(0, (req.on_logprobs, req.logprobs[-1]))
-        for cb, value in notify:
-            if (failed := self._notify(req, cb, value)) is not None:
-                self._finish(req, "error", error=failed)
-                return True
+                failed = self._notify(req, req.on_logprobs, req.logprobs[-1])
+        for cb in req.callbacks:  # (no list built per token: this is the hot path)
+            failed = failed or self._notify(req, cb, token)
+        if failed is not None:
+            self._finish(req, "error", error=failed)
+            return True
         if token in p.stop_token_ids or (not p.ignore_eos and token in self._eos):
             reason = "stop"
         elif p.stop and self._stop_watch(req).add(token):
