@@ -63,10 +63,15 @@ def test_forced_preemption_recomputes_the_same_tokens(engine, alone):
 
 
 def test_small_pool_preempts_and_never_overflows():
-    eng = LLMEngine("smollm2-135m", dtype="fp32", kv_cache_bytes=40 * 16 * 46080)  # 40 blocks
-    prompts = _mixed_prompts(eng, 8)
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
-    ref = {i: eng.generate([prompts[i]], params)[0].token_ids for i in (0, 5)}
+    eng = LLMEngine("smollm2-135m", dtype="fp32", kv_cache_bytes=36 * 16 * 46080)  # 36 blocks
+    prompts = _mixed_prompts(eng, 8)  # 41 to 106 tokens: with 16 new ones, 46 blocks' worth
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    # References from one batch that fits the pool (in fp32 batching changes no token:
+    # test_batch_and_budget_do_not_change_tokens), not one request at a time, which took as
+    # many steps again; 7 is the request the small pool preempts.
+    refs = (0, 5, 7)
+    ref = dict(zip(refs, [r.token_ids for r in eng.generate([prompts[i] for i in refs], params)],
+                   strict=True))
     preempted = []
     ids = [eng.add_request(p, params) for p in prompts]
     while eng.has_unfinished:

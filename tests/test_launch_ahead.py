@@ -150,13 +150,17 @@ def test_preemption_and_abort_while_a_step_is_in_flight(ahead):
 
 
 def test_a_small_pool_preempts_and_never_overflows():
-    eng = LLMEngine("smollm2-135m", dtype="fp32", kv_cache_bytes=40 * 16 * 46080,
-                    launch_ahead=True)  # 40 blocks
+    eng = LLMEngine("smollm2-135m", dtype="fp32", kv_cache_bytes=36 * 16 * 46080,
+                    launch_ahead=True)  # 36 blocks
     assert eng.describe()["launch_ahead"] is True
-    prompts = _mixed_prompts(eng, 8)
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompts = _mixed_prompts(eng, 8)  # 41 to 106 tokens: with 16 new ones, 46 blocks' worth
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
     eng.launch_ahead = False
-    ref = {i: eng.generate([prompts[i]], params)[0].token_ids for i in (0, 5)}
+    # As in test_engine's: references from one batch that fits the pool, 7 (the request
+    # the small pool preempts) among them.
+    refs = (0, 5, 7)
+    ref = dict(zip(refs, [r.token_ids for r in eng.generate([prompts[i] for i in refs], params)],
+                   strict=True))
     eng.launch_ahead = True
     ids = [eng.add_request(p, params) for p in prompts]
     preempted = set()

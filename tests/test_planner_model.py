@@ -12,7 +12,7 @@ from llmdb.planner import LEARNED
 from .planner_shapes import SHAPES, Oracle, load, make_tables
 from .sql_support import MODEL, release_engine, start_engine
 
-ROWS = 60
+ROWS = 30
 NAMES = ("and", "order_by_limit", "case_when")
 
 
