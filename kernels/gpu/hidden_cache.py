@@ -17,7 +17,9 @@ import triton.language as tl
 ROWS = 16  # rows per program: one block's half
 
 
-@triton.jit
+# num_rows changes with every step; specialized, a count of 1 or a multiple of 16 would each
+# compile a variant of their own at first use, for nothing (the mask handles any count).
+@triton.jit(do_not_specialize=["num_rows"])
 def _copy_rows_kernel(src_ptr, dst_ptr, src_index_ptr, dst_index_ptr, num_rows, width,
                       stride_src, stride_dst, ROWS: tl.constexpr, WIDTH_PAD: tl.constexpr,
                       INDEX_SRC: tl.constexpr, INDEX_DST: tl.constexpr):
