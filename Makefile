@@ -12,6 +12,12 @@ LLMDB_TORCH ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 SYSTEM_CUDA_TORCH := $(shell $(PYTHON) -c "import torch, triton; print(int(torch.cuda.is_available()))" 2>/dev/null)
 VENV_FLAGS := $(if $(and $(filter cuda,$(LLMDB_TORCH)),$(filter 1,$(SYSTEM_CUDA_TORCH))),--system-site-packages)
 
+# Test processes: one per core, at most 4 and one per 5 GiB of memory (a process holding the
+# bundled engine and its models peaks near 3.5 GB). Each file runs whole on one process, so its
+# module fixtures are built once.
+TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(max(1, min(4, os.cpu_count() or 1, \
+	os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') // (5 << 30))))")
+
 .PHONY: setup run test test-gpu bench lint
 
 setup: $(VENV)/.setup-done
@@ -41,7 +47,7 @@ run: setup
 
 test: $(VENV)/.test-done
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The engine on the GPU against the CPU engine (skipped, with the reason, without a GPU).
 test-gpu: $(VENV)/.test-done
