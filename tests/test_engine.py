@@ -218,9 +218,11 @@ class _HeldLoop:
     resume: threading.Event
     waiter: threading.Thread
     got: dict
+    timed_out: list  # [True] once the held step stopped waiting for release()
 
     def release(self) -> None:
         """Lets the held step go on: the waiter must then end (an abort woke it)."""
+        assert not self.timed_out, "the step was let go by its timeout, not by release()"
         self.resume.set()
         self.waiter.join(30)
         assert not self.waiter.is_alive(), "the waiter was not woken by the abort"
@@ -232,14 +234,15 @@ def _loop_held(engine, monkeypatch, method: str, call: int, job):
     engine.runner.<method> at its call-th call until release(). (No timing: a loop that takes
     its lock back at once would starve a test that polls.) On exit the loop stops and the
     runner's method is its own again."""
-    original, calls = getattr(engine.runner, method), []
+    original, calls, timed_out = getattr(engine.runner, method), [], []
     reached, resume = threading.Event(), threading.Event()
 
     def held(*args, **kwargs):
         calls.append(1)
         if len(calls) == call:
             reached.set()
-            resume.wait(30)
+            if not resume.wait(30):
+                timed_out.append(True)
         return original(*args, **kwargs)
 
     monkeypatch.setattr(engine.runner, method, held)
@@ -256,7 +259,7 @@ def _loop_held(engine, monkeypatch, method: str, call: int, job):
     thread.start()
     try:
         assert reached.wait(30), f"the job never reached call {call} of runner.{method}"
-        yield _HeldLoop(resume, thread, got)
+        yield _HeldLoop(resume, thread, got, timed_out)
     finally:
         resume.set()
         engine.stop_background_loop()
@@ -333,8 +336,12 @@ def test_an_aborted_score_request_raises_naming_it_not_a_partial_sum(engine, mon
     with _loop_held(engine, monkeypatch, "collect", 1, job) as held:
         first, _ = engine._requests  # score()'s requests, in order
         assert engine._requests[first].num_computed == 16  # 12 of its tokens scored
-        engine.abort(first)
+        # abort() waits for the held step (made here, it would wait out the hold's timeout).
+        aborting = threading.Thread(target=engine.abort, args=(first,))
+        aborting.start()
         held.release()
+        aborting.join(30)
+        assert not aborting.is_alive(), "abort() did not return once the step ended"
     got = held.got
     assert "result" not in got
     assert isinstance(got["error"], RequestAborted) and got["error"].request_id == first
