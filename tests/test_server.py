@@ -545,14 +545,30 @@ def test_a_failed_prompt_logprobs_step_is_answered_in_openai_shape(client, engin
     _idle(engine)
 
 
-def test_client_leaving_a_prompt_logprobs_request_stops_its_logits(server, client, engine):
+def test_client_leaving_a_prompt_logprobs_request_stops_its_logits(server, client, engine,
+                                                                     monkeypatch):
     """A long prompt's prompt_logprobs request whose client goes away while its logits are
     computed: the logits job is aborted mid-way, not run to its end for nobody; every block
     is freed, no result is left in the engine, and the next request finds the engine idle
-    and gets the engine's own answer."""
+    and gets the engine's own answer. Once the client has left, the job's steps wait for an
+    abort (up to 30 s), so a loaded machine's slow disconnect check cannot let it finish."""
     sched = engine.scheduler
     saved = sched.max_num_batched_tokens
     sched.max_num_batched_tokens = 64  # a job of many short steps: the client leaves mid-way
+    left, aborted = threading.Event(), threading.Event()
+    launch, abort = engine.runner.launch, engine.abort
+
+    def launch_after_the_abort(*args, **kwargs):
+        if left.is_set():
+            aborted.wait(30)
+        return launch(*args, **kwargs)
+
+    def noted_abort(*request_ids: str) -> None:
+        aborted.set()
+        abort(*request_ids)
+
+    monkeypatch.setattr(engine.runner, "launch", launch_after_the_abort)
+    monkeypatch.setattr(engine, "abort", noted_abort)
     prompt = "word " * 1000
     n = len(engine.encode_prompt(prompt))
     body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 1,
@@ -565,6 +581,8 @@ def test_client_leaving_a_prompt_logprobs_request_stops_its_logits(server, clien
         with socket.create_connection(("127.0.0.1", server.port)) as sock:
             sock.sendall(head + body)
             job = _logits_job_under_way(engine)
+            left.set()
+        assert aborted.wait(30), "the server never aborted the job of the client that left"
         _idle(engine)
     finally:
         sched.max_num_batched_tokens = saved
