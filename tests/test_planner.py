@@ -100,6 +100,18 @@ def test_a_query_drawing_rows_computes_only_the_rows_it_returns(env, draw):
     assert got and calls == len({r[1] for r in got})
 
 
+@pytest.mark.parametrize("clock", ["now()", "current_timestamp", "get_current_time()",
+                                   "localtimestamp", "epoch_ms(transaction_timestamp())"])
+def test_a_prompt_reading_the_clock_is_computed_once_a_row(env, clock):
+    """now() and its kin hold still within a statement but not between statements: a driver
+    run before the query read another time, and its calls were thrown away (twice the
+    calls of the query as written)."""
+    con, _, _, _ = env
+    q = f"SELECT x, llm_complete(x || {clock}, max_tokens := 2) FROM t WHERE id < 50"
+    got, calls = calls_of(con.session, lambda: con.execute(q).fetchall())
+    assert len(got) == 50 and calls == len({x for x, _ in got})
+
+
 @pytest.mark.parametrize("query,most", [  # (at most LIMIT + OFFSET calls a branch)
     ("SELECT llm_complete(x, max_tokens := 2) FROM t UNION ALL SELECT 'z' LIMIT 2", 2),
     ("SELECT 'z' UNION ALL (SELECT llm_complete(x, max_tokens := 2) FROM t WHERE id > 5 "

@@ -19,6 +19,13 @@ VOLATILE = {"random", "rand", "gen_random_uuid", "uuid", "uuidv4", "uuidv7", "ne
             "setseed", "currval"}
 
 
+# Functions that hold still within a statement but not between statements (the clock, the
+# transaction, the statement's text): a driver, a statement of its own, sees other values.
+PER_STATEMENT = {"now", "get_current_timestamp", "transaction_timestamp", "txid_current",
+                 "current_transaction_id", "current_query"}
+PER_STATEMENT_NODES = (exp.CurrentTimestamp, exp.CurrentTime, exp.CurrentDate,
+                       exp.CurrentDatetime, exp.Localtime, exp.Localtimestamp)
+
 _DUCKDB = DuckDB()
 
 
@@ -48,6 +55,18 @@ def volatile(e: exp.Expression) -> bool:
         if isinstance(node, exp.Func) and node.sql_name().lower() in VOLATILE:
             return True
         if isinstance(node, exp.Anonymous) and node.name.lower() in VOLATILE:
+            return True
+    return False
+
+
+def per_statement(e: exp.Expression) -> bool:
+    """Reads a value that another statement would see otherwise (now(), current_date, ...)."""
+    for node in e.walk():
+        if isinstance(node, PER_STATEMENT_NODES):
+            return True
+        if isinstance(node, exp.Func) and node.sql_name().lower() in PER_STATEMENT:
+            return True
+        if isinstance(node, exp.Anonymous) and node.name.lower() in PER_STATEMENT:
             return True
     return False
 

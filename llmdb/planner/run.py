@@ -39,6 +39,7 @@ from .rules import (
     llm_conjuncts_to_where,
     null_calls_to_nulls,
     number_parameters,
+    per_statement,
     push_filters_into_llm_subqueries,
     root_query,
     top_level_selects,
@@ -165,6 +166,7 @@ def _plan(sql: str, qid: int, namespace: int, model: str, parameters: Any,
         isinstance(e, exp.Alias) or (isinstance(e, exp.Column) and not e.is_star)
         for e in written.expressions)
     draws = volatile(tree)
+    per_statement_values = per_statement(tree)
     null_calls_to_nulls(tree)
     inline_llm_ctes(tree)
     push_filters_into_llm_subqueries(tree)
@@ -181,9 +183,13 @@ def _plan(sql: str, qid: int, namespace: int, model: str, parameters: Any,
     root = root_query(tree)
     # Drivers read the query's rows before it runs: with bound parameters they would need
     # them too, and where the query draws random values (or a sample) they would draw other
-    # rows, computing calls for rows the query then leaves out. Every site stays lazy then.
+    # rows, computing calls for rows the query then leaves out; where it reads the clock (or
+    # the transaction) they would read other values, computing other prompts. Every site
+    # stays lazy then.
     lazy = ("the query has bound parameters" if parameters else
-            "the query draws random values or a sample" if draws else None)
+            "the query draws random values or a sample" if draws else
+            "the query reads the clock or its transaction (now(), current_date, ...)"
+            if per_statement_values else None)
     tops = [] if lazy else top_level_selects(root)
     steps, placements = drivers.plan_steps(tree, root, tops, sites, predicates)
     if lazy:
