@@ -112,6 +112,28 @@ def test_a_prompt_reading_the_clock_is_computed_once_a_row(env, clock):
     assert len(got) == 50 and calls == len({x for x, _ in got})
 
 
+@pytest.mark.parametrize("query", [
+    "SELECT id, x, llm_complete(x, max_tokens := 2) AS a FROM t WHERE id % 2 = 0 "
+    "ORDER BY random() LIMIT 3",
+    "SELECT r.*, llm_complete(r.x, max_tokens := 2) FROM t AS r WHERE r.cat = 1 "
+    "ORDER BY random() LIMIT 2 OFFSET 1",
+])
+def test_top_rows_in_a_random_order_cost_k_calls(env, query):
+    """`ORDER BY random() LIMIT k`, the way to try a prompt on a few rows: DuckDB computes
+    the calls of every row before its top-k, and refuses the QUALIFY other orders get (a
+    window cannot be ordered by random()): the query as written made a call per distinct x
+    (97) for 3 rows."""
+    con, plain, _, _ = env
+    got, calls = calls_of(con.session, lambda: con.execute(query).fetchall())
+    names = [d[0] for d in con.description]
+    assert names == [d[0] for d in plain.execute(query).description]
+    assert len(got) == (3 if "LIMIT 3" in query else 2) and calls == len({r[1] for r in got})
+    for row in got:  # the rows the WHERE keeps, each with its own answer
+        assert row[0] % 2 == 0 if "id % 2" in query else row[3] == 1
+        assert row[-1] == plain.execute("SELECT llm_complete(?, max_tokens := 2)",
+                                        [row[1]]).fetchall()[0][0]
+
+
 @pytest.mark.parametrize("query,most", [  # (at most LIMIT + OFFSET calls a branch)
     ("SELECT llm_complete(x, max_tokens := 2) FROM t UNION ALL SELECT 'z' LIMIT 2", 2),
     ("SELECT 'z' UNION ALL (SELECT llm_complete(x, max_tokens := 2) FROM t WHERE id > 5 "

@@ -478,6 +478,44 @@ def _own_clauses(q: exp.Expression) -> bool:
     return any(q.args.get(a) for a in ("order", "limit", "offset"))
 
 
+# The clauses a SELECT may have for random_top_rows_into_subquery to move its rows' part.
+_ROWS_PART = ("from_", "where", "order", "limit", "offset")
+
+
+def _random_top_rows(s: exp.Select) -> bool:
+    """SELECT <calls> FROM <one source> [WHERE] ORDER BY <volatile keys that read no column>
+    LIMIT k [OFFSET s], and no other clause."""
+    order, offset = s.args.get("order"), s.args.get("offset")
+    others = [k for k, v in s.args.items() if v and k not in (*_ROWS_PART, "expressions",
+                                                                "with_")]
+    return order is not None and int_literal(s.args.get("limit")) is not None \
+        and (offset is None or int_literal(offset) is not None) and not others \
+        and any(has_call(e) for e in s.expressions) and not aggregated(s) \
+        and not has_window(s) \
+        and all(volatile(o) and not o.find(exp.Column) for o in order.expressions)
+
+
+def random_top_rows_into_subquery(tree: exp.Expression) -> exp.Expression:
+    """`SELECT <calls> FROM src [WHERE w] ORDER BY random() LIMIT k [OFFSET s]` draws its
+    rows in a subquery, `(SELECT * FROM src WHERE w ORDER BY random() LIMIT k OFFSET s)`,
+    and computes its calls over those k rows. DuckDB computes a projection's calls on every
+    row before a top-k by an expression, and the QUALIFY of top_rows_before_calls cannot
+    help here: a window may not be ordered by a volatile key (the query as written made
+    1,000 calls for LIMIT 5 over 1,000 rows). Only where every key is volatile and reads
+    no column, so that the order the subquery draws is the result's order."""
+    for s in list(tree.find_all(exp.Select)):
+        if not _random_top_rows(s):
+            continue
+        rows = exp.Select(expressions=[exp.Star()])
+        for part in _ROWS_PART:
+            rows.set(part, s.args.get(part))
+            s.set(part, None)
+        name = rows.args["from_"].this.alias_or_name
+        alias = exp.TableAlias(this=exp.to_identifier(name)) if name else None
+        s.set("from_", exp.From(this=exp.Subquery(this=rows, alias=alias)))
+    return tree
+
+
 def _qualify_keeps_the_rows(s: exp.Select, keys: list[exp.Expression]) -> bool:
     """Whether a QUALIFY over `keys` (ORDER BY or DISTINCT ON keys) keeps the rows the query
     keeps: not where a projection yields several rows per input row (UNNEST; the QUALIFY

@@ -41,6 +41,7 @@ from .rules import (
     number_parameters,
     per_statement,
     push_filters_into_llm_subqueries,
+    random_top_rows_into_subquery,
     root_query,
     top_level_selects,
     top_rows_before_calls,
@@ -173,6 +174,7 @@ def _plan(sql: str, qid: int, namespace: int, model: str, parameters: Any,
     llm_conjuncts_to_where(tree)
     having_on_keys_to_where(tree)
     limits_into_union_branches(tree)
+    random_top_rows_into_subquery(tree)
     sites = find_sites(tree)
     if not sites:
         raise Unsupported("no LLM calls")
