@@ -28,9 +28,23 @@ _STATUS_COLUMNS = {"Count", "Success"}
 _ROW_TYPES = {"SELECT", "EXPLAIN", "PRAGMA", "CALL", "RELATION"}
 
 
+def _check_new_name(name: str) -> None:
+    """A name `models add` may register: not empty (a blank row in `models list`), nor the
+    stand-in's, which connections keep answering with hashes whatever is registered."""
+    from llmdb.backends.standin import STANDIN_MODEL
+
+    if not name.strip():
+        raise ValueError("a model name cannot be empty")
+    if name == STANDIN_MODEL:
+        raise ValueError(f"{STANDIN_MODEL} is built in (its answers are hashes, for tests) "
+                         "and cannot be replaced")
+
+
 def _models(args: argparse.Namespace) -> int:
     from llmdb.backends.remote_models import add_remote_model, remote_models
 
+    if args.action == "add":
+        _check_new_name(args.name)
     if args.action == "add" and args.endpoint:
         if args.path is not None:
             raise ValueError("give a model PATH or --endpoint URLs, not both")

@@ -40,6 +40,22 @@ def test_register_a_model_by_cli_and_use_it(config_dir, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("where", ["file", "endpoint"])
+@pytest.mark.parametrize("name", ["hash-standin", "", "  "])
+def test_a_name_no_connection_would_reach_is_refused(config_dir, capsys, name, where):
+    """The stand-in's name was registered, and llmdb.connect(model="hash-standin") went on
+    answering with hashes, never loading the file; an empty name made a blank row in
+    `llmdb models list`."""
+    from llmdb.backends.remote_models import remote_models
+
+    target = [str(resolve_model("smollm2-135m"))] if where == "file" else [
+        "--endpoint", "http://127.0.0.1:9/v1"]
+    assert cli(["models", "add", name, *target]) == 2
+    err = capsys.readouterr().err
+    assert ("built in" in err) if name.strip() else ("name cannot be empty" in err)
+    assert name not in registered_models() and name not in remote_models()
+
+
 def test_truncated_gguf_is_a_clear_error(tmp_path):
     src = resolve_model("smollm2-135m")
     bad = tmp_path / "truncated.gguf"
