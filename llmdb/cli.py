@@ -20,6 +20,8 @@ from llmdb.engine.registry import register_model, registered_models
 if TYPE_CHECKING:
     import pyarrow as pa
 
+    from llmdb.connection import Connection
+
 # A statement's result that is its status, not rows: DuckDB's one column of "Count" (rows
 # changed: INSERT, UPDATE, DELETE, COPY, CREATE) or "Success" (SET, ATTACH, ...). Such a
 # statement may return rows instead (INSERT ... RETURNING, PIVOT: a MULTI statement); these
@@ -162,6 +164,30 @@ def _local_model(name: str, command: str) -> None:
                          "models add NAME PATH`, or a path")
 
 
+def _run_statement(con: Connection, statement: str, kind: str, k: int, count: int, max_rows: int,
+                   fmt: str) -> None:
+    """Statement k of count: its rows printed, or its status on stderr. A failure names the
+    statement where the job has several."""
+    try:
+        con.execute(statement)
+    except duckdb.Error as e:
+        if count == 1:
+            raise
+        first_line = " ".join(statement.split()).rstrip(";")[:80]
+        raise ValueError(f"statement {k} of {count} ({first_line}) failed: {e}") from e
+    columns = [d[0] for d in con.description or []]
+    if kind not in _ROW_TYPES and len(columns) == 1 and columns[0] in _STATUS_COLUMNS:
+        status = con.fetchone()
+        suffix = (f": {status[0]:,} rows" if columns[0] == "Count" and status and
+                  status[0] is not None else "")
+        print(f"-- {kind}{suffix}", file=sys.stderr)
+    else:
+        with warnings.catch_warnings():  # the copy it warns about is what printing needs
+            warnings.simplefilter("ignore")
+            table = con.to_arrow_table()
+        _print_table(table, max_rows, fmt)
+
+
 def _sql(args: argparse.Namespace) -> int:
     import llmdb
     from llmdb.connection import EXPLAIN_LLM
@@ -190,31 +216,16 @@ def _sql(args: argparse.Namespace) -> int:
             print(con.explain(explained["query"]), end="")
             return 0
         statements = [(s.query, s.type.name) for s in duckdb.extract_statements(text)]
-        for k, (statement, kind) in enumerate(statements, 1):
-            try:
-                con.execute(statement)
-            except duckdb.Error as e:
-                if len(statements) == 1:
-                    raise
-                first_line = " ".join(statement.split()).rstrip(";")[:80]
-                raise ValueError(f"statement {k} of {len(statements)} ({first_line}) "
-                                 f"failed: {e}") from e
-            columns = [d[0] for d in con.description or []]
-            if kind not in _ROW_TYPES and len(columns) == 1 and columns[0] in _STATUS_COLUMNS:
-                status = con.fetchone()
-                suffix = (f": {status[0]:,} rows" if columns[0] == "Count" and status and
-                          status[0] is not None else "")
-                print(f"-- {kind}{suffix}", file=sys.stderr)
-            else:
-                with warnings.catch_warnings():  # the copy it warns about is what printing needs
-                    warnings.simplefilter("ignore")
-                    table = con.to_arrow_table()
-                _print_table(table, args.max_rows, fmt)
-        s = con.stats()["total"]
-        if s["rows"]:
-            print(f"-- llm: {s['rows']:,} rows, {s['calls']:,} model calls, "
-                  f"{s['cache_hits']:,} cache hits, {s['dedup_hits']:,} deduplicated, "
-                  f"{s['errors']:,} errors, {s['engine_s']:.1f} s in the model", file=sys.stderr)
+        try:
+            for k, (statement, kind) in enumerate(statements, 1):
+                _run_statement(con, statement, kind, k, len(statements), args.max_rows, fmt)
+        finally:  # a failed statement too: the model work before it was paid for
+            s = con.stats()["total"]
+            if s["rows"]:
+                print(f"-- llm: {s['rows']:,} rows, {s['calls']:,} model calls, "
+                      f"{s['cache_hits']:,} cache hits, {s['dedup_hits']:,} deduplicated, "
+                      f"{s['errors']:,} errors, {s['engine_s']:.1f} s in the model",
+                      file=sys.stderr)
     return 0
 
 

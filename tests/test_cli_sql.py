@@ -43,6 +43,19 @@ def test_rows_are_printed_whatever_the_statement_type(tmp_path, monkeypatch, cap
     assert "-- llm: 2 rows" in err
 
 
+def test_a_failed_statement_still_reports_the_model_work_before_it(tmp_path, capsys):
+    """The job stops at the failed statement, naming it; the rows printed before stay, and
+    so does the line of model work (which was missing: the calls paid for went unreported)."""
+    script = tmp_path / "job.sql"
+    script.write_text("SELECT llm_complete('Name a colour.', max_tokens := 2) AS a;\n"
+                      "SELECT nosuchcol FROM (SELECT 1);\nSELECT 'never' AS b;\n")
+    assert main(["sql", "-f", str(script), "--no-progress", "--format", "csv"]) == 2
+    out, err = capsys.readouterr()
+    assert out.startswith("a\n") and "never" not in out
+    assert "statement 2 of 3 (SELECT nosuchcol FROM (SELECT 1)) failed" in err
+    assert "-- llm: 1 rows, 1 model calls" in err
+
+
 def test_explain_llm_prints_the_report(capsys):
     query = "SELECT llm_complete(p) FROM (VALUES ('a'), ('b')) v(p)"
     assert main(["sql", f"EXPLAIN LLM {query};"]) == 0
