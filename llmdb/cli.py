@@ -164,10 +164,34 @@ def _local_model(name: str, command: str) -> None:
                          "models add NAME PATH`, or a path")
 
 
-def _run_statement(con: Connection, statement: str, kind: str, k: int, count: int, max_rows: int,
-                   fmt: str) -> None:
-    """Statement k of count: its rows printed, or its status on stderr. A failure names the
-    statement where the job has several."""
+def _job_statements(text: str) -> list[tuple[str, str]]:
+    """A job's statements as (SQL, kind): DuckDB's statement type, or "EXPLAIN LLM", which
+    DuckDB can neither parse nor split. So the text is cut at the semicolons DuckDB's
+    tokenizer finds (outside strings and comments), and each part parsed, all before any
+    runs: a syntax error anywhere runs nothing (its line numbered as in the text)."""
+    from llmdb.connection import EXPLAIN_LLM, check_one_statement
+
+    ends = [at for at, kind in duckdb.tokenize(text)
+            if kind == duckdb.token_type.operator and text[at] == ";"]
+    statements, start = [], 0
+    for end in [*ends, len(text)]:
+        part, start = "\n" * text.count("\n", 0, start) + text[start:end], end + 1
+        explained = EXPLAIN_LLM.match(part)
+        if explained:
+            check_one_statement(explained["query"])
+            statements.append((explained["query"], "EXPLAIN LLM"))
+        else:
+            statements += [(s.query, s.type.name) for s in duckdb.extract_statements(part)]
+    return statements
+
+
+def _run_statement(con: Connection, statement: str, kind: str, k: int, count: int,
+                   max_rows: int, fmt: str) -> None:
+    """Statement k of count: its rows printed, or its status on stderr (EXPLAIN LLM: the
+    report). A failure names the statement where the job has several."""
+    if kind == "EXPLAIN LLM":
+        print(con.explain(statement), end="")
+        return
     try:
         con.execute(statement)
     except duckdb.Error as e:
@@ -190,7 +214,6 @@ def _run_statement(con: Connection, statement: str, kind: str, k: int, count: in
 
 def _sql(args: argparse.Namespace) -> int:
     import llmdb
-    from llmdb.connection import EXPLAIN_LLM
 
     if args.file:
         try:
@@ -210,12 +233,8 @@ def _sql(args: argparse.Namespace) -> int:
     fmt = args.format
     if fmt == "auto":
         fmt = "box" if sys.stdout.isatty() else "csv"
+    statements = _job_statements(text)
     with llmdb.connect(args.db, model=args.model, **options) as con:
-        explained = EXPLAIN_LLM.match(text)
-        if explained:  # llmdb's syntax, which DuckDB cannot split: the report as `explain`'s
-            print(con.explain(explained["query"]), end="")
-            return 0
-        statements = [(s.query, s.type.name) for s in duckdb.extract_statements(text)]
         try:
             for k, (statement, kind) in enumerate(statements, 1):
                 _run_statement(con, statement, kind, k, len(statements), args.max_rows, fmt)

@@ -28,8 +28,10 @@ from .planner.run import Prepared
 from .scope import ScopedConnection, caller_frame, tables_named
 from .session import Options, QueryCancelled, Session
 
-# `EXPLAIN LLM <query>`: the planner's report on the query's model calls (not DuckDB syntax).
-EXPLAIN_LLM = re.compile(r"^\s*EXPLAIN\s+LLM\s+(?P<query>.*?)\s*;?\s*$", re.I | re.S)
+# `EXPLAIN LLM <query>`: the planner's report on the query's model calls (not DuckDB syntax),
+# after any comments (a job file's header).
+EXPLAIN_LLM = re.compile(r"^(?:\s|--[^\n]*(?:\n|$)|/\*.*?\*/)*EXPLAIN\s+LLM\s+(?P<query>.*?)"
+                         r"\s*;?\s*$", re.I | re.S)
 _EXPLAIN_VIEW = "__llmdb_explain"
 # A query that reads llm_stats() or llm_errors(): they report the query before it.
 _INSPECTS = re.compile(r"\bllm_(?:stats|errors)\s*\(", re.I)

@@ -10,6 +10,7 @@ import sys
 import duckdb
 import pytest
 
+import llmdb
 from llmdb import cli
 from llmdb.cli import main
 
@@ -63,11 +64,28 @@ def test_explain_llm_prints_the_report(capsys):
     assert out.startswith("EXPLAIN LLM") and "site 0: LLM_COMPLETE(p)" in out
 
 
-def test_explain_llm_takes_one_statement(capsys):
-    """Not the report of the first and silence about the rest."""
-    assert main(["sql", "EXPLAIN LLM SELECT llm_complete('a'); CREATE TABLE made AS SELECT 1"]
-                ) != 0
-    assert "EXPLAIN LLM explains one statement" in capsys.readouterr().err
+def test_explain_llm_is_a_statement_of_a_job(tmp_path, capsys):
+    """EXPLAIN LLM, which DuckDB cannot parse (nor split), may be any statement of a job,
+    after comments too: a job file's header comment, or a table made first, made it
+    DuckDB's syntax error. A `;` or EXPLAIN LLM inside a string splits nothing."""
+    script = tmp_path / "job.sql"
+    script.write_text("-- what will it cost?\nCREATE TABLE t AS SELECT 'a; EXPLAIN LLM b' AS p;"
+                      "\n/* the report */ explain llm SELECT llm_complete(p) FROM t;\n"
+                      "EXPLAIN LLM SELECT llm_complete(p || '!') FROM t -- its own\n;\n"
+                      "SELECT p FROM t;")
+    assert main(["sql", "-f", str(script), "--no-progress", "--format", "csv"]) == 0
+    out, err = capsys.readouterr()
+    first, second = out.split("EXPLAIN LLM  priority")[1:]  # the reports begin so
+    assert "site 0: LLM_COMPLETE(p)" in first and "rows reaching it   est 1" in first
+    assert "site 0: LLM_COMPLETE(p || '!')" in second
+    assert second.endswith("p\na; EXPLAIN LLM b\n")  # the last statement's rows, after both
+    assert "-- CREATE: 1 rows" in err and "-- llm:" not in err  # the reports call nothing
+
+
+def test_explain_llm_after_a_comment_on_a_connection():
+    with llmdb.connect(model="hash-standin", cache=False) as con:
+        report = con.execute("-- cost?\n/* a */ EXPLAIN LLM SELECT llm_complete('a')").fetchall()
+        assert report and con.stats()["total"]["calls"] == 0
 
 
 def test_explain_takes_one_statement_duckdb_can_parse(capsys):
