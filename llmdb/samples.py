@@ -64,7 +64,8 @@ SAMPLES: dict[str, Callable[[], pa.Table]] = {
         "Comedy", "Drama", "Documentary", "Romance", "Short"]),
 }
 
-_REFERENCE = re.compile(rf"\b{CATALOG}\s*\.\s*\"?(\w+)", re.IGNORECASE)
+# samples.movies, and its quoted spellings ("samples"."movies").
+_REFERENCE = re.compile(rf"\b{CATALOG}\"?\s*\.\s*\"?(\w+)", re.IGNORECASE)
 
 
 def referenced(sql: str) -> list[str]:
