@@ -60,14 +60,26 @@ def volatile(e: exp.Expression) -> bool:
 
 
 def per_statement(e: exp.Expression) -> bool:
-    """Reads a value that another statement would see otherwise (now(), current_date, ...)."""
-    for node in e.walk():
-        if isinstance(node, PER_STATEMENT_NODES):
+    """Reads a value that another statement would see otherwise (now(), current_date, ...)
+    where it may reach a prompt: in a call's arguments or in a projection, not in a WHERE
+    alone (which selects the same rows a moment later)."""
+    return any(_per_statement_value(n) and _may_reach_a_prompt(n) for n in e.walk())
+
+
+def _per_statement_value(node: exp.Expression) -> bool:
+    if isinstance(node, PER_STATEMENT_NODES):
+        return True
+    if isinstance(node, exp.Anonymous):
+        return node.name.lower() in PER_STATEMENT
+    return isinstance(node, exp.Func) and node.sql_name().lower() in PER_STATEMENT
+
+
+def _may_reach_a_prompt(node: exp.Expression) -> bool:
+    while node.parent is not None:
+        if call_name(node.parent) is not None or (
+                isinstance(node.parent, exp.Select) and node.arg_key == "expressions"):
             return True
-        if isinstance(node, exp.Func) and node.sql_name().lower() in PER_STATEMENT:
-            return True
-        if isinstance(node, exp.Anonymous) and node.name.lower() in PER_STATEMENT:
-            return True
+        node = node.parent
     return False
 
 
