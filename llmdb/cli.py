@@ -171,11 +171,13 @@ def _job_statements(text: str) -> list[tuple[str, str]]:
     runs: a syntax error anywhere runs nothing (its line numbered as in the text)."""
     from llmdb.connection import EXPLAIN_LLM, check_one_statement
 
+    data = text.encode()  # (the tokenizer's positions are UTF-8 bytes)
     ends = [at for at, kind in duckdb.tokenize(text)
-            if kind == duckdb.token_type.operator and text[at] == ";"]
+            if kind == duckdb.token_type.operator and data[at:at + 1] == b";"]
     statements, start = [], 0
-    for end in [*ends, len(text)]:
-        part, start = "\n" * text.count("\n", 0, start) + text[start:end], end + 1
+    for end in [*ends, len(data)]:
+        part = "\n" * data.count(b"\n", 0, start) + data[start:end].decode()
+        start = end + 1
         explained = EXPLAIN_LLM.match(part)
         if explained:
             check_one_statement(explained["query"])
@@ -216,10 +218,13 @@ def _sql(args: argparse.Namespace) -> int:
     import llmdb
 
     if args.file:
-        try:
-            text = Path(args.file).read_text()
+        try:  # (utf-8-sig: without the byte order mark some editors write)
+            text = Path(args.file).read_text(encoding="utf-8-sig")
         except OSError as e:
             raise ValueError(f"cannot read {args.file}: {e.strerror or e}") from e
+        except UnicodeDecodeError as e:
+            raise ValueError(f"cannot read {args.file}: not UTF-8 text ({e.reason} at byte "
+                             f"{e.start})") from e
     elif args.query:
         text = args.query
     else:

@@ -69,7 +69,7 @@ def test_explain_llm_is_a_statement_of_a_job(tmp_path, capsys):
     after comments too: a job file's header comment, or a table made first, made it
     DuckDB's syntax error. A `;` or EXPLAIN LLM inside a string splits nothing."""
     script = tmp_path / "job.sql"
-    script.write_text("-- what will it cost?\nCREATE TABLE t AS SELECT 'a; EXPLAIN LLM b' AS p;"
+    script.write_text("-- what will it cost?\nCREATE TABLE t AS SELECT 'é; EXPLAIN LLM b' AS p;"
                       "\n/* the report */ explain llm SELECT llm_complete(p) FROM t;\n"
                       "EXPLAIN LLM SELECT llm_complete(p || '!') FROM t -- its own\n;\n"
                       "SELECT p FROM t;")
@@ -78,8 +78,23 @@ def test_explain_llm_is_a_statement_of_a_job(tmp_path, capsys):
     first, second = out.split("EXPLAIN LLM  priority")[1:]  # the reports begin so
     assert "site 0: LLM_COMPLETE(p)" in first and "rows reaching it   est 1" in first
     assert "site 0: LLM_COMPLETE(p || '!')" in second
-    assert second.endswith("p\na; EXPLAIN LLM b\n")  # the last statement's rows, after both
+    assert second.endswith("p\né; EXPLAIN LLM b\n")  # the last statement's rows, after both
     assert "-- CREATE: 1 rows" in err and "-- llm:" not in err  # the reports call nothing
+
+
+def test_a_job_file_is_utf8_with_or_without_a_byte_order_mark(tmp_path, capsys):
+    """Windows editors save UTF-8 with a byte order mark, which hid an EXPLAIN LLM (DuckDB
+    skips the mark, llmdb's EXPLAIN LLM did not); text that is not UTF-8 is an error naming
+    the file. Statements after non-ASCII text are cut where they end."""
+    script = tmp_path / "job.sql"
+    script.write_bytes("\ufeffEXPLAIN LLM SELECT llm_complete('ü');\r\nSELECT 'é' AS b;\r\n"
+                       .encode())
+    assert main(["sql", "-f", str(script), "--format", "csv"]) == 0
+    out = capsys.readouterr().out.replace("\r", "")
+    assert out.startswith("EXPLAIN LLM  priority") and out.endswith("\nb\né\n")
+    script.write_bytes("SELECT 'ü' AS a".encode("utf-16"))
+    assert main(["sql", "-f", str(script)]) == 2
+    assert f"cannot read {script}: not UTF-8 text" in capsys.readouterr().err
 
 
 def test_explain_llm_after_a_comment_on_a_connection():
