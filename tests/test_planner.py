@@ -4,11 +4,14 @@ calls, computed from the table data (tests/planner_shapes.py)."""
 
 from __future__ import annotations
 
+import re
+
 import duckdb
 import pytest
 
 import llmdb
 from llmdb.planner import LEARNED
+from llmdb.planner.run import with_values_used
 
 from .planner_shapes import SHAPES, STANDIN, Oracle, load, make_tables
 
@@ -124,6 +127,36 @@ def test_a_where_reading_the_clock_keeps_its_calls_planned(env, clock):
     got, calls = calls_of(con.session, lambda: con.execute(q.format(clock + " AND ")
                                                            ).fetchall())
     assert len(got) == len(want) == 3 and calls == calls_without
+
+
+@pytest.mark.parametrize("query,literal,params", [
+    ("SELECT id FROM t WHERE cat = ? AND llm_filter(x) LIMIT 3", "1", [1]),
+    ("SELECT id, ? AS tag FROM t WHERE cat = ? AND llm_filter(x) LIMIT 3", "'a', 1", ["a", 1]),
+    ("SELECT id FROM t WHERE cat = $c AND llm_filter(x || $s) LIMIT 3", "1, '!'",
+     {"c": 1, "s": "!"}),
+])
+def test_bound_parameters_keep_the_calls_planned(env, query, literal, params):
+    """Bound parameters made every site lazy (drivers ran without their values): the
+    filter then cost a call per distinct x of DuckDB's vector (97) where LIMIT 3 asked for
+    the first rows passing. Now the drivers get the values they use (DuckDB refuses
+    others), and the query costs what it costs with the values written in."""
+    con, _, _, _ = env
+    values = iter(literal.split(", "))
+    written = re.sub(r"\?|\$[a-z]", lambda _: next(values), query)
+    want, calls_written = calls_of(con.session, lambda: con.execute(written).fetchall())
+    got, calls = calls_of(con.session, lambda: con.execute(query, params).fetchall())
+    assert sorted(got) == sorted(want) and len(got) == 3 and calls == calls_written
+
+
+def test_a_driver_gets_the_values_of_the_placeholders_it_uses():
+    """DuckDB refuses values a statement does not use: a driver that uses some of its
+    query's placeholders gets theirs, renumbered in their order."""
+    con = duckdb.connect()
+    sql, values = with_values_used("SELECT $3 AS c, $2 + 1 AS b", ["unused", 1, "c"])
+    assert values == [1, "c"] and con.execute(sql, values).fetchall() == [("c", 2)]
+    sql, values = with_values_used("SELECT $k AS k", {"k": 7, "other": 8})
+    assert values == {"k": 7} and con.execute(sql, values).fetchall() == [(7,)]
+    assert with_values_used("SELECT $1 + $2", (1, 2)) == ("SELECT $1 + $2", [1, 2])
 
 
 @pytest.mark.parametrize("query", [

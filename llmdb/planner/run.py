@@ -68,6 +68,7 @@ class Plan:
     steps: list[Step]
     placements: dict[int, Placement]
     notes: list[str] = field(default_factory=list)
+    parameters: Any = None  # the values of its placeholders (drivers bind those they use)
 
     @property
     def has_lazy(self) -> bool:
@@ -183,13 +184,11 @@ def _plan(sql: str, qid: int, namespace: int, model: str, parameters: Any,
     top_rows_before_calls(tree)
     first_rows_before_calls(tree)
     root = root_query(tree)
-    # Drivers read the query's rows before it runs: with bound parameters they would need
-    # them too, and where the query draws random values (or a sample) they would draw other
-    # rows, computing calls for rows the query then leaves out; where it reads the clock (or
-    # the transaction) they would read other values, computing other prompts. Every site
-    # stays lazy then.
-    lazy = ("the query has bound parameters" if parameters else
-            "the query draws random values or a sample" if draws else
+    # Drivers read the query's rows before it runs: where the query draws random values (or
+    # a sample) they would draw other rows, computing calls for rows the query then leaves
+    # out; where it reads the clock (or the transaction) they would read other values,
+    # computing other prompts. Every site stays lazy then.
+    lazy = ("the query draws random values or a sample" if draws else
             "the query reads the clock or its transaction (now(), current_date, ...)"
             if per_statement_values else None)
     tops = [] if lazy else top_level_selects(root)
@@ -199,7 +198,27 @@ def _plan(sql: str, qid: int, namespace: int, model: str, parameters: Any,
     sql = tree.sql("duckdb")
     dry_sql = sql if root is tree else root.sql("duckdb")  # a query: its one text
     return Plan(qid, sql, dry_sql, written_sql, names_kept, sites, predicates, steps,
-                placements)
+                placements, parameters=parameters)
+
+
+def with_values_used(sql: str, parameters: Any) -> tuple[str, Any]:
+    """A driver's SQL and the values of the placeholders it uses ($1, $name), renumbered in
+    their order: DuckDB refuses values a statement does not use, and a driver uses some
+    of its query's."""
+    if not parameters:
+        return sql, None
+    tree = sqlglot.parse_one(sql, read="duckdb")
+    used = [p for p in tree.find_all(exp.Placeholder) if p.this is not None]
+    if isinstance(parameters, dict):
+        return sql, {p.name: parameters[p.name] for p in used}
+    values = list(parameters)
+    numbers = sorted({int(p.name) for p in used})
+    if numbers == list(range(1, len(values) + 1)):
+        return sql, values
+    renumbered = {n: k for k, n in enumerate(numbers, 1)}
+    for p in used:
+        p.set("this", str(renumbered[int(p.name)]))
+    return tree.sql("duckdb"), [values[n - 1] for n in numbers]
 
 
 def normalized(sql: str) -> str:
@@ -335,20 +354,22 @@ class Planner:
         """Prefetch the calls of the plan's steps (or of `steps`). A failed row raises its
         llmdb.LLMError and a cancel QueryCancelled, as themselves (the connection presents
         both as the DuckDB errors they are inside a query)."""
+        values = p.parameters
         for step in p.steps if steps is None else steps:
             if isinstance(step, Fill):
-                self._fill(run, step.site, step.sql)
+                self._fill(run, step.site, step.sql, values)
             elif isinstance(step, Learn):
                 if not run.dry:
-                    self._learn(run, step)
+                    self._learn(run, step, values)
             elif isinstance(step, Incremental):
-                self._incremental(run, step)
+                self._incremental(run, step, values)
 
-    def _query(self, sql: str) -> list[tuple] | None:
-        """Rows of a driver query; None when it fails (its sites then stay lazy), except
-        for a wrong argument type, which the query would meet too: raised as it is."""
+    def _query(self, sql: str, values: Any = None) -> list[tuple] | None:
+        """Rows of a driver query (given the values of the query's placeholders); None when
+        it fails (its sites then stay lazy), except for a wrong argument type, which the
+        query would meet too: raised as it is."""
         try:
-            return self.con.execute(sql).fetchall()
+            return self.con.execute(*with_values_used(sql, values)).fetchall()
         except duckdb.InterruptException:
             raise
         except duckdb.Error as e:
@@ -358,32 +379,32 @@ class Planner:
                 raise QueryCancelled("the query was cancelled") from None
             return None
 
-    def _fill(self, run: QueryRun, site: Site, sql: str) -> None:
-        rows = self._query(sql)
+    def _fill(self, run: QueryRun, site: Site, sql: str, values: Any) -> None:
+        rows = self._query(sql, values)
         if rows is not None:
             run.fill(site, [(freeze(r[:-1]), r[-1]) for r in rows])
 
-    def _learn(self, run: QueryRun, step: Learn) -> None:
-        row = self._query(step.sql)
+    def _learn(self, run: QueryRun, step: Learn, values: Any) -> None:
+        row = self._query(step.sql, values)
         if row:
             passed, seen = row[0]
             self.learned.observe_passes(f"{self.session.options.model}\x1f{step.predicate.key}",
                                         passed or 0, seen or 0)
 
-    def _incremental(self, run: QueryRun, step: Incremental) -> None:
+    def _incremental(self, run: QueryRun, step: Incremental, values: Any) -> None:
         for s in step.sites:
             run.modes[s.id] = "strict"
         n = step.target
         last: dict[int, int] = {}
         while True:
             for s in step.sites:
-                rows = self._query(drivers.with_limit(step.site_sql[s.id], n))
+                rows = self._query(drivers.with_limit(step.site_sql[s.id], n), values)
                 if rows is None:
                     return self._give_up(run, step)
                 keyed = [(freeze(r[:-1]), r[-1]) for r in rows]
                 run.fill(s, keyed, count_rows=False)
                 last[s.id] = sum(c for _, c in keyed)
-            counted = self._query(drivers.with_limit(step.count_sql, n))
+            counted = self._query(drivers.with_limit(step.count_sql, n), values)
             if counted is None:
                 return self._give_up(run, step)
             total, passed = counted[0]
