@@ -157,6 +157,7 @@ def test_a_driver_gets_the_values_of_the_placeholders_it_uses():
     sql, values = with_values_used("SELECT $k AS k", {"k": 7, "other": 8})
     assert values == {"k": 7} and con.execute(sql, values).fetchall() == [(7,)]
     assert with_values_used("SELECT $1 + $2", (1, 2)) == ("SELECT $1 + $2", [1, 2])
+    assert with_values_used("SELECT 1", [1]) == ("SELECT 1", None)
 
 
 @pytest.mark.parametrize("query", [

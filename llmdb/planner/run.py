@@ -209,6 +209,8 @@ def with_values_used(sql: str, parameters: Any) -> tuple[str, Any]:
         return sql, None
     tree = sqlglot.parse_one(sql, read="duckdb")
     used = [p for p in tree.find_all(exp.Placeholder) if p.this is not None]
+    if not used:
+        return sql, None
     if isinstance(parameters, dict):
         return sql, {p.name: parameters[p.name] for p in used}
     values = list(parameters)
