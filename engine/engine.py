@@ -291,6 +291,9 @@ class LLMEngine:
         collected with wait()."""
         params = params or SamplingParams()
         params.validate()
+        if params.logprobs is not None and params.logprobs > self.config.vocab_size:
+            raise ValueError(f"logprobs must be at most the vocabulary's "
+                             f"{self.config.vocab_size:,} tokens, got {params.logprobs:,}")
         ids = self.encode_prompt(prompt)
         self._check_fits(len(ids), "prompt")
         if len(ids) >= self.config.max_context:

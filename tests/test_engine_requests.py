@@ -1,0 +1,74 @@
+"""The engine's public API used carelessly: bad parameters, bad prompts, reused request
+ids, a failing step. Each is refused naming its cause, or ends its own requests; the engine
+serves the next request as before (the reference: that request's tokens before the fault)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llmdb.engine.params import SamplingParams
+
+from .helpers import chat
+
+SHORT = SamplingParams(max_tokens=4, ignore_eos=True)
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        (SamplingParams(max_tokens=2.5), "max_tokens"),
+        (SamplingParams(max_tokens=float("nan")), "max_tokens"),  # (generated to the context)
+        (SamplingParams(max_tokens=True), "max_tokens"),
+        (SamplingParams(temperature="0.7"), "temperature"),
+        (SamplingParams(temperature=float("nan")), "temperature"),
+        (SamplingParams(top_p=float("nan")), "top_p"),
+        (SamplingParams(top_p=0), "top_p"),
+        (SamplingParams(top_k=2.5, temperature=1.0), "top_k"),
+        (SamplingParams(top_k=-1), "top_k"),
+        (SamplingParams(seed=1.5, temperature=1.0), "seed"),
+        (SamplingParams(seed="7", temperature=1.0), "seed"),
+        (SamplingParams(logprobs=2.5), "logprobs"),
+        (SamplingParams(logprobs=True), "logprobs"),
+        (SamplingParams(logprobs=-1), "logprobs"),
+        (SamplingParams(logprobs=10**6), "logprobs"),  # more than the vocabulary
+        (SamplingParams(stop=[5]), "stop"),
+        (SamplingParams(stop=["ok", ""]), "stop"),
+        (SamplingParams(stop={"a": 1}), "stop"),
+        (SamplingParams(stop_token_ids=["a"]), "stop_token_ids"),
+        (SamplingParams(ignore_eos="no"), "ignore_eos"),
+    ],
+)
+def test_each_bad_sampling_value_is_refused_naming_its_field(engine, params, field):
+    """These reached the sampler, which runs a batch at once: a float seed or logprobs
+    beyond the vocabulary failed every request of the step, and a stop "string" that was an
+    int failed every later step of the engine."""
+    beside = engine.add_request("Hello there", SHORT)
+    with pytest.raises((TypeError, ValueError), match=rf"^{field}\b|^stop strings"):
+        engine.add_request("Hello there", params)
+    ref = engine.wait(beside)
+    assert ref.finish_reason == "length" and ref.error is None
+    assert engine.generate(["Hello there"], SHORT)[0].token_ids == ref.token_ids
+
+
+def test_sampling_values_are_normalized():
+    """A lone stop string is a list of one, None no stop, numpy integers ints (a numpy
+    seed overflowed the noise hash's 64-bit mask)."""
+    p = SamplingParams(max_tokens=np.int64(3), seed=np.int64(-5), top_k=np.int32(4),
+                       stop="\n", stop_token_ids=7, logprobs=np.int64(2))
+    p.validate()
+    assert (p.max_tokens, p.seed, p.top_k, p.stop, p.stop_token_ids, p.logprobs) == (
+        3, -5, 4, ["\n"], [7], 2)
+    assert all(type(v) is int for v in (p.max_tokens, p.seed, p.top_k, p.logprobs))
+    none = SamplingParams(stop=None, stop_token_ids=None)
+    none.validate()
+    assert (none.stop, none.stop_token_ids) == ([], [])
+
+
+def test_a_seeded_numpy_integer_samples_as_its_int(engine):
+    prompt = chat("Tell me a story.")
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True)
+    ref = engine.generate([prompt], params)[0].token_ids
+    numpy_seed = SamplingParams(max_tokens=6, temperature=1.0, seed=np.int64(3),
+                                ignore_eos=True)
+    assert engine.generate([prompt], numpy_seed)[0].token_ids == ref
