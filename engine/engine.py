@@ -370,9 +370,25 @@ class LLMEngine:
             self._step_threads = {threading.get_ident()}
             try:
                 return run_on_device(self.device, self._step)
+            except Exception as e:  # noqa: BLE001 (a bug, see _fail_under_way)
+                return self._fail_under_way(e)
             finally:
                 self._step_threads = set()
                 self._finish_aborted()
+
+    def _fail_under_way(self, e: Exception) -> list[str]:
+        """A step that raised outside the model's launch and read (which fail their own
+        requests) fails every request under way, not the engine. Raised instead, it left its
+        step in flight: each later step read it again and raised the same, and their waiters
+        (or the background loop's) never got an answer."""
+        log.exception("the engine's step failed; the requests under way fail")
+        with self._cond:
+            self._in_flight = None
+            failed = list(self._requests.values())
+            for req in failed:
+                self._finish(req, "error",
+                             error=f"the engine's step failed: {type(e).__name__}: {e}")
+        return [req.request_id for req in failed]
 
     def _step(self) -> list[str]:
         """Schedule, launch, then read the step before: with launch-ahead on (GPUs) the
@@ -748,16 +764,7 @@ class LLMEngine:
                     self._cond.wait()
                 if self._stopping:
                     return
-            try:
-                self.step()
-            except Exception as e:  # noqa: BLE001 (a bug: without this the thread died
-                # silently and every caller of wait() waited for ever)
-                log.exception("the engine's step failed; the requests under way fail")
-                with self._cond:
-                    self._in_flight = None
-                    for req in list(self._requests.values()):
-                        self._finish(req, "error", error=f"the engine's step failed: "
-                                     f"{type(e).__name__}: {e}")
+            self.step()  # (a step that fails ends its requests, not this thread)
 
 
 @dataclass

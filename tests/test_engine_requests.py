@@ -72,3 +72,35 @@ def test_a_seeded_numpy_integer_samples_as_its_int(engine):
     numpy_seed = SamplingParams(max_tokens=6, temperature=1.0, seed=np.int64(3),
                                 ignore_eos=True)
     assert engine.generate([prompt], numpy_seed)[0].token_ids == ref
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_step_that_raises_fails_its_requests_and_the_engine_serves_on(engine, monkeypatch,
+                                                                         background):
+    """A bug while a step's tokens were taken (here: the first call of _after_token raises)
+    left that step in flight: driven by wait(), every later step read it again and raised
+    the same, for these requests and every new one. Now the requests under way end with the
+    error, and the next request gets the tokens it got before."""
+    prompt = chat("What is the capital of France?")
+    ref = engine.generate([prompt], SHORT)[0].token_ids
+    real = engine._after_token
+    calls = []
+
+    def buggy(req, token, result):
+        calls.append(req.request_id)
+        if len(calls) == 1:
+            raise KeyError("a bug")
+        return real(req, token, result)
+
+    monkeypatch.setattr(engine, "_after_token", buggy)
+    if background:
+        engine.start_background_loop()
+    try:
+        ids = [engine.add_request(prompt, SHORT) for _ in range(2)]
+        failed = [engine.wait(i, timeout=60) for i in ids]
+        again = engine.generate([prompt], SHORT)[0]
+    finally:
+        engine.stop_background_loop()
+    assert [r.finish_reason for r in failed] == ["error", "error"]
+    assert all("the engine's step failed: KeyError: 'a bug'" in r.error for r in failed)
+    assert again.finish_reason == "length" and again.token_ids == ref
