@@ -670,9 +670,24 @@ class LLMEngine:
 
     def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams] | None
                  = None) -> list[RequestResult]:
+        """One result per prompt, in order. A prompt or params refused raises naming the
+        prompt's index, and the prompts queued before it are aborted."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
-        return [self.wait(i) for i in ids]
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        ids: list[str] = []
+        results: list[RequestResult] = []
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, plist, strict=True)):
+                try:
+                    ids.append(self.add_request(p, sp))
+                except (ValueError, TypeError) as e:
+                    raise type(e)(f"prompt {i} of {len(prompts)}: {e}") from e
+            for rid in ids:
+                results.append(self.wait(rid))
+            return results
+        finally:
+            self._drop(ids[len(results):])
 
     def score(self, prompt: Prompt, continuations: list[str | list[int]]) -> list[float]:
         """Log-likelihood of each continuation after the prompt, computed in one batch.
@@ -694,9 +709,14 @@ class LLMEngine:
                 scores.append(result.score)
             return scores
         finally:
-            for rid in ids[collected:]:  # (nothing of a failed call stays in the engine)
-                self.abort(rid)
-                self.wait(rid)
+            self._drop(ids[collected:])
+
+    def _drop(self, request_ids: list[str]) -> None:
+        """Abort these requests and discard their results: what a call that raised had
+        queued, so that nothing of it runs on or stays in the engine."""
+        self.abort(*request_ids)
+        for rid in request_ids:
+            self.wait(rid)
 
     def logits(self, token_ids: list[int], request_id: str | None = None) -> torch.Tensor:
         """Teacher-forced next-token logits [len, vocab] in fp32, through the paged path.

@@ -104,3 +104,15 @@ def test_a_step_that_raises_fails_its_requests_and_the_engine_serves_on(engine, 
     assert [r.finish_reason for r in failed] == ["error", "error"]
     assert all("the engine's step failed: KeyError: 'a bug'" in r.error for r in failed)
     assert again.finish_reason == "length" and again.token_ids == ref
+
+
+def test_a_refused_prompt_of_generate_names_it_and_leaves_nothing_running(engine):
+    """generate() queued the prompts before the bad one and raised: those ran on, unasked,
+    and their results stayed in the engine for good. The error did not say which prompt."""
+    with pytest.raises(ValueError, match=r"^prompt 2 of 3: empty prompt"):
+        engine.generate(["Hi", "Hello", ""], SHORT)
+    assert not engine._requests and not engine._results
+    with pytest.raises(ValueError, match="2 prompts but 1 SamplingParams"):
+        engine.generate(["Hi", "Hello"], [SHORT])
+    assert not engine._requests and not engine._results
+
