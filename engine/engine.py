@@ -272,8 +272,9 @@ class LLMEngine:
         if priority == "RT":
             req.slo_ttft_s, req.slo_tbt_s = self.rt_slos
         with self._cond:
-            if req.request_id in self._requests:
-                raise ValueError(f"request id {req.request_id!r} is already in use")
+            if req.request_id in self._requests or req.request_id in self._results:
+                raise ValueError(f"request id {req.request_id!r} is already in use (by a "
+                                 "request running, or finished and not collected by wait())")
             self._requests[req.request_id] = req
             self.scheduler.add(req)
             self._cond.notify_all()

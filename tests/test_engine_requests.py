@@ -116,3 +116,17 @@ def test_a_refused_prompt_of_generate_names_it_and_leaves_nothing_running(engine
         engine.generate(["Hi", "Hello"], [SHORT])
     assert not engine._requests and not engine._results
 
+
+def test_a_request_id_whose_result_is_not_collected_is_still_in_use(engine):
+    """A finished request's id was free again before wait() took its result: the next
+    request of that id then got the first one's result from wait(), and its own stayed in
+    the engine for good."""
+    first = engine.add_request("Say A", SHORT, request_id="x")
+    while engine.has_unfinished:
+        engine.step()
+    with pytest.raises(ValueError, match="request id 'x' is already in use"):
+        engine.add_request("Tell me a long story", SHORT, request_id="x")
+    assert engine.wait(first).usage.prompt_tokens == len(engine.encode_prompt("Say A"))
+    again = engine.add_request("Tell me a long story", SHORT, request_id="x")  # collected: free
+    assert engine.wait(again).usage.prompt_tokens == len(
+        engine.encode_prompt("Tell me a long story"))
