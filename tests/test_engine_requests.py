@@ -130,3 +130,14 @@ def test_a_request_id_whose_result_is_not_collected_is_still_in_use(engine):
     again = engine.add_request("Tell me a long story", SHORT, request_id="x")  # collected: free
     assert engine.wait(again).usage.prompt_tokens == len(
         engine.encode_prompt("Tell me a long story"))
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-38, 1e-45])
+def test_a_vanishing_temperature_samples_the_greedy_tokens(engine, temperature):
+    """Sampling divided the raw logits by the temperature: below about 1e-37 every positive
+    logit became +inf, and the draw was among them at random (NaN probabilities, so no top-p
+    either), not the argmax that temperature -> 0 tends to."""
+    prompt = chat("Tell me a story about a cat.")
+    greedy = engine.generate([prompt], SamplingParams(max_tokens=8))[0].token_ids
+    cold = SamplingParams(max_tokens=8, temperature=temperature, top_p=0.9, seed=4)
+    assert engine.generate([prompt], cold)[0].token_ids == greedy
