@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import os
 import queue
 import random
@@ -226,10 +227,13 @@ class LLMEngine:
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special=True)
+        if not isinstance(prompt, list | tuple):
+            raise TypeError(f"a prompt is a string, a list of token ids or a list of chat "
+                            f"messages (dicts), not {type(prompt).__name__}")
         if prompt and all(isinstance(m, dict) for m in prompt):
             # Message text is data: it cannot forge the template's turn markers.
             return self.tokenizer.encode_chat(prompt)
-        ids = [int(t) for t in prompt]
+        ids = [_token_id(t) for t in prompt]
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise ValueError(
@@ -797,6 +801,17 @@ class _InFlight:
     caught_up: list[Request]
     launched: LaunchedStep
     preemptions: list[int]
+
+
+def _token_id(t: Any) -> int:
+    """An int of an integer (numpy's and 0-d torch tensors' too); never of a float (int()
+    made 1.5 token 1) or a chat message in a list of ids."""
+    try:
+        return operator.index(t)
+    except TypeError:
+        what = "a chat message" if isinstance(t, dict) else repr(t)
+        raise TypeError(f"a prompt's token ids must be integers, got {what} (a chat prompt "
+                        f"is a list of messages only)") from None
 
 
 def without_partial_char(text: str) -> str:

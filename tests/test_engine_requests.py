@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from llmdb.engine.params import SamplingParams
 
@@ -141,3 +142,26 @@ def test_a_vanishing_temperature_samples_the_greedy_tokens(engine, temperature):
     greedy = engine.generate([prompt], SamplingParams(max_tokens=8))[0].token_ids
     cold = SamplingParams(max_tokens=8, temperature=temperature, top_p=0.9, seed=4)
     assert engine.generate([prompt], cold)[0].token_ids == greedy
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        (None, "a prompt is a string, a list of token ids or a list of chat messages"),
+        (5, "not int"),
+        ([{"role": "user", "content": "hi"}, 5], "token ids must be integers, got a chat "
+                                                 "message"),
+        ([1.5, 2], "token ids must be integers, got 1.5"),  # (was token 1)
+        (["a", "b"], "token ids must be integers, got 'a'"),
+    ],
+)
+def test_a_malformed_prompt_is_refused_naming_what_it_holds(engine, prompt, message):
+    with pytest.raises(TypeError, match=message):
+        engine.add_request(prompt, SHORT)
+
+
+def test_token_ids_may_be_numpy_or_torch_integers(engine):
+    ids = engine.encode_prompt("Hello there")
+    as_numpy = engine.encode_prompt(list(np.array(ids)))
+    as_torch = engine.encode_prompt(list(torch.tensor(ids)))
+    assert as_numpy == as_torch == ids and all(type(t) is int for t in as_torch)
