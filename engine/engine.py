@@ -742,7 +742,9 @@ class LLMEngine:
         return run_on_compute_thread(torch.cat, result.logit_rows)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[int]:
-        """Token ids as they are generated."""
+        """Token ids as they are generated. RuntimeError, naming the request, if it failed
+        on the way, RequestAborted if another caller aborted it: without them a stream cut
+        short looked like a whole answer."""
         tokens: queue.SimpleQueue = queue.SimpleQueue()
         rid = self.add_request(prompt, params, on_token=tokens.put)
         try:
@@ -752,12 +754,16 @@ class LLMEngine:
                         self.step()
                 tok = tokens.get()
                 if tok is None:
-                    return
+                    break
                 yield tok
-        finally:
+        finally:  # (also when the caller stops reading: the request is aborted)
             self.abort(rid)
             with self._cond:
-                self._results.pop(rid, None)
+                result = self._results.pop(rid, None)
+        if result is not None and result.finish_reason == "error":
+            raise RuntimeError(f"request {rid!r} failed: {result.error}")
+        if result is not None and result.finish_reason == "abort":
+            raise RequestAborted(rid)
 
     # ---- background loop -----------------------------------------------------------------
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from llmdb.engine.outputs import RequestAborted
 from llmdb.engine.params import SamplingParams
 
 from .helpers import chat
@@ -165,3 +166,42 @@ def test_token_ids_may_be_numpy_or_torch_integers(engine):
     as_numpy = engine.encode_prompt(list(np.array(ids)))
     as_torch = engine.encode_prompt(list(torch.tensor(ids)))
     assert as_numpy == as_torch == ids and all(type(t) is int for t in as_torch)
+
+
+def test_a_stream_whose_request_fails_raises_naming_it(engine, monkeypatch):
+    """stream() ended as at a normal finish when its request failed (its result, holding
+    the error, was dropped): a short answer the caller could not tell from a whole one."""
+    prompt = chat("Tell me a story.")
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    ref = engine.generate([prompt], params)[0].token_ids
+    real, calls = engine._after_token, []
+
+    def buggy(req, token, result):
+        calls.append(token)
+        if len(calls) == 3:
+            raise KeyError("a bug")
+        return real(req, token, result)
+
+    monkeypatch.setattr(engine, "_after_token", buggy)
+    got = []
+    with pytest.raises(RuntimeError, match=r"request 'req-\d+' failed: the engine's step "
+                                           r"failed: KeyError"):
+        got.extend(engine.stream(prompt, params))
+    assert got == ref[:2]
+    monkeypatch.undo()
+    assert list(engine.stream(prompt, params)) == ref  # and a whole one ends quietly
+
+
+def test_a_stream_aborted_by_another_caller_raises_request_aborted(engine):
+    prompt = chat("Tell me a story.")
+    stream = engine.stream(prompt, SamplingParams(max_tokens=50, ignore_eos=True))
+    first = next(stream)
+    (rid,) = engine._requests
+    engine.abort(rid)
+    with pytest.raises(RequestAborted, match=rid):
+        list(stream)
+    assert isinstance(first, int)
+    left = engine.stream(prompt, SamplingParams(max_tokens=50, ignore_eos=True))
+    next(left)
+    left.close()  # the caller stopping reading is no error: its request just ends
+    assert not engine._requests and not engine._results
