@@ -233,7 +233,12 @@ class LLMEngine:
         if prompt and all(isinstance(m, dict) for m in prompt):
             # Message text is data: it cannot forge the template's turn markers.
             return self.tokenizer.encode_chat(prompt)
-        ids = [_token_id(t) for t in prompt]
+        return self._token_ids(prompt)
+
+    def _token_ids(self, items: Sequence[Any]) -> list[int]:
+        """Ints of token ids given by a caller, each checked: a bad one in a step's batch
+        failed every request of the step."""
+        ids = [_token_id(t) for t in items]
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise ValueError(
@@ -322,8 +327,13 @@ class LLMEngine:
                           priority: str = "BE") -> str:
         """Queue the log-likelihood of `continuation` after `prompt`; no token is generated."""
         ids = self.encode_prompt(prompt)
-        cont = (self.tokenizer.encode(continuation) if isinstance(continuation, str)
-                else list(continuation))
+        if isinstance(continuation, str):
+            cont = self.tokenizer.encode(continuation)
+        elif isinstance(continuation, list | tuple):
+            cont = self._token_ids(continuation)
+        else:
+            raise TypeError(f"a continuation is a string or a list of token ids, not "
+                            f"{type(continuation).__name__}")
         if not ids or not cont:
             raise ValueError("scoring needs a non-empty prompt and continuation")
         self._check_fits(len(ids) + len(cont), "prompt plus continuation")
@@ -341,13 +351,13 @@ class LLMEngine:
         """Queue the next-token log-probabilities of `candidate_ids` after `prompt`."""
         ids = self.encode_prompt(prompt)
         self._check_fits(len(ids), "prompt")
-        bad = [t for t in candidate_ids if not 0 <= t < self.config.vocab_size]
-        if not candidate_ids or bad:
-            raise ValueError(f"candidate token ids must be non-empty and in the vocabulary: {bad}")
+        candidate_ids = self._token_ids(candidate_ids)
+        if not candidate_ids:
+            raise ValueError("a choice needs at least one candidate token id")
         req = Request(
             request_id if request_id is not None else f"choice-{next(self._ids)}",
             ids, SamplingParams(max_tokens=1), generate=False, logits_from=len(ids) - 1,
-            candidate_ids=list(candidate_ids), on_finish=on_finish,
+            candidate_ids=candidate_ids, on_finish=on_finish,
         )
         return self._submit(req, priority)
 
@@ -698,6 +708,9 @@ class LLMEngine:
         """Log-likelihood of each continuation after the prompt, computed in one batch.
         RequestAborted, naming it, if one of its requests was aborted (its sum would be of
         the tokens scored so far), RuntimeError if one failed; the others are then aborted."""
+        if isinstance(continuations, str):  # (scored each of its characters)
+            raise TypeError("continuations is a list of strings or of token-id lists, not a "
+                            "string")
         ids: list[str] = []
         collected = 0  # of ids, those whose results were taken
         try:

@@ -205,3 +205,44 @@ def test_a_stream_aborted_by_another_caller_raises_request_aborted(engine):
     next(left)
     left.close()  # the caller stopping reading is no error: its request just ends
     assert not engine._requests and not engine._results
+
+
+@pytest.mark.parametrize(
+    ("continuation", "error", "message"),
+    [
+        ([10**6], ValueError, "token id 1000000 is outside the vocabulary"),
+        ([1.5], TypeError, "token ids must be integers, got 1.5"),
+        (None, TypeError, "a continuation is a string or a list of token ids"),
+    ],
+)
+def test_a_bad_score_continuation_is_refused_before_it_reaches_a_batch(engine, continuation,
+                                                                       error, message):
+    """Continuation ids were not checked: one beyond the vocabulary failed in the model's
+    embedding, and with it every request of that step (the generation beside it here)."""
+    beside = engine.add_request("Hello there", SHORT)
+    with pytest.raises(error, match=message):
+        engine.score("Is water wet?", [continuation])
+    assert engine.wait(beside).finish_reason == "length"
+
+
+def test_score_refuses_a_lone_string_for_its_list_of_continuations(engine):
+    """score(prompt, "Yes") scored "Y", "e" and "s", three numbers for one answer."""
+    with pytest.raises(TypeError, match="continuations is a list"):
+        engine.score("Is water wet?", "Yes")
+    one = engine.score("Is water wet?", ["Yes"])
+    ids = engine.encode_prompt("Is water wet?")
+    cont = engine.tokenizer.encode("Yes")
+    logp = engine.logits(ids + cont)[len(ids) - 1:-1].log_softmax(-1)
+    assert one[0] == pytest.approx(float(logp[torch.arange(len(cont)), cont].sum()), abs=1e-4)
+
+
+@pytest.mark.parametrize(("candidates", "error", "message"), [
+    ([1.5], TypeError, "token ids must be integers, got 1.5"),  # (was a gather() error)
+    ([49152], ValueError, "token id 49152 is outside the vocabulary"),
+    ([], ValueError, "at least one candidate"),
+])
+def test_bad_choice_candidates_are_refused(engine, candidates, error, message):
+    beside = engine.add_request("Hello there", SHORT)
+    with pytest.raises(error, match=message):
+        engine.add_choice_request("Is water wet?", candidates)
+    assert engine.wait(beside).finish_reason == "length"
