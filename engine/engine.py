@@ -98,6 +98,9 @@ class LLMEngine:
         max_context: int | None = None,
     ):
         t0 = time.perf_counter()
+        _check_positive(max_num_batched_tokens=max_num_batched_tokens,
+                        max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens,
+                        block_size=block_size)
         self.model_name = model
         self.device = resolve_device(device)
         self.dtype = _parse_dtype(dtype, self.device)
@@ -837,6 +840,14 @@ def without_partial_char(text: str) -> str:
     """An output cut at max_tokens can end inside a multi-byte character, which decodes to
     U+FFFD: the incomplete tail is dropped (never a whole character)."""
     return text.rstrip("\ufffd")
+
+
+def _check_positive(**limits: int | None) -> None:
+    """Limits of None are defaults; any other must be a positive integer: a step budget or
+    sequence limit of 0 scheduled nothing, and the engine stepped for ever."""
+    for name, v in limits.items():
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
 
 
 def _parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:

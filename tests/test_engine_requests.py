@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from llmdb.engine.engine import LLMEngine
 from llmdb.engine.outputs import RequestAborted
 from llmdb.engine.params import SamplingParams
 
@@ -246,3 +247,15 @@ def test_bad_choice_candidates_are_refused(engine, candidates, error, message):
     with pytest.raises(error, match=message):
         engine.add_choice_request("Is water wet?", candidates)
     assert engine.wait(beside).finish_reason == "length"
+
+
+@pytest.mark.parametrize("limit", [
+    {"max_num_batched_tokens": 0}, {"max_num_batched_tokens": -5}, {"max_num_seqs": 0},
+    {"max_prefill_tokens": -1}, {"block_size": 0}, {"max_num_seqs": 2.5},
+])
+def test_engine_limits_that_could_never_schedule_are_refused_by_name(limit):
+    """A step budget or sequence limit of 0 (or less) scheduled nothing, and generate()
+    looped for ever; block_size=0 was a ZeroDivisionError. Refused before the model loads."""
+    (name, value), = limit.items()
+    with pytest.raises(ValueError, match=rf"^{name} must be a positive integer, got {value}"):
+        LLMEngine("smollm2-135m", dtype="fp32", **limit)
