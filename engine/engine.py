@@ -383,6 +383,7 @@ class LLMEngine:
 
     def step(self) -> list[str]:
         """One scheduler iteration; returns the ids of requests that finished in it."""
+        self._refuse_inside_step("step()")
         with self._step_lock:  # threads that drive the engine themselves take turns
             self._finish_aborted()
             self._step_threads = {threading.get_ident()}
@@ -393,6 +394,13 @@ class LLMEngine:
             finally:
                 self._step_threads = set()
                 self._finish_aborted()
+
+    def _refuse_inside_step(self, what: str) -> None:
+        """A request's callback runs inside a step: waiting there for the engine (a result,
+        another step) waits for itself, for ever."""
+        if threading.get_ident() in self._step_threads:
+            raise RuntimeError(f"{what} was called from inside the engine's step (a "
+                               f"request's callback?), which it would wait for")
 
     def _fail_under_way(self, e: Exception) -> list[str]:
         """A step that raised outside the model's launch and read (which fail their own
@@ -671,6 +679,7 @@ class LLMEngine:
 
         With the background loop running this only waits; without it, the calling thread
         drives the engine."""
+        self._refuse_inside_step("wait()")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._cond:

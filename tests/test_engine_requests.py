@@ -4,6 +4,8 @@ serves the next request as before (the reference: that request's tokens before t
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -259,3 +261,29 @@ def test_engine_limits_that_could_never_schedule_are_refused_by_name(limit):
     (name, value), = limit.items()
     with pytest.raises(ValueError, match=rf"^{name} must be a positive integer, got {value}"):
         LLMEngine("smollm2-135m", dtype="fp32", **limit)
+
+
+def test_a_callback_that_waits_on_the_engine_fails_its_request_instead_of_hanging(engine):
+    """A token callback calling generate() waited for a step that waits for the callback
+    (driven by wait(), on the step lock; in the background loop, for the loop's own
+    thread): for ever. Now that wait raises, so the callback's request ends with the cause,
+    and the engine serves on. (Driven by wait() only: with the loop, the old hang would
+    hang the test's cleanup too.)"""
+    prompt = chat("What is the capital of France?")
+    ref = engine.generate([prompt], SHORT)[0].token_ids
+
+    def waits(token):
+        if token is not None:
+            engine.generate(["Hi"], SamplingParams(max_tokens=2))
+
+    got = []
+    rid = engine.add_request(prompt, SHORT, on_token=waits)
+    caller = threading.Thread(target=lambda: got.append(engine.wait(rid)), daemon=True)
+    caller.start()
+    caller.join(60)
+    assert not caller.is_alive(), "the request's wait() hung"
+    assert got[0].finish_reason == "error"
+    assert "its callback raised RuntimeError: wait() was called from inside" in got[0].error
+    assert engine.generate([prompt], SHORT)[0].token_ids == ref
+    while engine._results:  # (the inner request, aborted: its result cannot be waited for)
+        engine._results.popitem()
