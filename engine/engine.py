@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 import operator
 import os
 import queue
@@ -708,8 +709,10 @@ class LLMEngine:
             for i, (p, sp) in enumerate(zip(prompts, plist, strict=True)):
                 try:
                     ids.append(self.add_request(p, sp))
-                except (ValueError, TypeError) as e:
-                    raise type(e)(f"prompt {i} of {len(prompts)}: {e}") from e
+                except (ValueError, TypeError) as e:  # (of its kind: a subclass's own
+                    # constructor may take other arguments)
+                    kind = TypeError if isinstance(e, TypeError) else ValueError
+                    raise kind(f"prompt {i} of {len(prompts)}: {e}") from e
             for rid in ids:
                 results.append(self.wait(rid))
             return results
@@ -855,7 +858,8 @@ def _check_positive(**limits: int | None) -> None:
     """Limits of None are defaults; any other must be a positive integer: a step budget or
     sequence limit of 0 scheduled nothing, and the engine stepped for ever."""
     for name, v in limits.items():
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+        if v is not None and (not isinstance(v, numbers.Integral) or isinstance(v, bool)
+                              or v < 1):
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
 
 
