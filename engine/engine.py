@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
+import operator
 import os
 import queue
 import random
@@ -97,6 +99,9 @@ class LLMEngine:
         max_context: int | None = None,
     ):
         t0 = time.perf_counter()
+        _check_positive(max_num_batched_tokens=max_num_batched_tokens,
+                        max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens,
+                        block_size=block_size)
         self.model_name = model
         self.device = resolve_device(device)
         self.dtype = _parse_dtype(dtype, self.device)
@@ -226,10 +231,18 @@ class LLMEngine:
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special=True)
+        if not isinstance(prompt, list | tuple):
+            raise TypeError(f"a prompt is a string, a list of token ids or a list of chat "
+                            f"messages (dicts), not {type(prompt).__name__}")
         if prompt and all(isinstance(m, dict) for m in prompt):
             # Message text is data: it cannot forge the template's turn markers.
             return self.tokenizer.encode_chat(prompt)
-        ids = [int(t) for t in prompt]
+        return self._token_ids(prompt)
+
+    def _token_ids(self, items: Sequence[Any]) -> list[int]:
+        """Ints of token ids given by a caller, each checked: a bad one in a step's batch
+        failed every request of the step."""
+        ids = [_token_id(t) for t in items]
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise ValueError(
@@ -272,8 +285,9 @@ class LLMEngine:
         if priority == "RT":
             req.slo_ttft_s, req.slo_tbt_s = self.rt_slos
         with self._cond:
-            if req.request_id in self._requests:
-                raise ValueError(f"request id {req.request_id!r} is already in use")
+            if req.request_id in self._requests or req.request_id in self._results:
+                raise ValueError(f"request id {req.request_id!r} is already in use (by a "
+                                 "request running, or finished and not collected by wait())")
             self._requests[req.request_id] = req
             self.scheduler.add(req)
             self._cond.notify_all()
@@ -291,6 +305,9 @@ class LLMEngine:
         collected with wait()."""
         params = params or SamplingParams()
         params.validate()
+        if params.logprobs is not None and params.logprobs > self.config.vocab_size:
+            raise ValueError(f"logprobs must be at most the vocabulary's "
+                             f"{self.config.vocab_size:,} tokens, got {params.logprobs:,}")
         ids = self.encode_prompt(prompt)
         self._check_fits(len(ids), "prompt")
         if len(ids) >= self.config.max_context:
@@ -314,8 +331,13 @@ class LLMEngine:
                           priority: str = "BE") -> str:
         """Queue the log-likelihood of `continuation` after `prompt`; no token is generated."""
         ids = self.encode_prompt(prompt)
-        cont = (self.tokenizer.encode(continuation) if isinstance(continuation, str)
-                else list(continuation))
+        if isinstance(continuation, str):
+            cont = self.tokenizer.encode(continuation)
+        elif isinstance(continuation, list | tuple):
+            cont = self._token_ids(continuation)
+        else:
+            raise TypeError(f"a continuation is a string or a list of token ids, not "
+                            f"{type(continuation).__name__}")
         if not ids or not cont:
             raise ValueError("scoring needs a non-empty prompt and continuation")
         self._check_fits(len(ids) + len(cont), "prompt plus continuation")
@@ -333,13 +355,13 @@ class LLMEngine:
         """Queue the next-token log-probabilities of `candidate_ids` after `prompt`."""
         ids = self.encode_prompt(prompt)
         self._check_fits(len(ids), "prompt")
-        bad = [t for t in candidate_ids if not 0 <= t < self.config.vocab_size]
-        if not candidate_ids or bad:
-            raise ValueError(f"candidate token ids must be non-empty and in the vocabulary: {bad}")
+        candidate_ids = self._token_ids(candidate_ids)
+        if not candidate_ids:
+            raise ValueError("a choice needs at least one candidate token id")
         req = Request(
             request_id if request_id is not None else f"choice-{next(self._ids)}",
             ids, SamplingParams(max_tokens=1), generate=False, logits_from=len(ids) - 1,
-            candidate_ids=list(candidate_ids), on_finish=on_finish,
+            candidate_ids=candidate_ids, on_finish=on_finish,
         )
         return self._submit(req, priority)
 
@@ -362,14 +384,38 @@ class LLMEngine:
 
     def step(self) -> list[str]:
         """One scheduler iteration; returns the ids of requests that finished in it."""
+        self._refuse_inside_step("step()")
         with self._step_lock:  # threads that drive the engine themselves take turns
             self._finish_aborted()
             self._step_threads = {threading.get_ident()}
             try:
                 return run_on_device(self.device, self._step)
+            except Exception as e:  # noqa: BLE001 (a bug, see _fail_under_way)
+                return self._fail_under_way(e)
             finally:
                 self._step_threads = set()
                 self._finish_aborted()
+
+    def _refuse_inside_step(self, what: str) -> None:
+        """A request's callback runs inside a step: waiting there for the engine (a result,
+        another step) waits for itself, for ever."""
+        if threading.get_ident() in self._step_threads:
+            raise RuntimeError(f"{what} was called from inside the engine's step (a "
+                               f"request's callback?), which it would wait for")
+
+    def _fail_under_way(self, e: Exception) -> list[str]:
+        """A step that raised outside the model's launch and read (which fail their own
+        requests) fails every request under way, not the engine. Raised instead, it left its
+        step in flight: each later step read it again and raised the same, and their waiters
+        (or the background loop's) never got an answer."""
+        log.exception("the engine's step failed; the requests under way fail")
+        with self._cond:
+            self._in_flight = None
+            failed = list(self._requests.values())
+            for req in failed:
+                self._finish(req, "error",
+                             error=f"the engine's step failed: {type(e).__name__}: {e}")
+        return [req.request_id for req in failed]
 
     def _step(self) -> list[str]:
         """Schedule, launch, then read the step before: with launch-ahead on (GPUs) the
@@ -634,6 +680,7 @@ class LLMEngine:
 
         With the background loop running this only waits; without it, the calling thread
         drives the engine."""
+        self._refuse_inside_step("wait()")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._cond:
@@ -651,14 +698,34 @@ class LLMEngine:
 
     def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams] | None
                  = None) -> list[RequestResult]:
+        """One result per prompt, in order. A prompt or params refused raises naming the
+        prompt's index, and the prompts queued before it are aborted."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
-        return [self.wait(i) for i in ids]
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        ids: list[str] = []
+        results: list[RequestResult] = []
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, plist, strict=True)):
+                try:
+                    ids.append(self.add_request(p, sp))
+                except (ValueError, TypeError) as e:  # (of its kind: a subclass's own
+                    # constructor may take other arguments)
+                    kind = TypeError if isinstance(e, TypeError) else ValueError
+                    raise kind(f"prompt {i} of {len(prompts)}: {e}") from e
+            for rid in ids:
+                results.append(self.wait(rid))
+            return results
+        finally:
+            self._drop(ids[len(results):])
 
     def score(self, prompt: Prompt, continuations: list[str | list[int]]) -> list[float]:
         """Log-likelihood of each continuation after the prompt, computed in one batch.
         RequestAborted, naming it, if one of its requests was aborted (its sum would be of
         the tokens scored so far), RuntimeError if one failed; the others are then aborted."""
+        if isinstance(continuations, str):  # (scored each of its characters)
+            raise TypeError("continuations is a list of strings or of token-id lists, not a "
+                            "string")
         ids: list[str] = []
         collected = 0  # of ids, those whose results were taken
         try:
@@ -675,9 +742,14 @@ class LLMEngine:
                 scores.append(result.score)
             return scores
         finally:
-            for rid in ids[collected:]:  # (nothing of a failed call stays in the engine)
-                self.abort(rid)
-                self.wait(rid)
+            self._drop(ids[collected:])
+
+    def _drop(self, request_ids: list[str]) -> None:
+        """Abort these requests and discard their results: what a call that raised had
+        queued, so that nothing of it runs on or stays in the engine."""
+        self.abort(*request_ids)
+        for rid in request_ids:
+            self.wait(rid)
 
     def logits(self, token_ids: list[int], request_id: str | None = None) -> torch.Tensor:
         """Teacher-forced next-token logits [len, vocab] in fp32, through the paged path.
@@ -698,7 +770,9 @@ class LLMEngine:
         return run_on_compute_thread(torch.cat, result.logit_rows)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[int]:
-        """Token ids as they are generated."""
+        """Token ids as they are generated. RuntimeError, naming the request, if it failed
+        on the way, RequestAborted if another caller aborted it: without them a stream cut
+        short looked like a whole answer."""
         tokens: queue.SimpleQueue = queue.SimpleQueue()
         rid = self.add_request(prompt, params, on_token=tokens.put)
         try:
@@ -708,12 +782,16 @@ class LLMEngine:
                         self.step()
                 tok = tokens.get()
                 if tok is None:
-                    return
+                    break
                 yield tok
-        finally:
+        finally:  # (also when the caller stops reading: the request is aborted)
             self.abort(rid)
             with self._cond:
-                self._results.pop(rid, None)
+                result = self._results.pop(rid, None)
+        if result is not None and result.finish_reason == "error":
+            raise RuntimeError(f"request {rid!r} failed: {result.error}")
+        if result is not None and result.finish_reason == "abort":
+            raise RequestAborted(rid)
 
     # ---- background loop -----------------------------------------------------------------
 
@@ -745,16 +823,7 @@ class LLMEngine:
                     self._cond.wait()
                 if self._stopping:
                     return
-            try:
-                self.step()
-            except Exception as e:  # noqa: BLE001 (a bug: without this the thread died
-                # silently and every caller of wait() waited for ever)
-                log.exception("the engine's step failed; the requests under way fail")
-                with self._cond:
-                    self._in_flight = None
-                    for req in list(self._requests.values()):
-                        self._finish(req, "error", error=f"the engine's step failed: "
-                                     f"{type(e).__name__}: {e}")
+            self.step()  # (a step that fails ends its requests, not this thread)
 
 
 @dataclass
@@ -768,10 +837,30 @@ class _InFlight:
     preemptions: list[int]
 
 
+def _token_id(t: Any) -> int:
+    """An int of an integer (numpy's and 0-d torch tensors' too); never of a float (int()
+    made 1.5 token 1) or a chat message in a list of ids."""
+    try:
+        return operator.index(t)
+    except TypeError:
+        what = "a chat message" if isinstance(t, dict) else repr(t)
+        raise TypeError(f"a prompt's token ids must be integers, got {what} (a chat prompt "
+                        f"is a list of messages only)") from None
+
+
 def without_partial_char(text: str) -> str:
     """An output cut at max_tokens can end inside a multi-byte character, which decodes to
     U+FFFD: the incomplete tail is dropped (never a whole character)."""
     return text.rstrip("\ufffd")
+
+
+def _check_positive(**limits: int | None) -> None:
+    """Limits of None are defaults; any other must be a positive integer: a step budget or
+    sequence limit of 0 scheduled nothing, and the engine stepped for ever."""
+    for name, v in limits.items():
+        if v is not None and (not isinstance(v, numbers.Integral) or isinstance(v, bool)
+                              or v < 1):
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
 
 
 def _parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:

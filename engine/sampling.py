@@ -60,7 +60,9 @@ def _sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.T
                  top_k: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """Tokens [N] for fp32 logits [N, V] with per-row temperature (> 0), top-p, top-k
     (0 = no limit) and noise keys."""
-    scaled = logits / temperature[:, None]
+    # Shifted so that the top logit is 0 first: a tiny temperature then sends the others
+    # to -inf, not every positive logit to +inf (a random draw among them, NaN probabilities).
+    scaled = (logits - logits.max(-1, keepdim=True).values) / temperature[:, None]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     vocab = scaled.shape[-1]
     rank = torch.arange(vocab, device=scaled.device)[None, :]
