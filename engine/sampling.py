@@ -6,6 +6,12 @@ the state of a generator. So one request's draw depends on nothing else in its b
 preempted request draws the same tokens again, the whole batch is drawn with a few tensor
 ops (no per-row generator, no host round trip), and the CPU and the GPU draw the same token
 from the same logits. Top-k and top-p are masks on the sorted logits before the argmax.
+
+Only the tokens that can win are sorted and given noise. The noise is bounded (G_MIN, G_MAX
+below), so a token whose scaled logit is more than G_MAX below the top token's score can never
+beat it; on SmolLM2's logits at T = 0.7 that leaves a few hundred of 49,152 tokens. Sorting and
+hashing the whole vocabulary for every drawn row made a sampled step 4x the cost of a greedy one
+on the CPU.
 """
 
 from __future__ import annotations
@@ -48,32 +54,92 @@ def _mix_tensor(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[N, vocab] standard Gumbel noise, a pure function of each row's key and the token id."""
-    ids = torch.arange(vocab, device=keys.device, dtype=torch.int64)
-    h = _mix_tensor(keys[:, None] ^ _mix_tensor(ids)[None, :])
+def gumbel_noise(keys: torch.Tensor, token_ids: torch.Tensor | int) -> torch.Tensor:
+    """Standard Gumbel noise, a pure function of each row's key and the token id: [N, vocab]
+    for token_ids = vocab (every id), else of the same shape as token_ids [N, W]."""
+    if isinstance(token_ids, int):
+        token_ids = torch.arange(token_ids, device=keys.device, dtype=torch.int64)[None, :]
+    h = _mix_tensor(keys[:, None] ^ _mix_tensor(token_ids))
     u = ((h >> 8).to(torch.float32) + 0.5) * 2.0**-24  # 24 bits: uniform in (0, 1)
+    # The top value, (2**24 - 0.5) / 2**24, rounds to 1.0 in fp32: noise +inf, a token that
+    # won whatever its probability. It is taken as the fp32 below 1.
+    u = u.clamp_(max=_U_MAX)
     return -torch.log(-torch.log(u))
 
 
-def _sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-                 top_k: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Tokens [N] for fp32 logits [N, V] with per-row temperature (> 0), top-p, top-k
-    (0 = no limit) and noise keys."""
+_U_MAX = 1.0 - 2.0**-24  # the largest fp32 below 1
+# The largest noise, as gumbel_noise computes it (about 15.94).
+G_MAX = float(-torch.log(-torch.log(torch.tensor(_U_MAX))))
+# Slack for the rounding of the scores compared with these bounds: a token kept for nothing
+# costs nothing, one left out could have won.
+_BOUND_SLACK = 1e-3
+# Past this share of the vocabulary in reach of winning (a high temperature, flat logits),
+# the rows are sorted whole.
+_WHOLE_SORT_SHARE = 0.25
+
+
+def _sample_rows(logits: torch.Tensor, top: torch.Tensor, top_ids: torch.Tensor,
+                 params: list[SamplingParams], keys: torch.Tensor) -> torch.Tensor:
+    """Tokens [N] for fp32 logits [N, V] (top: their row maxima, top_ids: its ids) drawn with
+    params (temperature > 0) and noise keys: the argmax of the scaled logits plus noise over
+    the tokens that top-k and top-p keep.
+
+    On the CPU a row sorts and hashes only its top W tokens by logit: its top-k, or without
+    one the tokens in reach of winning, those with a scaled logit of at least s0 - G_MAX,
+    s0 being the top token's score (its noise: its scaled logit is 0). Top-k and top-p keep
+    either only tokens among those, or all of them (a prefix of the sorted order), the top
+    token included; the winner then scores at least s0, which no token out of reach can.
+    So the top W hold the winner, and top-p's cumulative sums over them are those of the
+    whole sort. Rows with most of the vocabulary in reach (a high temperature, flat logits)
+    are sorted whole. (On a GPU every row is: the sort is cheap there, and counting the
+    reach would cost a host sync.)"""
+    vocab = logits.shape[-1]
+    temperature = to_device([p.temperature for p in params], logits.device)
     # Shifted so that the top logit is 0 first: a tiny temperature then sends the others
     # to -inf, not every positive logit to +inf (a random draw among them, NaN probabilities).
-    scaled = (logits - logits.max(-1, keepdim=True).values) / temperature[:, None]
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    vocab = scaled.shape[-1]
-    rank = torch.arange(vocab, device=scaled.device)[None, :]
+    scaled = (logits - top[:, None]) / temperature[:, None]
+    if logits.device.type != "cpu":
+        return _draw(scaled, params, keys, vocab)
+    top_noise = gumbel_noise(keys, top_ids[:, None])[:, 0]
+    reach = (scaled >= (top_noise - G_MAX - _BOUND_SLACK)[:, None]).sum(-1)
+    top_k = torch.tensor([p.top_k for p in params])
+    width = torch.where(top_k > 0, top_k.clamp(max=vocab), reach)
+    pruned = width <= vocab * _WHOLE_SORT_SHARE
+    if bool(pruned.all()):
+        return _draw(scaled, params, keys, int(width.max()))
+    tokens = torch.empty(len(params), dtype=torch.int64)
+    for rows in (pruned, ~pruned):
+        r = rows.nonzero()[:, 0]
+        if len(r):
+            w = int(width[r].max()) if rows is pruned else vocab
+            tokens[r] = _draw(scaled[r], [params[i] for i in r.tolist()], keys[r], w)
+    return tokens
+
+
+def _draw(scaled: torch.Tensor, params: list[SamplingParams], keys: torch.Tensor,
+          width: int) -> torch.Tensor:
+    """_sample_rows' draw from scaled logits [N, V] over each row's top `width` tokens."""
+    dev, vocab = scaled.device, scaled.shape[-1]
+    top_p = to_device([p.top_p for p in params], dev)
+    top_k = to_device([p.top_k for p in params], dev)
+    vals, ids = scaled.topk(width, dim=-1)  # sorted, largest first
+    rank = torch.arange(width, device=dev)[None, :]
     k = torch.where(top_k > 0, top_k, vocab)
     drop = rank >= k[:, None]
-    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
-    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-    drop |= probs.cumsum(-1) - probs >= top_p[:, None]
-    noise = gumbel_noise(keys, vocab).gather(1, order)  # tied to token ids, not ranks
-    pick = (sorted_logits + noise).masked_fill(drop, float("-inf")).argmax(-1)
-    return order.gather(1, pick[:, None])[:, 0]
+    if any(p.top_p < 1.0 for p in params):
+        # top-p's probabilities, over what top-k keeps (the whole row without it). A row's
+        # mass is a cumulative sum, the same whatever the batch's width.
+        exp = vals.exp()
+        mass = exp.cumsum(-1).gather(1, (k.clamp(max=width) - 1)[:, None])[:, 0]
+        if width < vocab and any(p.top_p < 1.0 and not p.top_k for p in params):
+            mass = torch.where(top_k > 0, mass, scaled.exp().sum(-1))
+        probs = exp.masked_fill(drop, 0.0) / mass[:, None]
+        # The smallest prefix whose mass reaches top_p (the first token always stays); a
+        # top_p of 1 keeps every token (its sums could round up to 1 before the last).
+        drop |= (probs.cumsum(-1) - probs >= top_p[:, None]) & (top_p < 1.0)[:, None]
+    noise = gumbel_noise(keys, ids)  # tied to token ids, not ranks
+    pick = (vals + noise).masked_fill(drop, float("-inf")).argmax(-1)
+    return ids.gather(1, pick[:, None])[:, 0]
 
 
 def sample(logits: torch.Tensor, drawn: list[int], params: list[SamplingParams],
@@ -81,18 +147,13 @@ def sample(logits: torch.Tensor, drawn: list[int], params: list[SamplingParams],
     """Tokens [N] (on logits' device) for rows of logits [N, vocab]: the argmax (greedy,
     exact in any dtype) except rows drawn[j], drawn with params[j] and noise key keys[j]
     (row_key)."""
-    tokens = logits.max(-1).indices  # on the CPU 3x faster than argmax on bf16, same ids
+    top, tokens = logits.max(-1)  # on the CPU 3x faster than argmax on bf16, same ids
     if not drawn:
         return tokens
-    dev = logits.device
-    idx = to_device(drawn, dev)
-    picked = _sample_rows(
-        logits.index_select(0, idx).float(),
-        to_device([p.temperature for p in params], dev),
-        to_device([p.top_p for p in params], dev),
-        to_device([p.top_k for p in params], dev),
-        to_device(keys, dev, torch.int64),
-    )
+    idx = to_device(drawn, logits.device)
+    picked = _sample_rows(logits.index_select(0, idx).float(), top.index_select(0, idx).float(),
+                          tokens.index_select(0, idx), params,
+                          to_device(keys, logits.device, torch.int64))
     return tokens.index_copy(0, idx, picked)
 
 
