@@ -278,7 +278,7 @@ class LLMEngine:
         return (f"the context of {ctx:,} served (LLMEngine(max_context=...) serves up to the "
                 f"model's {self.model_context:,})")
 
-    def _submit(self, req: Request, priority: str) -> str:
+    def _submit(self, req: Request, priority: str, watch: StopStringWatch | None = None) -> str:
         if priority not in ("RT", "BE"):
             raise ValueError(f"priority must be 'RT' or 'BE', got {priority!r}")
         req.priority = priority
@@ -289,6 +289,8 @@ class LLMEngine:
                 raise ValueError(f"request id {req.request_id!r} is already in use (by a "
                                  "request running, or finished and not collected by wait())")
             self._requests[req.request_id] = req
+            if watch is not None:  # (before its first step: it has seen resumed text)
+                self._stop_watches[req.request_id] = watch
             self.scheduler.add(req)
             self._cond.notify_all()
         return req.request_id
@@ -298,11 +300,18 @@ class LLMEngine:
         on_token: Callable[[int | None], None] | None = None,
         on_finish: Callable[[str], None] | None = None, priority: str = "BE",
         on_logprobs: Callable[[tuple[float, dict[int, float]]], None] | None = None,
+        resume_from: Sequence[int] = (),
     ) -> str:
         """Queue a generation; `on_token(token_id | None)` streams tokens, None at the end;
         `on_logprobs((logprob, top logprobs))` each token's, just before on_token gets it
         (with params.logprobs set); `on_finish(request_id)` is called once its result can be
-        collected with wait()."""
+        collected with wait().
+
+        resume_from: tokens an earlier run of this same request generated (output_so_far()
+        of one that was cut short): they are computed as prompt and the request goes on
+        after them, as a preempted request does, so its result (text, token_ids) is the
+        uninterrupted run's; seeded draws too, since a draw's noise depends on its index.
+        They count against max_tokens, not as generated tokens, and are not streamed."""
         params = params or SamplingParams()
         params.validate()
         if params.logprobs is not None and params.logprobs > self.config.vocab_size:
@@ -310,9 +319,11 @@ class LLMEngine:
                              f"{self.config.vocab_size:,} tokens, got {params.logprobs:,}")
         ids = self.encode_prompt(prompt)
         self._check_fits(len(ids), "prompt")
-        if len(ids) >= self.config.max_context:
+        resumed = self._resumed_tokens(resume_from, params)
+        if len(ids) + len(resumed) >= self.config.max_context:
+            what = "prompt" if not resumed else "prompt plus resume_from"
             raise ValueError(
-                f"prompt is {len(ids):,} tokens: no room to generate in "
+                f"{what} is {len(ids) + len(resumed):,} tokens: no room to generate in "
                 f"{self._context_served()}"
             )
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
@@ -321,9 +332,34 @@ class LLMEngine:
         req = Request(
             request_id if request_id is not None else f"req-{next(self._ids)}",
             ids, params, seed=seed, callbacks=[on_token] if on_token else [],
-            on_finish=on_finish, on_logprobs=on_logprobs,
+            on_finish=on_finish, on_logprobs=on_logprobs, output_ids=resumed,
+            num_resumed=len(resumed),
         )
-        return self._submit(req, priority)
+        watch = None
+        if resumed and params.stop:
+            watch = StopStringWatch(self.tokenizer.decode, params.stop)
+            if any(watch.add(t) for t in resumed):
+                raise ValueError("resume_from's text holds a stop string: that run had ended")
+        return self._submit(req, priority, watch)
+
+    def _resumed_tokens(self, resume_from: Sequence[int], params: SamplingParams) -> list[int]:
+        """resume_from checked: tokens a run of this request could have generated without
+        ending."""
+        if isinstance(resume_from, str | bytes):
+            raise TypeError("resume_from is a list of token ids, not text")
+        resumed = self._token_ids(resume_from)
+        if not resumed:
+            return resumed
+        if params.logprobs is not None:
+            raise ValueError("resume_from cannot be combined with logprobs: the resumed "
+                             "tokens' log-probabilities are not known")
+        if len(resumed) >= params.max_tokens:
+            raise ValueError(f"resume_from holds {len(resumed):,} tokens: nothing is left "
+                             f"to generate within max_tokens={params.max_tokens:,}")
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self._eos))
+        if stops & set(resumed):
+            raise ValueError("resume_from holds a stop token: that run had ended")
+        return resumed
 
     def add_score_request(self, prompt: Prompt, continuation: str | list[int],
                           request_id: str | None = None,
@@ -607,7 +643,8 @@ class LLMEngine:
             finish_reason=req.finish_reason,
             usage=Usage(
                 prompt_tokens=len(req.prompt_ids),
-                generated_tokens=len(out),
+                generated_tokens=len(out) - req.num_resumed,
+                resumed_tokens=req.num_resumed,
                 cached_tokens=req.num_cached_tokens or 0,
                 ttft_s=req.first_token_time - req.arrival if req.first_token_time else None,
                 total_s=req.finish_time - req.arrival,
@@ -674,6 +711,16 @@ class LLMEngine:
             return len(req.output_ids) - (req.output_ids[-1:] == [PENDING_TOKEN])
         done = self._results.get(request_id)  # finished, not yet collected
         return len(done.token_ids) if done is not None else 0
+
+    def output_so_far(self, request_id: str) -> list[int]:
+        """The tokens a request has generated so far ([] once collected): what add_request's
+        resume_from takes to go on from here in another run."""
+        req = self._requests.get(request_id)
+        if req is not None:
+            out = list(req.output_ids)  # (one copy: the step thread appends to it)
+            return out[:-1] if out[-1:] == [PENDING_TOKEN] else out
+        done = self._results.get(request_id)  # finished, not yet collected
+        return list(done.token_ids) if done is not None else []
 
     def wait(self, request_id: str, timeout: float | None = None) -> RequestResult | None:
         """The request's result (removed from the engine), or None if not done in `timeout`.

@@ -23,6 +23,7 @@ class Usage:
     prompt_tokens: int
     generated_tokens: int
     cached_tokens: int = 0
+    resumed_tokens: int = 0  # output given by add_request's resume_from, not generated here
     ttft_s: float | None = None  # submit -> first generated token
     total_s: float | None = None  # submit -> finish
 

@@ -5,6 +5,11 @@ one per label) whose results `combine` into the row's value. Rows with the same 
 computed once: within the batch, across batches through the result cache, and across threads
 and connections through the in-flight table (a second caller waits for the first). The
 caller's thread waits in slices of at most 100 ms so that a cancelled query stops promptly.
+
+A job that is killed resumes: each row's answer is cached as it completes, and the rows in
+flight save the tokens they have generated (every CHECKPOINT_EVERY_S, and at once when the
+query is cancelled or fails), which the rerun's requests go on from (resume_from). Without
+that a rerun gained little: the engine runs a batch's rows together, so they finish together.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .backends import Backend, BackendResult, GenerationRequest, ModelRequest
@@ -21,6 +26,10 @@ from .session import QueryCancelled, Session, Stats
 
 WAIT_SLICE_S = 0.1
 PROGRESS_EVERY_S = 0.5  # how often rows in flight report their tokens to the progress bar
+# How often rows in flight save their tokens so far: what a job killed outright (no chance to
+# save them then) loses at most. A save reads a few hundred short lists and writes them in one
+# SQLite transaction: milliseconds.
+CHECKPOINT_EVERY_S = 10.0
 
 
 class LLMError(ValueError):
@@ -54,6 +63,11 @@ _inflight: dict[str, _Pending] = {}
 _inflight_lock = threading.Lock()
 
 
+def partial_key(key: str) -> str:
+    """The result-cache entry of a call's tokens so far: [token ids or None] per request."""
+    return f"{key}:partial"
+
+
 def describe_row(function: str, row: str, cause: str) -> str:
     """The error naming the row by its prompt: a long one by its start and its end, where a
     template's shared instruction comes first and the row's own value usually last."""
@@ -75,6 +89,9 @@ class _Batch:
         self.owned: dict[int, _Pending] = {}  # keyed calls this batch computes for others
         self.foreign: dict[int, _Pending] = {}  # keyed calls another caller computes
         self.next_progress = 0.0
+        self.next_checkpoint = time.perf_counter() + CHECKPOINT_EVERY_S
+        self.resume: dict[int, list[list[int] | None]] = {}  # call -> tokens to go on from
+        self.saved: dict[int, int] = {}  # call -> tokens its cached partial entry holds
 
     # ---- planning ------------------------------------------------------------------------
 
@@ -118,7 +135,20 @@ class _Batch:
                     self.foreign[i] = pending
                     continue
             todo.append(i)
+        self.load_partials(todo)
         return todo, copies
+
+    def load_partials(self, todo: list[int]) -> None:
+        """The tokens an earlier run of these calls saved (see checkpoint)."""
+        keys = {partial_key(self.calls[i].key): i for i in todo
+                if self.calls[i].key is not None
+                and any(isinstance(r, GenerationRequest) for r in self.calls[i].requests)}
+        if self.cache is None or not keys:
+            return
+        for k, outs in self.cache.get_many(list(keys)).items():
+            i = keys[k]
+            self.resume[i] = outs
+            self.saved[i] = sum(len(o) for o in outs if o)
 
     # ---- computing -----------------------------------------------------------------------
 
@@ -126,9 +156,18 @@ class _Batch:
         call = self.calls[i]
         self.stats.model_rows += self.as_rows
         self.handles[i], self.parts[i] = [], [None] * len(call.requests)
+        resume = self.resume.pop(i, None) or []
         for j, req in enumerate(call.requests):
+            done = lambda i=i, j=j: self.done_q.put((i, j))  # noqa: E731
             try:
-                h = self.backend.submit(req, lambda i=i, j=j: self.done_q.put((i, j)))
+                tokens = resume[j] if j < len(resume) else None
+                if tokens and isinstance(req, GenerationRequest):
+                    try:
+                        h = self.backend.submit(replace(req, resume_from=tuple(tokens)), done)
+                    except ValueError:  # (tokens this backend no longer takes: start over)
+                        h = self.backend.submit(req, done)
+                else:
+                    h = self.backend.submit(req, done)
             except ValueError as e:
                 self.fail(i, str(e))
                 return
@@ -150,6 +189,8 @@ class _Batch:
         call = self.calls[i]
         if outcome.error is None and self.cache is not None and call.key is not None:
             self.cache.put(call.key, outcome.value)  # now, not at the end of the batch
+            if self.saved.pop(i, None) is not None:
+                self.cache.delete(partial_key(call.key))
         if outcome.error is None:
             self.session.note_answer(call.key, outcome.value)
             self.release(i, outcome)
@@ -183,6 +224,7 @@ class _Batch:
         self.stats.prompt_tokens += res.prompt_tokens
         self.stats.generated_tokens += res.generated_tokens
         self.stats.cached_tokens += res.cached_tokens
+        self.stats.resumed_tokens += res.resumed_tokens
         if res.finish_reason in ("error", "abort"):
             self.fail(i, res.error or "the request was aborted")
             return
@@ -199,6 +241,7 @@ class _Batch:
             del self.foreign[i]
             if pending.outcome is None:  # its owner was cancelled: compute it here
                 self.session.progress_add(1)
+                self.load_partials([i])
                 self.submit(i)
             elif pending.outcome.error is not None:
                 self.settle(i, pending.outcome)
@@ -225,6 +268,26 @@ class _Batch:
             if budget:
                 partial += min(1.0, generated / budget)
         self.session.progress_partial(partial)
+
+    def checkpoint(self) -> None:
+        """Save the tokens of the generations in flight that have grown since their last
+        save, under partial_key, for a rerun to go on from."""
+        self.next_checkpoint = time.perf_counter() + CHECKPOINT_EVERY_S
+        if self.cache is None:
+            return
+        items = []
+        for i, handles in list(self.handles.items()):
+            call = self.calls[i]
+            if call.key is None:
+                continue
+            outs = [self.backend.output_so_far(h) if isinstance(r, GenerationRequest) else None
+                    for r, h in zip(call.requests, handles, strict=False)]
+            total = sum(len(o) for o in outs if o)
+            if total > self.saved.get(i, 0):
+                self.saved[i] = total
+                items.append((partial_key(call.key), outs))
+        if items:
+            self.cache.put_many(items)
 
     def keep_finished(self) -> None:
         """Settle the requests that came back before the batch was left early (a row failed
@@ -260,14 +323,16 @@ class _Batch:
                 try:
                     i, j = self.done_q.get(timeout=WAIT_SLICE_S)
                 except queue.Empty:
-                    self.check_foreign()
-                    self.report_progress()
-                    continue
-                self.on_part_done(i, j)
+                    pass
+                else:
+                    self.on_part_done(i, j)
                 self.check_foreign()
                 self.report_progress()
+                if time.perf_counter() >= self.next_checkpoint:
+                    self.checkpoint()
         except (LLMError, QueryCancelled):
             self.keep_finished()
+            self.checkpoint()
             raise
         finally:
             self.abort_all()  # a no-op unless the batch is being left early

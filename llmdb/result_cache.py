@@ -73,14 +73,31 @@ class ResultCache:
         return found
 
     def put(self, key: str, value: Any) -> None:
-        blob = json.dumps(value, separators=(",", ":"))
+        self.put_many([(key, value)])
+
+    def put_many(self, items: list[tuple[str, Any]]) -> None:
+        """Store these (key, value) pairs, in one transaction."""
+        now = time.time()
+        rows = []
+        for key, value in items:
+            blob = json.dumps(value, separators=(",", ":"))
+            rows.append((key, blob, len(blob) + len(key), now))
         with self._lock:
-            self._db.execute(
-                "INSERT OR REPLACE INTO results (key, value, size, last_used) VALUES (?,?,?,?)",
-                (key, blob, len(blob) + len(key), time.time()))
-            self._writes_since_trim += 1
+            self._db.execute("BEGIN")  # (autocommit otherwise: a commit per row)
+            try:
+                self._db.executemany("INSERT OR REPLACE INTO results (key, value, size, "
+                                     "last_used) VALUES (?,?,?,?)", rows)
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+            self._writes_since_trim += len(rows)
             if self._writes_since_trim >= 256:
                 self._trim()
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM results WHERE key = ?", (key,))
 
     def _trim(self) -> None:
         """Evict least recently used entries until the total is under 90% of the limit."""

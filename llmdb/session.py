@@ -114,6 +114,8 @@ class Stats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served by the engine's prefix cache
+    # Answer tokens an earlier, cut-short run generated, that this one went on from.
+    resumed_tokens: int = 0
     engine_s: float = 0.0  # wall time spent waiting for the model
 
     def add(self, other: Stats) -> None:

@@ -136,13 +136,15 @@ def test_interrupt_in_process_then_both_query_paths_work(eng):
 RESUME_CHILD = """
 import json, sys
 import llmdb
-n, max_num_seqs, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+from llmdb import batch
+n, max_num_seqs, path, max_tokens = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+batch.CHECKPOINT_EVERY_S = float(sys.argv[5])
 engine_options = {"max_num_seqs": max_num_seqs} if max_num_seqs else {}
 con = llmdb.connect(cache_path=path, **engine_options)
 print("START", flush=True)
 rows = con.execute(
     "SELECT i, llm_complete('Write one sentence about the number ' || i || '.', "
-    f"max_tokens := 16) AS c FROM range({n}) t(i) ORDER BY i").fetchall()
+    f"max_tokens := {max_tokens}) AS c FROM range({n}) t(i) ORDER BY i").fetchall()
 print("RESULT", json.dumps({"stats": con.stats()["total"], "rows": rows}))
 """
 
@@ -158,7 +160,7 @@ def test_sigkill_mid_query_then_rerun_computes_only_missing_rows(tmp_path):
     n = 60
     path = tmp_path / "results.sqlite"
     # Four rows at a time, so that completed rows reach the cache in small waves.
-    proc = start_child(RESUME_CHILD, tmp_path, str(n), "4", str(path))
+    proc = start_child(RESUME_CHILD, tmp_path, str(n), "4", str(path), "16", "1000")
     try:
         assert proc.stdout.readline().strip() == "START"
         deadline = time.monotonic() + 90
@@ -174,12 +176,91 @@ def test_sigkill_mid_query_then_rerun_computes_only_missing_rows(tmp_path):
     before = cache_entries(path)
     assert 10 <= before < n, f"{before} entries: the kill did not land mid-query"
 
-    out = child_result(run_child(RESUME_CHILD, tmp_path, str(n), "0", str(path)))
+    out = child_result(run_child(RESUME_CHILD, tmp_path, str(n), "0", str(path), "16", "1000"))
     assert [r[0] for r in out["rows"]] == list(range(n)), "rows were lost"
     assert all(isinstance(r[1], str) for r in out["rows"])
     assert out["stats"]["cache_hits"] == before
     assert out["stats"]["calls"] == n - before
     assert cache_entries(path) == n
+
+
+def _partials(path: Path) -> dict[str, list]:
+    db = sqlite3.connect(path, timeout=30)
+    try:
+        rows = db.execute("SELECT key, value FROM results WHERE key LIKE '%:partial'")
+        return {k: json.loads(v) for k, v in rows.fetchall()}
+    finally:
+        db.close()
+
+
+def test_a_cancelled_query_saves_its_rows_tokens_and_the_rerun_goes_on_from_them(eng, tmp_path):
+    """No row of a batch had finished when the query was cancelled: the rerun still pays only
+    for the tokens the first run did not generate, and answers as an uninterrupted run."""
+    query = long_query(6).replace("max_tokens := 64", "max_tokens := 24")
+    fresh = llmdb.connect(cache=False)
+    expected = fresh.execute(query).fetchall()
+    full = fresh.stats()["last_query"]
+    fresh.close()
+
+    path = tmp_path / "results.sqlite"
+    con = llmdb.connect(cache_path=path)
+
+    def interrupt_part_way():
+        while not any(len(r.output_ids) >= 8 for r in list(eng._requests.values())):
+            time.sleep(0.005)
+        con.interrupt()
+
+    interrupter = threading.Thread(target=interrupt_part_way)
+    interrupter.start()
+    with pytest.raises(llmdb.QueryCancelled):
+        con.execute(query).fetchall()
+    interrupter.join()
+    saved = _partials(path)
+    assert cache_entries(path) == len(saved) == 6, "a row finished, or one saved nothing"
+    assert all(5 <= len(outs[0]) < 24 for outs in saved.values()), saved
+
+    assert con.execute(query).fetchall() == expected
+    rerun = con.stats()["last_query"]
+    assert rerun["calls"] == 6 and rerun["cache_hits"] == 0
+    assert rerun["resumed_tokens"] == sum(len(outs[0]) for outs in saved.values())
+    assert rerun["generated_tokens"] + rerun["resumed_tokens"] == full["generated_tokens"]
+    assert not _partials(path), "the answers' partial entries were left behind"
+    assert cache_entries(path) == 6
+    con.close()
+
+
+def test_sigkill_before_any_row_finished_then_rerun_goes_on_from_the_saved_tokens(tmp_path):
+    """All rows run together and none has finished when the process is killed outright:
+    what the last checkpoint saved is not paid for again."""
+    n, max_tokens = 16, 48
+    path = tmp_path / "results.sqlite"
+    proc = start_child(RESUME_CHILD, tmp_path, str(n), "0", str(path), str(max_tokens), "0.2")
+    try:
+        assert proc.stdout.readline().strip() == "START"
+        deadline = time.monotonic() + 90
+        saved: dict[str, list] = {}
+        while len(saved) < n or min(len(outs[0]) for outs in saved.values()) < 4:
+            assert proc.poll() is None, "the child ended before it was killed"
+            assert time.monotonic() < deadline, "no tokens were saved"
+            time.sleep(0.02)
+            try:
+                saved = _partials(path) if path.exists() else {}
+            except sqlite3.OperationalError:  # the child has not created the table yet
+                pass
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    saved = _partials(path)
+    assert cache_entries(path) == len(saved) == n, "rows finished before the kill"
+
+    out = child_result(run_child(RESUME_CHILD, tmp_path, str(n), "0", str(path),
+                                 str(max_tokens), "1000"))
+    assert [r[0] for r in out["rows"]] == list(range(n)), "rows were lost"
+    assert all(isinstance(r[1], str) and r[1] for r in out["rows"])
+    assert out["stats"]["calls"] == n and out["stats"]["cache_hits"] == 0
+    assert out["stats"]["resumed_tokens"] == sum(len(outs[0]) for outs in saved.values())
+    assert not _partials(path) and cache_entries(path) == n
 
 
 def test_ctrl_c_in_the_cli_exits_130_with_a_message(tmp_path):

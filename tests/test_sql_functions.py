@@ -24,7 +24,8 @@ from .sql_support import chat, column, last_query, register_rows, rendered
 pytestmark = pytest.mark.usefixtures("eng", "own_cache_dir")
 
 STATS_FIELDS = {"rows", "calls", "calibration_calls", "model_rows", "cache_hits", "dedup_hits",
-                "errors", "prompt_tokens", "generated_tokens", "cached_tokens", "engine_s"}
+                "errors", "prompt_tokens", "generated_tokens", "cached_tokens", "resumed_tokens",
+                "engine_s"}
 
 
 # ---- llm_complete --------------------------------------------------------------------------

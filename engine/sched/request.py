@@ -60,6 +60,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    num_resumed: int = 0  # leading output_ids an earlier run generated (resume_from)
     logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
     # Scoring: log-probability of each token after logits_from; or the raw rows (keep_logits).
     keep_logits: bool = False

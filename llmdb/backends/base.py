@@ -49,6 +49,9 @@ class GenerationRequest:
     prompt: Prompt
     params: SamplingParams
     priority: str = "BE"
+    # Tokens an earlier run of this request generated (Backend.output_so_far): it goes on
+    # after them. Only for a backend whose output_so_far gave them.
+    resume_from: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,7 @@ class BackendResult:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     cached_tokens: int = 0
+    resumed_tokens: int = 0  # of the answer's tokens, those given by resume_from
     error: str | None = None
 
 
@@ -124,6 +128,11 @@ class Backend(Protocol):
     def generated_so_far(self, handle: str) -> int:
         """Tokens a request in flight has generated (0 where the backend cannot tell): the
         progress bar's measure within one big batch."""
+
+    def output_so_far(self, handle: str) -> list[int] | None:
+        """The token ids a generation in flight has produced so far, for a later
+        GenerationRequest(resume_from=...) to go on from; None where the backend cannot
+        resume a request."""
 
     def abort(self, *handles: str) -> None:
         """End these requests (all in one call: a local engine ends them in one step)."""

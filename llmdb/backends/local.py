@@ -76,7 +76,7 @@ class LocalBackend:
         eng = self.engine
         if isinstance(request, GenerationRequest):
             return eng.add_request(request.prompt, request.params, on_finish=done,
-                                   priority=request.priority)
+                                   priority=request.priority, resume_from=request.resume_from)
         if isinstance(request, ScoreRequest):
             return eng.add_score_request(request.prompt,
                                          self._continuation(request.continuation),
@@ -101,7 +101,8 @@ class LocalBackend:
         out = BackendResult(
             text=r.text, finish_reason=r.finish_reason,
             prompt_tokens=r.usage.prompt_tokens, generated_tokens=r.usage.generated_tokens,
-            cached_tokens=r.usage.cached_tokens, error=r.error,
+            cached_tokens=r.usage.cached_tokens, resumed_tokens=r.usage.resumed_tokens,
+            error=r.error,
         )
         if r.finish_reason in ("abort", "error"):  # its scores so far are no answer
             return out
@@ -113,6 +114,9 @@ class LocalBackend:
 
     def generated_so_far(self, handle: str) -> int:
         return self.engine.num_generated(handle)
+
+    def output_so_far(self, handle: str) -> list[int] | None:
+        return self.engine.output_so_far(handle)
 
     def abort(self, *handles: str) -> None:
         self.engine.abort(*handles)

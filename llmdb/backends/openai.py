@@ -158,6 +158,9 @@ class OpenAIBackend:
     def generated_so_far(self, handle: str) -> int:
         return 0  # answers arrive whole (no streaming)
 
+    def output_so_far(self, handle: str) -> list[int] | None:
+        return None  # (a server's tokens are not ours to resume from)
+
     # ---- for EXPLAIN LLM: estimates without a round trip per row ---------------------------
 
     def describe(self) -> str:

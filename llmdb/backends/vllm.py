@@ -134,6 +134,9 @@ class VLLMBackend:
     def generated_so_far(self, handle: str) -> int:
         return 0  # vLLM's outputs are read whole when a request finishes
 
+    def output_so_far(self, handle: str) -> list[int] | None:
+        return None
+
     # ---- for EXPLAIN LLM -----------------------------------------------------------------
 
     def describe(self) -> str:

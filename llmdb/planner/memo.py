@@ -305,7 +305,8 @@ class QueryRun:
             return
         backend = self.session.backend(key.split("\x1f", 1)[0])
         lengths = [backend.count_tokens(t) for t in texts]
-        generated = after["generated_tokens"] - before["generated_tokens"]
+        generated = (after["generated_tokens"] - before["generated_tokens"]
+                     + after["resumed_tokens"] - before["resumed_tokens"])
         served = (after["cache_hits"] - before["cache_hits"]) + (after["dedup_hits"]
                                                                  - before["dedup_hits"])
         scale = generated / sum(lengths) if not served and sum(lengths) else 1.0
