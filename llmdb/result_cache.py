@@ -2,8 +2,9 @@
 
 A DuckDB file would not do: only one process may open it for writing. Entries are JSON
 values under a hash key (see request_key); each is written as soon as its request completes,
-so a killed job resumes where it stopped. The file is kept under a size limit by evicting
-the least recently used entries.
+so a killed job resumes where it stopped (and rows cut short keep their tokens so far under
+batch.partial_key). The file is kept under a size limit by evicting the least recently used
+entries.
 """
 
 from __future__ import annotations
