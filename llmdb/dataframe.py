@@ -11,6 +11,7 @@ Python value (value_text.py has the rule).
 from __future__ import annotations
 
 import functools
+import numbers
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,6 +32,31 @@ CALL_OPTIONS = {
     "classify": ("instruction", "system", "model", "on_error"),
 }
 ALL_CALL_OPTIONS = {o for names in CALL_OPTIONS.values() for o in names}
+
+
+def _integer(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _stop(v: Any) -> bool:
+    return isinstance(v, str) or (isinstance(v, list | tuple)
+                                  and all(isinstance(s, str) for s in v))
+
+
+# What a call option must be (None, its default, always passes). The row functions take
+# SQL's values, which DuckDB has typed: from Python, a value of another type would be cast
+# per row (max_tokens=2.5 ran as 2, "5" as 5) or fail every row alike (system=5).
+OPTION_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "max_tokens": (_integer, "an integer"), "seed": (_integer, "an integer"),
+    "temperature": (_number, "a number"), "top_p": (_number, "a number"),
+    "stop": (_stop, "a string or a list of strings"),
+    **{name: ((lambda v: isinstance(v, str)), "a string")
+       for name in ("system", "instruction", "model", "on_error")},
+}
 
 _default_session: Session | None = None
 _PER_CALL: weakref.WeakSet[Session] = weakref.WeakSet()  # sessions made for one call's options
@@ -102,6 +128,11 @@ def _lazy(df: Any) -> bool:
 def _check_call(session: Session, function: str, call: dict[str, Any]) -> None:
     """The call's options checked once, before any row: a wrong one (max_tokens=0, an
     unknown on_error) would fail every row, which on_error='null' turns into NULLs."""
+    name = function.removeprefix("llm_")
+    for option, value in call.items():
+        ok, kind = OPTION_TYPES.get(option, (None, ""))
+        if ok is not None and value is not None and not ok(value):
+            raise TypeError(f"llmdb.{name}: {option} must be {kind}, got {value!r}")
     policy = call.get("on_error")
     if policy is not None and policy not in ON_ERROR:
         raise ValueError(f"on_error must be one of {ON_ERROR}, got {policy!r}")
@@ -111,7 +142,7 @@ def _check_call(session: Session, function: str, call: dict[str, Any]) -> None:
     try:
         functions.row_call(function, session.backend(probe["model"]), probe, "BE")
     except ValueError as e:
-        raise ValueError(f"llmdb.{function.removeprefix('llm_')}: {e}") from None
+        raise ValueError(f"llmdb.{name}: {e}") from None
 
 
 def check_columns(names: list[str], present: list[str]) -> None:
@@ -198,11 +229,15 @@ def _with_column(df: Any, name: str, values: list[str | None]) -> Any:
     return df.append_column(name, array)
 
 
+def _check_column_name(option: str, name: Any) -> None:
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{option} must be a column name, got {name!r}")
+
+
 def _check_error_column(error_column: str | None, output: str | None = None) -> None:
     if error_column is None:
         return
-    if not isinstance(error_column, str) or not error_column:
-        raise TypeError(f"error_column must be a column name, got {error_column!r}")
+    _check_column_name("error_column", error_column)
     if error_column == output:
         raise ValueError(f"error_column and output are both {output!r}: the errors would "
                          f"replace the answers")
@@ -267,7 +302,10 @@ def complete(df: Any, template: str, output: str = "completion", *,
     error_column: also a column with the error of each row that failed under
     on_error='null' (the text llmdb.errors() shows), NULL for the others."""
     session, call = _session_and_call_options("complete", options)
+    _check_column_name("output", output)
     _check_error_column(error_column, output)
+    if fields is not None and (isinstance(fields, str) or not hasattr(fields, "__iter__")):
+        raise TypeError(f"fields must be a list of column names, got {fields!r}")
     if reorder_fields and not fields:
         raise ValueError("reorder_fields=True orders the `fields`: give fields=[...]")
     if call.get("stop") is not None and isinstance(call["stop"], str):
@@ -321,6 +359,7 @@ def classify(df: Any, column: str, labels: list[str], output: str = "label", *,
     text: a number or date as SQL's CAST(column AS VARCHAR) writes it). error_column: as
     complete's."""
     session, call = _session_and_call_options("classify", options)
+    _check_column_name("output", output)
     _check_error_column(error_column, output)
     if isinstance(labels, str) or not hasattr(labels, "__iter__"):
         raise TypeError(f"labels must be a list of strings, got {type(labels).__name__}")

@@ -130,6 +130,30 @@ def test_options_are_checked_before_any_row():
         (lambda: llmdb.complete(table, "Say {}"), ValueError, r"\{\} names no column"),
         (lambda: llmdb.complete(pa.table({"0": ["a"]}), "Say {0}", on_error="null"),
          ValueError, r"\{0\} names no column.*rename a column whose name is a number"),
+        # A value of the wrong type is refused by name, not cast (2.5 tokens ran as 2, "5"
+        # as 5, a seed of 1.5 as 1) nor left to fail every row (system=5: NULL everywhere).
+        (lambda: llmdb.complete(table, "{review}", max_tokens="5"), TypeError,
+         "llmdb.complete: max_tokens must be an integer, got '5'"),
+        (lambda: llmdb.complete(table, "{review}", max_tokens=2.5), TypeError,
+         "max_tokens must be an integer, got 2.5"),
+        (lambda: llmdb.complete(table, "{review}", max_tokens=True), TypeError,
+         "max_tokens must be an integer, got True"),
+        (lambda: llmdb.complete(table, "{review}", seed=1.5), TypeError,
+         "seed must be an integer, got 1.5"),
+        (lambda: llmdb.complete(table, "{review}", temperature="0.5"), TypeError,
+         "temperature must be a number, got '0.5'"),
+        (lambda: llmdb.complete(table, "{review}", stop=5), TypeError,
+         "stop must be a string or a list of strings, got 5"),
+        (lambda: llmdb.complete(table, "{review}", stop=["x", 5]), TypeError,
+         r"stop must be a string or a list of strings, got \['x', 5\]"),
+        (lambda: llmdb.complete(table, "{review}", system=5, on_error="null"), TypeError,
+         "llmdb.complete: system must be a string, got 5"),
+        (lambda: llmdb.classify(table, "review", LABELS, instruction=5, on_error="null"),
+         TypeError, "llmdb.classify: instruction must be a string, got 5"),
+        (lambda: llmdb.complete(table, "Summarize.", fields="review"), TypeError,
+         "fields must be a list of column names, got 'review'"),
+        (lambda: llmdb.complete(table, "{review}", output=None), TypeError,
+         "output must be a column name, got None"),
     ]
     before = llmdb.stats()["total"]
     for call, error, message in wrong:
