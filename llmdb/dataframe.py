@@ -121,8 +121,29 @@ def _kind(df: Any) -> str:
 
 
 def _lazy(df: Any) -> bool:
-    """A polars LazyFrame: its rows are computed here, and the answer is lazy again."""
     return type(df).__name__ == "LazyFrame" and type(df).__module__.startswith("polars")
+
+
+def _apply(df: Any, rows: Callable[[Any], Any], reads: list[str], adds: list[str],
+           every_row: bool) -> Any:
+    """rows(df): the call over a table. A polars LazyFrame stays lazy: the call runs when it
+    is collected, once over the rows that reach it (so that duplicates are asked once):
+    `.head(k)` after a call that keeps every row (every_row) asks k rows, and a polars
+    filter over the input's columns runs first. reads: the columns the call reads, checked
+    now; adds: the text columns it adds."""
+    if not _lazy(df):
+        return rows(df)
+    import polars as pl
+
+    schema = df.collect_schema()
+    check_columns(reads, schema.names())
+    # A polars filter on a column the call replaces must see the answers: not pushed below
+    # the call then. Nor below llmdb.filter: polars 2.1 pushes a slice wherever it pushes a
+    # predicate, whatever slice_pushdown says, and the first k rows kept are not the rows
+    # kept of the first k.
+    pushdown = every_row and not any(name in schema for name in adds)
+    return df.map_batches(rows, schema={**schema, **dict.fromkeys(adds, pl.String)},
+                          predicate_pushdown=pushdown, slice_pushdown=every_row)
 
 
 def _check_call(session: Session, function: str, call: dict[str, Any]) -> None:
@@ -243,6 +264,11 @@ def _check_error_column(error_column: str | None, output: str | None = None) -> 
                          f"replace the answers")
 
 
+def _added(*names: str | None) -> list[str]:
+    """The columns a call adds (or replaces): its output, its error column if any."""
+    return [n for n in names if n is not None]
+
+
 def _with_error_column(df: Any, error_column: str | None, errors: list[str | None]) -> Any:
     return df if error_column is None else _with_column(df, error_column, errors)
 
@@ -279,16 +305,6 @@ def _field_prompts(df: Any, instruction: str, fields: list[str],
     return prompts, send
 
 
-def _lazy_in_lazy_out(fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def call(df: Any, *args: Any, **kwargs: Any) -> Any:
-        if _lazy(df):
-            return fn(df.collect(), *args, **kwargs).lazy()
-        return fn(df, *args, **kwargs)
-    return call
-
-
-@_lazy_in_lazy_out
 def complete(df: Any, template: str, output: str = "completion", *,
              fields: list[str] | None = None, reorder_fields: bool = False,
              error_column: str | None = None, **options: Any) -> Any:
@@ -311,26 +327,30 @@ def complete(df: Any, template: str, output: str = "completion", *,
     if call.get("stop") is not None and isinstance(call["stop"], str):
         call["stop"] = [call["stop"]]
     _check_call(session, "llm_complete", call)
-    if fields:
-        prompts, send = _field_prompts(df, template, list(fields), reorder_fields)
-    else:
-        prompts = _render(df, template)
-        send = list(range(len(prompts)))
-    n = len(prompts)
-    cols = _broadcast(n, call, ("max_tokens", "temperature", "top_p", "seed", "stop", "system",
-                                "model", "on_error"))
-    sent_errors: list[str | None] = []
-    with _query(session):
-        answers = functions.llm_complete(session, [prompts[i] for i in send], *cols,
-                                         errors=sent_errors)
-    values: list[Any] = [None] * n
-    errors: list[str | None] = [None] * n
-    for i, a, e in zip(send, answers, sent_errors, strict=True):
-        values[i], errors[i] = a, e
-    return _with_error_column(_with_column(df, output, values), error_column, errors)
+
+    def rows(df: Any) -> Any:
+        if fields:
+            prompts, send = _field_prompts(df, template, list(fields), reorder_fields)
+        else:
+            prompts = _render(df, template)
+            send = list(range(len(prompts)))
+        n = len(prompts)
+        cols = _broadcast(n, call, ("max_tokens", "temperature", "top_p", "seed", "stop",
+                                    "system", "model", "on_error"))
+        sent_errors: list[str | None] = []
+        with _query(session):
+            answers = functions.llm_complete(session, [prompts[i] for i in send], *cols,
+                                             errors=sent_errors)
+        values: list[Any] = [None] * n
+        errors: list[str | None] = [None] * n
+        for i, a, e in zip(send, answers, sent_errors, strict=True):
+            values[i], errors[i] = a, e
+        return _with_error_column(_with_column(df, output, values), error_column, errors)
+
+    reads = columns_read("complete", (template,), {"fields": fields})
+    return _apply(df, rows, reads, _added(output, error_column), every_row=True)
 
 
-@_lazy_in_lazy_out
 def filter(df: Any, template: str, *,  # noqa: A001 - mirrors llm_filter
            error_column: str | None = None, **options: Any) -> Any:
     """The rows for which the model answers yes to the rendered template (rendered as by
@@ -341,18 +361,22 @@ def filter(df: Any, template: str, *,  # noqa: A001 - mirrors llm_filter
     session, call = _session_and_call_options("filter", options)
     _check_error_column(error_column)
     _check_call(session, "llm_filter", call)
-    prompts = _render(df, template)
-    cols = _broadcast(len(prompts), call, ("system", "model", "on_error"))
-    errors: list[str | None] = []
-    with _query(session):
-        keep = functions.llm_filter(session, prompts, *cols, errors=errors)
-    if error_column is None:
-        return _keep(df, [bool(k) for k in keep])
-    return _keep(_with_column(df, error_column, errors),
-                 [bool(k) or e is not None for k, e in zip(keep, errors, strict=True)])
+
+    def rows(df: Any) -> Any:
+        prompts = _render(df, template)
+        cols = _broadcast(len(prompts), call, ("system", "model", "on_error"))
+        errors: list[str | None] = []
+        with _query(session):
+            keep = functions.llm_filter(session, prompts, *cols, errors=errors)
+        if error_column is None:
+            return _keep(df, [bool(k) for k in keep])
+        return _keep(_with_column(df, error_column, errors),
+                     [bool(k) or e is not None for k, e in zip(keep, errors, strict=True)])
+
+    reads = columns_read("filter", (template,), {})
+    return _apply(df, rows, reads, _added(error_column), every_row=False)
 
 
-@_lazy_in_lazy_out
 def classify(df: Any, column: str, labels: list[str], output: str = "label", *,
              error_column: str | None = None, **options: Any) -> Any:
     """df plus a column `output` holding one of `labels` for each row's `column` (its
@@ -365,10 +389,15 @@ def classify(df: Any, column: str, labels: list[str], output: str = "label", *,
         raise TypeError(f"labels must be a list of strings, got {type(labels).__name__}")
     labels = list(labels)
     _check_call(session, "llm_classify", {**call, "labels": labels})
-    texts = _texts(df, _columns(df, [column]))[column]
-    n = len(texts)
-    cols = _broadcast(n, call, ("instruction", "system", "model", "on_error"))
-    errors: list[str | None] = []
-    with _query(session):
-        values = functions.llm_classify(session, texts, [labels] * n, *cols, errors=errors)
-    return _with_error_column(_with_column(df, output, values), error_column, errors)
+
+    def rows(df: Any) -> Any:
+        texts = _texts(df, _columns(df, [column]))[column]
+        n = len(texts)
+        cols = _broadcast(n, call, ("instruction", "system", "model", "on_error"))
+        errors: list[str | None] = []
+        with _query(session):
+            values = functions.llm_classify(session, texts, [labels] * n, *cols,
+                                            errors=errors)
+        return _with_error_column(_with_column(df, output, values), error_column, errors)
+
+    return _apply(df, rows, [column], _added(output, error_column), every_row=True)

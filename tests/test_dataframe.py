@@ -189,6 +189,41 @@ def test_a_polars_lazyframe_comes_back_lazy(sql_reference):
         llmdb.complete(pl.Series("review", ["x"]), "{review}")
 
 
+def test_a_polars_lazyframe_asks_the_model_when_collected_and_only_its_rows(sql_reference):
+    """Nothing runs before collect; then only the rows that reach the call are asked: a
+    head(k) after complete or classify asks k rows, a polars filter over the input's columns
+    runs first. (The LazyFrame was collected whole, at the call.)"""
+    lazy = pl.DataFrame(DATA).lazy()
+    session = Session(Options(cache=False))
+    out = llmdb.complete(lazy, "Product {product}: {review}", max_tokens=6, session=session)
+    labelled = llmdb.classify(lazy, "review", LABELS, output="sentiment", session=session)
+    kept = llmdb.filter(lazy, "{review}", session=session)
+    assert session.total.rows == 0  # no row asked yet
+    assert out.head(2).collect()["completion"].to_list() == sql_reference["complete"][:2]
+    assert session.total.rows == 2
+    chair = out.filter(pl.col("product") == "chair").collect()
+    assert chair["completion"].to_list() == sql_reference["complete"][4:]
+    assert session.total.rows == 3
+    assert labelled.head(1).collect()["sentiment"].to_list() == sql_reference["classify"][:1]
+    assert session.total.rows == 4
+    # filter: a head(k) after it is the first k rows kept, not the rows kept of the first k
+    first = [p for p, k in zip(DATA["product"], sql_reference["keep"], strict=True) if k][:1]
+    assert kept.head(1).collect()["product"].to_list() == first
+    with pytest.raises(KeyError, match="nope"):  # a missing column is named at the call
+        llmdb.complete(lazy, "{nope}", session=session)
+
+
+def test_a_lazy_output_that_replaces_an_input_column_is_filtered_after_the_call():
+    """A polars filter on the output column runs on the answers, also where the output
+    replaces a column the template read."""
+    session = Session(Options(model="hash-standin", cache=False))
+    table = pl.DataFrame({"review": ["a", "b", "c"]})
+    answers = llmdb.complete(table, "{review}", output="review", session=session)["review"]
+    out = llmdb.complete(table.lazy(), "{review}", output="review", session=session)
+    assert out.filter(pl.col("review") == answers[1]).collect()["review"].to_list() == \
+        [answers[1]]
+
+
 def test_dataframe_calls_share_the_sql_result_cache():
     con = llmdb.connect()  # the default cache, under this test's LLMDB_CACHE_DIR
     con.register("t", pa.table(DATA))
