@@ -20,8 +20,9 @@ from typing import Any
 import pyarrow as pa
 
 from . import functions, value_text
+from .batch import LLMError
 from .reorder import ggr, render
-from .session import ON_ERROR, Options, Session
+from .session import ON_ERROR, Options, Session, Stats
 
 # Options of one call, per function (the rest configure the session: cache, progress,
 # engine, ...): the SQL function's parameters after its row argument(s).
@@ -226,10 +227,47 @@ def _texts(df: Any, cols: dict[str, list]) -> dict[str, list[str | None]]:
             for n, values in cols.items()}
 
 
-def _render(df: Any, template: str) -> list[str | None]:
+def _render(df: Any, template: str, function: str
+            ) -> tuple[list[str | None], list[str | None]]:
+    """Each row's prompt, and the error of each row the template cannot write (an index or
+    format spec its value does not take: {l[0]} of an empty list, {x:.2f} of a text), which
+    is that row's failure, not the frame's."""
     cols = _columns(df, value_text.template_fields(template))
+    texts = _texts(df, cols)
     n = len(df) if _kind(df) != "pyarrow" else df.num_rows
-    return value_text.render(template, n, cols, _texts(df, cols))
+    try:
+        return value_text.render(template, n, cols, texts), [None] * n
+    except Exception:  # (a value's own __format__ may raise anything) find the rows
+        pass
+    prompts: list[str | None] = []
+    errors: list[str | None] = []
+    for i in range(n):
+        values = {k: [v[i]] for k, v in cols.items()}
+        # (a text column's texts are its values, the same list: render writes them as is)
+        one = {k: values[k] if texts[k] is cols[k] else [texts[k][i]] for k in cols}
+        try:
+            prompts += value_text.render(template, 1, values, one)
+            errors.append(None)
+        except Exception as e:
+            row = df.index[i] if _kind(df) == "pandas" else i
+            prompts.append(None)
+            errors.append(f"{function} failed on row {row}: the template {template!r} cannot "
+                          f"write its values ({type(e).__name__}: {e})")
+    return prompts, errors
+
+
+def _unwritable_rows(session: Session, function: str, template: str, policy: str | None,
+                     errors: list[str | None]) -> None:
+    """The rows _render could not write: raised under on_error='raise' (before any model
+    call), else counted and listed in llmdb.errors() as failed rows are."""
+    failed = [e for e in errors if e is not None]
+    if not failed:
+        return
+    if (policy or session.options.on_error) != "null":
+        raise LLMError(failed[0])
+    for error in failed:
+        session.record(Stats(rows=1, errors=1))
+        session.record_error(function, template, error)
 
 
 def _with_column(df: Any, name: str, values: list[str | None]) -> Any:
@@ -331,20 +369,23 @@ def complete(df: Any, template: str, output: str = "completion", *,
     def rows(df: Any) -> Any:
         if fields:
             prompts, send = _field_prompts(df, template, list(fields), reorder_fields)
+            unwritable: list[str | None] = [None] * len(prompts)
         else:
-            prompts = _render(df, template)
+            prompts, unwritable = _render(df, template, "llm_complete")
             send = list(range(len(prompts)))
         n = len(prompts)
         cols = _broadcast(n, call, ("max_tokens", "temperature", "top_p", "seed", "stop",
                                     "system", "model", "on_error"))
         sent_errors: list[str | None] = []
         with _query(session):
+            _unwritable_rows(session, "llm_complete", template, call.get("on_error"),
+                             unwritable)
             answers = functions.llm_complete(session, [prompts[i] for i in send], *cols,
                                              errors=sent_errors)
         values: list[Any] = [None] * n
-        errors: list[str | None] = [None] * n
+        errors = unwritable
         for i, a, e in zip(send, answers, sent_errors, strict=True):
-            values[i], errors[i] = a, e
+            values[i], errors[i] = a, e or errors[i]
         return _with_error_column(_with_column(df, output, values), error_column, errors)
 
     reads = columns_read("complete", (template,), {"fields": fields})
@@ -363,11 +404,13 @@ def filter(df: Any, template: str, *,  # noqa: A001 - mirrors llm_filter
     _check_call(session, "llm_filter", call)
 
     def rows(df: Any) -> Any:
-        prompts = _render(df, template)
+        prompts, unwritable = _render(df, template, "llm_filter")
         cols = _broadcast(len(prompts), call, ("system", "model", "on_error"))
         errors: list[str | None] = []
         with _query(session):
+            _unwritable_rows(session, "llm_filter", template, call.get("on_error"), unwritable)
             keep = functions.llm_filter(session, prompts, *cols, errors=errors)
+        errors = [e or u for e, u in zip(errors, unwritable, strict=True)]
         if error_column is None:
             return _keep(df, [bool(k) for k in keep])
         return _keep(_with_column(df, error_column, errors),

@@ -178,6 +178,36 @@ def test_a_row_the_tokenizer_cannot_take_fails_alone():
     assert "TypeError" in error["error"]
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_row_the_template_cannot_write_fails_alone(kind):
+    """An index or format spec a row's value does not take ({l[0]} of an empty list) is that
+    row's error, naming the row, not the frame's: the other rows get the answers they get
+    alone. (The frame failed with a bare IndexError, also under on_error='null'.)"""
+    data = {"l": [[7], [], None, [9]]}
+    df = pd.DataFrame(data, index=[10, 20, 30, 40]) if kind == "pandas" else \
+        pl.DataFrame(data) if kind == "polars" else pa.table(data)
+    row = 20 if kind == "pandas" else 1  # pandas names the row by its index
+    session = Session(Options(model="hash-standin", cache=False))
+    out = llmdb.complete(df, "Item {l[0]}", on_error="null", error_column="why",
+                         session=session)
+    rows = [df.iloc[[i]] if kind == "pandas" else df.slice(i, 1) for i in (0, 3)]
+    alone = [column_values(llmdb.complete(r, "Item {l[0]}", session=session),
+                           "completion")[0] for r in rows]
+    assert column_values(out, "completion") == [alone[0], None, None, alone[1]]
+    why = column_values(out, "why")
+    assert why[0] is None and why[2] is None and why[3] is None
+    assert why[1].startswith(f"llm_complete failed on row {row}: the template 'Item {{l[0]}}' "
+                             f"cannot write its values (IndexError")
+    assert why[1] in [e.error for e in session.errors]
+    kept = llmdb.filter(df, "Item {l[0]}", on_error="null", error_column="why",
+                        session=session)
+    assert why[1].replace("llm_complete", "llm_filter") in column_values(kept, "why")
+    calls = session.total.calls
+    with pytest.raises(llmdb.LLMError, match=f"llm_complete failed on row {row}: .*IndexError"):
+        llmdb.complete(df, "Item {l[0]} again", session=session)
+    assert session.total.calls == calls  # raised before any row was asked
+
+
 def test_a_polars_lazyframe_comes_back_lazy(sql_reference):
     lazy = pl.DataFrame(DATA).lazy()
     out = llmdb.complete(lazy, "Product {product}: {review}", max_tokens=6)
