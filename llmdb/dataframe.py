@@ -147,14 +147,19 @@ def _apply(df: Any, rows: Callable[[Any], Any], reads: list[str], adds: list[str
                           predicate_pushdown=pushdown, slice_pushdown=every_row)
 
 
+def check_option_types(function: str, call: dict[str, Any]) -> None:
+    """TypeError naming the first option of llmdb.<function>'s call of the wrong type."""
+    for option, value in call.items():
+        ok, kind = OPTION_TYPES.get(option, (None, ""))
+        if ok is not None and value is not None and not ok(value):
+            raise TypeError(f"llmdb.{function}: {option} must be {kind}, got {value!r}")
+
+
 def _check_call(session: Session, function: str, call: dict[str, Any]) -> None:
     """The call's options checked once, before any row: a wrong one (max_tokens=0, an
     unknown on_error) would fail every row, which on_error='null' turns into NULLs."""
     name = function.removeprefix("llm_")
-    for option, value in call.items():
-        ok, kind = OPTION_TYPES.get(option, (None, ""))
-        if ok is not None and value is not None and not ok(value):
-            raise TypeError(f"llmdb.{name}: {option} must be {kind}, got {value!r}")
+    check_option_types(name, call)
     policy = call.get("on_error")
     if policy is not None and policy not in ON_ERROR:
         raise ValueError(f"on_error must be one of {ON_ERROR}, got {policy!r}")
