@@ -254,11 +254,17 @@ def _render(df: Any, template: str, function: str
             prompts += value_text.render(template, 1, values, one)
             errors.append(None)
         except Exception as e:
+            # The values name the row where its position does not (a Ray worker's batch).
             row = df.index[i] if _kind(df) == "pandas" else i
+            shown = ", ".join(f"{k}={_short(repr(v[0]))}" for k, v in values.items())
             prompts.append(None)
-            errors.append(f"{function} failed on row {row}: the template {template!r} cannot "
-                          f"write its values ({type(e).__name__}: {e})")
+            errors.append(f"{function} failed on row {row} ({shown}): the template "
+                          f"{template!r} cannot write its values ({type(e).__name__}: {e})")
     return prompts, errors
+
+
+def _short(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _unwritable_rows(session: Session, function: str, template: str, policy: str | None,

@@ -196,14 +196,14 @@ def test_a_row_the_template_cannot_write_fails_alone(kind):
     assert column_values(out, "completion") == [alone[0], None, None, alone[1]]
     why = column_values(out, "why")
     assert why[0] is None and why[2] is None and why[3] is None
-    assert why[1].startswith(f"llm_complete failed on row {row}: the template 'Item {{l[0]}}' "
-                             f"cannot write its values (IndexError")
+    assert why[1].startswith(f"llm_complete failed on row {row} (l=[]): the template "
+                             f"'Item {{l[0]}}' cannot write its values (IndexError")
     assert why[1] in [e.error for e in session.errors]
     kept = llmdb.filter(df, "Item {l[0]}", on_error="null", error_column="why",
                         session=session)
     assert why[1].replace("llm_complete", "llm_filter") in column_values(kept, "why")
     calls = session.total.calls
-    with pytest.raises(llmdb.LLMError, match=f"llm_complete failed on row {row}: .*IndexError"):
+    with pytest.raises(llmdb.LLMError, match=fr"failed on row {row} \(l=\[\]\): .*IndexError"):
         llmdb.complete(df, "Item {l[0]} again", session=session)
     assert session.total.calls == calls  # raised before any row was asked
 
