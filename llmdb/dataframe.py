@@ -299,6 +299,11 @@ def _with_column(df: Any, name: str, values: list[str | None]) -> Any:
     return df.append_column(name, array)
 
 
+def _check_template(function: str, template: Any) -> None:
+    if not isinstance(template, str):
+        raise TypeError(f"llmdb.{function}: template must be a string, got {template!r}")
+
+
 def _check_column_name(option: str, name: Any) -> None:
     if not isinstance(name, str) or not name:
         raise TypeError(f"{option} must be a column name, got {name!r}")
@@ -367,6 +372,7 @@ def complete(df: Any, template: str, output: str = "completion", *,
     error_column: also a column with the error of each row that failed under
     on_error='null' (the text llmdb.errors() shows), NULL for the others."""
     session, call = _session_and_call_options("complete", options)
+    _check_template("complete", template)
     _check_column_name("output", output)
     _check_error_column(error_column, output)
     if fields is not None and (isinstance(fields, str) or not hasattr(fields, "__iter__")):
@@ -411,6 +417,7 @@ def filter(df: Any, template: str, *,  # noqa: A001 - mirrors llm_filter
     error_column: also the rows that failed under on_error='null' (else dropped, as NULL is
     by SQL's WHERE), with their error in this column; NULL for the rows answered yes."""
     session, call = _session_and_call_options("filter", options)
+    _check_template("filter", template)
     _check_error_column(error_column)
     _check_call(session, "llm_filter", call)
 

@@ -154,6 +154,10 @@ def test_options_are_checked_before_any_row():
          "fields must be a list of column names, got 'review'"),
         (lambda: llmdb.complete(table, "{review}", output=None), TypeError,
          "output must be a column name, got None"),
+        (lambda: llmdb.complete(table, None), TypeError,
+         "llmdb.complete: template must be a string, got None"),
+        (lambda: llmdb.filter(table, 5), TypeError,
+         "llmdb.filter: template must be a string, got 5"),
     ]
     before = llmdb.stats()["total"]
     for call, error, message in wrong:
