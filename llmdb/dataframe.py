@@ -5,7 +5,8 @@ has the input's type. Prompts are Python format strings over the columns ("Summa
 {review}"); a row with NULL in a field the template uses gives NULL, as `||` does in SQL.
 A value is written as SQL writes it (`CAST(x AS VARCHAR)`: true, [a, b], 1.50), so a row
 renders into the same prompt here and in SQL; a format spec ({price:.2f}) applies to the
-Python value (value_text.py has the rule).
+Python value (value_text.py has the rule). A polars LazyFrame comes back lazy, and the
+model is asked when it is collected, about the rows that reach the call (see _apply).
 """
 
 from __future__ import annotations
