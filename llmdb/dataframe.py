@@ -233,20 +233,25 @@ def _texts(df: Any, cols: dict[str, list]) -> dict[str, list[str | None]]:
             for n, values in cols.items()}
 
 
-def _render(df: Any, template: str, function: str
-            ) -> tuple[list[str | None], list[str | None]]:
-    """Each row's prompt, and the error of each row the template cannot write (an index or
-    format spec its value does not take: {l[0]} of an empty list, {x:.2f} of a text), which
-    is that row's failure, not the frame's."""
+def _render(df: Any, template: str, function: str = "llm_complete",
+            errors: list[str | None] | None = None) -> list[str | None]:
+    """Each row's prompt. errors, when given, gets the error of each row the template cannot
+    write (an index or format spec its value does not take: {l[0]} of an empty list,
+    {x:.2f} of a text), which is that row's failure, not the frame's; else such a row
+    raises."""
     cols = _columns(df, value_text.template_fields(template))
     texts = _texts(df, cols)
     n = len(df) if _kind(df) != "pyarrow" else df.num_rows
     try:
-        return value_text.render(template, n, cols, texts), [None] * n
+        prompts = value_text.render(template, n, cols, texts)
+        if errors is not None:
+            errors[:] = [None] * n
+        return prompts
     except Exception:  # (a value's own __format__ may raise anything) find the rows
-        pass
-    prompts: list[str | None] = []
-    errors: list[str | None] = []
+        if errors is None:
+            raise
+    prompts = []
+    errors.clear()
     for i in range(n):
         values = {k: [v[i]] for k, v in cols.items()}
         # (a text column's texts are its values, the same list: render writes them as is)
@@ -261,7 +266,7 @@ def _render(df: Any, template: str, function: str
             prompts.append(None)
             errors.append(f"{function} failed on row {row} ({shown}): the template "
                           f"{template!r} cannot write its values ({type(e).__name__}: {e})")
-    return prompts, errors
+    return prompts
 
 
 def _short(text: str, limit: int = 60) -> str:
@@ -385,11 +390,12 @@ def complete(df: Any, template: str, output: str = "completion", *,
     _check_call(session, "llm_complete", call)
 
     def rows(df: Any) -> Any:
+        unwritable: list[str | None] = []
         if fields:
             prompts, send = _field_prompts(df, template, list(fields), reorder_fields)
-            unwritable: list[str | None] = [None] * len(prompts)
+            unwritable = [None] * len(prompts)
         else:
-            prompts, unwritable = _render(df, template, "llm_complete")
+            prompts = _render(df, template, "llm_complete", unwritable)
             send = list(range(len(prompts)))
         n = len(prompts)
         cols = _broadcast(n, call, ("max_tokens", "temperature", "top_p", "seed", "stop",
@@ -423,7 +429,8 @@ def filter(df: Any, template: str, *,  # noqa: A001 - mirrors llm_filter
     _check_call(session, "llm_filter", call)
 
     def rows(df: Any) -> Any:
-        prompts, unwritable = _render(df, template, "llm_filter")
+        unwritable: list[str | None] = []
+        prompts = _render(df, template, "llm_filter", unwritable)
         cols = _broadcast(len(prompts), call, ("system", "model", "on_error"))
         errors: list[str | None] = []
         with _query(session):
