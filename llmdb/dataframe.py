@@ -5,12 +5,14 @@ has the input's type. Prompts are Python format strings over the columns ("Summa
 {review}"); a row with NULL in a field the template uses gives NULL, as `||` does in SQL.
 A value is written as SQL writes it (`CAST(x AS VARCHAR)`: true, [a, b], 1.50), so a row
 renders into the same prompt here and in SQL; a format spec ({price:.2f}) applies to the
-Python value (value_text.py has the rule).
+Python value (value_text.py has the rule). A polars LazyFrame comes back lazy, and the
+model is asked when it is collected, about the rows that reach the call (see _apply).
 """
 
 from __future__ import annotations
 
 import functools
+import numbers
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,8 +21,9 @@ from typing import Any
 import pyarrow as pa
 
 from . import functions, value_text
+from .batch import LLMError
 from .reorder import ggr, render
-from .session import ON_ERROR, Options, Session
+from .session import ON_ERROR, Options, Session, Stats
 
 # Options of one call, per function (the rest configure the session: cache, progress,
 # engine, ...): the SQL function's parameters after its row argument(s).
@@ -31,6 +34,31 @@ CALL_OPTIONS = {
     "classify": ("instruction", "system", "model", "on_error"),
 }
 ALL_CALL_OPTIONS = {o for names in CALL_OPTIONS.values() for o in names}
+
+
+def _integer(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _stop(v: Any) -> bool:
+    return isinstance(v, str) or (isinstance(v, list | tuple)
+                                  and all(isinstance(s, str) for s in v))
+
+
+# What a call option must be (None, its default, always passes). The row functions take
+# SQL's values, which DuckDB has typed: from Python, a value of another type would be cast
+# per row (max_tokens=2.5 ran as 2, "5" as 5) or fail every row alike (system=5).
+OPTION_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "max_tokens": (_integer, "an integer"), "seed": (_integer, "an integer"),
+    "temperature": (_number, "a number"), "top_p": (_number, "a number"),
+    "stop": (_stop, "a string or a list of strings"),
+    **{name: ((lambda v: isinstance(v, str)), "a string")
+       for name in ("system", "instruction", "model", "on_error")},
+}
 
 _default_session: Session | None = None
 _PER_CALL: weakref.WeakSet[Session] = weakref.WeakSet()  # sessions made for one call's options
@@ -95,13 +123,44 @@ def _kind(df: Any) -> str:
 
 
 def _lazy(df: Any) -> bool:
-    """A polars LazyFrame: its rows are computed here, and the answer is lazy again."""
     return type(df).__name__ == "LazyFrame" and type(df).__module__.startswith("polars")
+
+
+def _apply(df: Any, rows: Callable[[Any], Any], reads: list[str], adds: list[str],
+           every_row: bool) -> Any:
+    """rows(df): the call over a table. A polars LazyFrame stays lazy: the call runs when it
+    is collected, once over the rows that reach it (so that duplicates are asked once):
+    `.head(k)` after a call that keeps every row (every_row) asks k rows, and a polars
+    filter over the input's columns runs first. reads: the columns the call reads, checked
+    now; adds: the text columns it adds."""
+    if not _lazy(df):
+        return rows(df)
+    import polars as pl
+
+    schema = df.collect_schema()
+    check_columns(reads, schema.names())
+    # A polars filter on a column the call replaces must see the answers: not pushed below
+    # the call then. Nor below llmdb.filter: polars 2.1 pushes a slice wherever it pushes a
+    # predicate, whatever slice_pushdown says, and the first k rows kept are not the rows
+    # kept of the first k.
+    pushdown = every_row and not any(name in schema for name in adds)
+    return df.map_batches(rows, schema={**schema, **dict.fromkeys(adds, pl.String)},
+                          predicate_pushdown=pushdown, slice_pushdown=every_row)
+
+
+def check_option_types(function: str, call: dict[str, Any]) -> None:
+    """TypeError naming the first option of llmdb.<function>'s call of the wrong type."""
+    for option, value in call.items():
+        ok, kind = OPTION_TYPES.get(option, (None, ""))
+        if ok is not None and value is not None and not ok(value):
+            raise TypeError(f"llmdb.{function}: {option} must be {kind}, got {value!r}")
 
 
 def _check_call(session: Session, function: str, call: dict[str, Any]) -> None:
     """The call's options checked once, before any row: a wrong one (max_tokens=0, an
     unknown on_error) would fail every row, which on_error='null' turns into NULLs."""
+    name = function.removeprefix("llm_")
+    check_option_types(name, call)
     policy = call.get("on_error")
     if policy is not None and policy not in ON_ERROR:
         raise ValueError(f"on_error must be one of {ON_ERROR}, got {policy!r}")
@@ -111,7 +170,7 @@ def _check_call(session: Session, function: str, call: dict[str, Any]) -> None:
     try:
         functions.row_call(function, session.backend(probe["model"]), probe, "BE")
     except ValueError as e:
-        raise ValueError(f"llmdb.{function.removeprefix('llm_')}: {e}") from None
+        raise ValueError(f"llmdb.{name}: {e}") from None
 
 
 def check_columns(names: list[str], present: list[str]) -> None:
@@ -174,10 +233,58 @@ def _texts(df: Any, cols: dict[str, list]) -> dict[str, list[str | None]]:
             for n, values in cols.items()}
 
 
-def _render(df: Any, template: str) -> list[str | None]:
+def _render(df: Any, template: str, function: str = "llm_complete",
+            errors: list[str | None] | None = None) -> list[str | None]:
+    """Each row's prompt. errors, when given, gets the error of each row the template cannot
+    write (an index or format spec its value does not take: {l[0]} of an empty list,
+    {x:.2f} of a text), which is that row's failure, not the frame's; else such a row
+    raises."""
     cols = _columns(df, value_text.template_fields(template))
+    texts = _texts(df, cols)
     n = len(df) if _kind(df) != "pyarrow" else df.num_rows
-    return value_text.render(template, n, cols, _texts(df, cols))
+    try:
+        prompts = value_text.render(template, n, cols, texts)
+        if errors is not None:
+            errors[:] = [None] * n
+        return prompts
+    except Exception:  # (a value's own __format__ may raise anything) find the rows
+        if errors is None:
+            raise
+    prompts = []
+    errors.clear()
+    for i in range(n):
+        values = {k: [v[i]] for k, v in cols.items()}
+        # (a text column's texts are its values, the same list: render writes them as is)
+        one = {k: values[k] if texts[k] is cols[k] else [texts[k][i]] for k in cols}
+        try:
+            prompts += value_text.render(template, 1, values, one)
+            errors.append(None)
+        except Exception as e:
+            # The values name the row where its position does not (a Ray worker's batch).
+            row = df.index[i] if _kind(df) == "pandas" else i
+            shown = ", ".join(f"{k}={_short(repr(v[0]))}" for k, v in values.items())
+            prompts.append(None)
+            errors.append(f"{function} failed on row {row} ({shown}): the template "
+                          f"{template!r} cannot write its values ({type(e).__name__}: {e})")
+    return prompts
+
+
+def _short(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _unwritable_rows(session: Session, function: str, template: str, policy: str | None,
+                     errors: list[str | None]) -> None:
+    """The rows _render could not write: raised under on_error='raise' (before any model
+    call), else counted and listed in llmdb.errors() as failed rows are."""
+    failed = [e for e in errors if e is not None]
+    if not failed:
+        return
+    if (policy or session.options.on_error) != "null":
+        raise LLMError(failed[0])
+    for error in failed:
+        session.record(Stats(rows=1, errors=1))
+        session.record_error(function, template, error)
 
 
 def _with_column(df: Any, name: str, values: list[str | None]) -> Any:
@@ -198,14 +305,28 @@ def _with_column(df: Any, name: str, values: list[str | None]) -> Any:
     return df.append_column(name, array)
 
 
+def _check_template(function: str, template: Any) -> None:
+    if not isinstance(template, str):
+        raise TypeError(f"llmdb.{function}: template must be a string, got {template!r}")
+
+
+def _check_column_name(option: str, name: Any) -> None:
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{option} must be a column name, got {name!r}")
+
+
 def _check_error_column(error_column: str | None, output: str | None = None) -> None:
     if error_column is None:
         return
-    if not isinstance(error_column, str) or not error_column:
-        raise TypeError(f"error_column must be a column name, got {error_column!r}")
+    _check_column_name("error_column", error_column)
     if error_column == output:
         raise ValueError(f"error_column and output are both {output!r}: the errors would "
                          f"replace the answers")
+
+
+def _added(*names: str | None) -> list[str]:
+    """The columns a call adds (or replaces): its output, its error column if any."""
+    return [n for n in names if n is not None]
 
 
 def _with_error_column(df: Any, error_column: str | None, errors: list[str | None]) -> Any:
@@ -244,16 +365,6 @@ def _field_prompts(df: Any, instruction: str, fields: list[str],
     return prompts, send
 
 
-def _lazy_in_lazy_out(fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def call(df: Any, *args: Any, **kwargs: Any) -> Any:
-        if _lazy(df):
-            return fn(df.collect(), *args, **kwargs).lazy()
-        return fn(df, *args, **kwargs)
-    return call
-
-
-@_lazy_in_lazy_out
 def complete(df: Any, template: str, output: str = "completion", *,
              fields: list[str] | None = None, reorder_fields: bool = False,
              error_column: str | None = None, **options: Any) -> Any:
@@ -267,32 +378,44 @@ def complete(df: Any, template: str, output: str = "completion", *,
     error_column: also a column with the error of each row that failed under
     on_error='null' (the text llmdb.errors() shows), NULL for the others."""
     session, call = _session_and_call_options("complete", options)
+    _check_template("complete", template)
+    _check_column_name("output", output)
     _check_error_column(error_column, output)
+    if fields is not None and (isinstance(fields, str) or not hasattr(fields, "__iter__")):
+        raise TypeError(f"fields must be a list of column names, got {fields!r}")
     if reorder_fields and not fields:
         raise ValueError("reorder_fields=True orders the `fields`: give fields=[...]")
     if call.get("stop") is not None and isinstance(call["stop"], str):
         call["stop"] = [call["stop"]]
     _check_call(session, "llm_complete", call)
-    if fields:
-        prompts, send = _field_prompts(df, template, list(fields), reorder_fields)
-    else:
-        prompts = _render(df, template)
-        send = list(range(len(prompts)))
-    n = len(prompts)
-    cols = _broadcast(n, call, ("max_tokens", "temperature", "top_p", "seed", "stop", "system",
-                                "model", "on_error"))
-    sent_errors: list[str | None] = []
-    with _query(session):
-        answers = functions.llm_complete(session, [prompts[i] for i in send], *cols,
-                                         errors=sent_errors)
-    values: list[Any] = [None] * n
-    errors: list[str | None] = [None] * n
-    for i, a, e in zip(send, answers, sent_errors, strict=True):
-        values[i], errors[i] = a, e
-    return _with_error_column(_with_column(df, output, values), error_column, errors)
+
+    def rows(df: Any) -> Any:
+        unwritable: list[str | None] = []
+        if fields:
+            prompts, send = _field_prompts(df, template, list(fields), reorder_fields)
+            unwritable = [None] * len(prompts)
+        else:
+            prompts = _render(df, template, "llm_complete", unwritable)
+            send = list(range(len(prompts)))
+        n = len(prompts)
+        cols = _broadcast(n, call, ("max_tokens", "temperature", "top_p", "seed", "stop",
+                                    "system", "model", "on_error"))
+        sent_errors: list[str | None] = []
+        with _query(session):
+            _unwritable_rows(session, "llm_complete", template, call.get("on_error"),
+                             unwritable)
+            answers = functions.llm_complete(session, [prompts[i] for i in send], *cols,
+                                             errors=sent_errors)
+        values: list[Any] = [None] * n
+        errors = unwritable
+        for i, a, e in zip(send, answers, sent_errors, strict=True):
+            values[i], errors[i] = a, e or errors[i]
+        return _with_error_column(_with_column(df, output, values), error_column, errors)
+
+    reads = columns_read("complete", (template,), {"fields": fields})
+    return _apply(df, rows, reads, _added(output, error_column), every_row=True)
 
 
-@_lazy_in_lazy_out
 def filter(df: Any, template: str, *,  # noqa: A001 - mirrors llm_filter
            error_column: str | None = None, **options: Any) -> Any:
     """The rows for which the model answers yes to the rendered template (rendered as by
@@ -301,35 +424,49 @@ def filter(df: Any, template: str, *,  # noqa: A001 - mirrors llm_filter
     error_column: also the rows that failed under on_error='null' (else dropped, as NULL is
     by SQL's WHERE), with their error in this column; NULL for the rows answered yes."""
     session, call = _session_and_call_options("filter", options)
+    _check_template("filter", template)
     _check_error_column(error_column)
     _check_call(session, "llm_filter", call)
-    prompts = _render(df, template)
-    cols = _broadcast(len(prompts), call, ("system", "model", "on_error"))
-    errors: list[str | None] = []
-    with _query(session):
-        keep = functions.llm_filter(session, prompts, *cols, errors=errors)
-    if error_column is None:
-        return _keep(df, [bool(k) for k in keep])
-    return _keep(_with_column(df, error_column, errors),
-                 [bool(k) or e is not None for k, e in zip(keep, errors, strict=True)])
+
+    def rows(df: Any) -> Any:
+        unwritable: list[str | None] = []
+        prompts = _render(df, template, "llm_filter", unwritable)
+        cols = _broadcast(len(prompts), call, ("system", "model", "on_error"))
+        errors: list[str | None] = []
+        with _query(session):
+            _unwritable_rows(session, "llm_filter", template, call.get("on_error"), unwritable)
+            keep = functions.llm_filter(session, prompts, *cols, errors=errors)
+        errors = [e or u for e, u in zip(errors, unwritable, strict=True)]
+        if error_column is None:
+            return _keep(df, [bool(k) for k in keep])
+        return _keep(_with_column(df, error_column, errors),
+                     [bool(k) or e is not None for k, e in zip(keep, errors, strict=True)])
+
+    reads = columns_read("filter", (template,), {})
+    return _apply(df, rows, reads, _added(error_column), every_row=False)
 
 
-@_lazy_in_lazy_out
 def classify(df: Any, column: str, labels: list[str], output: str = "label", *,
              error_column: str | None = None, **options: Any) -> Any:
     """df plus a column `output` holding one of `labels` for each row's `column` (its
     text: a number or date as SQL's CAST(column AS VARCHAR) writes it). error_column: as
     complete's."""
     session, call = _session_and_call_options("classify", options)
+    _check_column_name("output", output)
     _check_error_column(error_column, output)
     if isinstance(labels, str) or not hasattr(labels, "__iter__"):
         raise TypeError(f"labels must be a list of strings, got {type(labels).__name__}")
     labels = list(labels)
     _check_call(session, "llm_classify", {**call, "labels": labels})
-    texts = _texts(df, _columns(df, [column]))[column]
-    n = len(texts)
-    cols = _broadcast(n, call, ("instruction", "system", "model", "on_error"))
-    errors: list[str | None] = []
-    with _query(session):
-        values = functions.llm_classify(session, texts, [labels] * n, *cols, errors=errors)
-    return _with_error_column(_with_column(df, output, values), error_column, errors)
+
+    def rows(df: Any) -> Any:
+        texts = _texts(df, _columns(df, [column]))[column]
+        n = len(texts)
+        cols = _broadcast(n, call, ("instruction", "system", "model", "on_error"))
+        errors: list[str | None] = []
+        with _query(session):
+            values = functions.llm_classify(session, texts, [labels] * n, *cols,
+                                            errors=errors)
+        return _with_error_column(_with_column(df, output, values), error_column, errors)
+
+    return _apply(df, rows, [column], _added(output, error_column), every_row=True)

@@ -192,6 +192,7 @@ def _check_call(function: str, args: tuple, options: dict[str, Any],
     stand-in. columns None: a dataset whose schema is not known without running it (the
     workers find a column it lacks)."""
     call = _split_options(function, options)[0]
+    dataframe.check_option_types(function, call)
     call.pop("model", None)  # (a model named per call would load here)
     if columns is None:
         columns = dataframe.columns_read(function, args, options)

@@ -130,6 +130,34 @@ def test_options_are_checked_before_any_row():
         (lambda: llmdb.complete(table, "Say {}"), ValueError, r"\{\} names no column"),
         (lambda: llmdb.complete(pa.table({"0": ["a"]}), "Say {0}", on_error="null"),
          ValueError, r"\{0\} names no column.*rename a column whose name is a number"),
+        # A value of the wrong type is refused by name, not cast (2.5 tokens ran as 2, "5"
+        # as 5, a seed of 1.5 as 1) nor left to fail every row (system=5: NULL everywhere).
+        (lambda: llmdb.complete(table, "{review}", max_tokens="5"), TypeError,
+         "llmdb.complete: max_tokens must be an integer, got '5'"),
+        (lambda: llmdb.complete(table, "{review}", max_tokens=2.5), TypeError,
+         "max_tokens must be an integer, got 2.5"),
+        (lambda: llmdb.complete(table, "{review}", max_tokens=True), TypeError,
+         "max_tokens must be an integer, got True"),
+        (lambda: llmdb.complete(table, "{review}", seed=1.5), TypeError,
+         "seed must be an integer, got 1.5"),
+        (lambda: llmdb.complete(table, "{review}", temperature="0.5"), TypeError,
+         "temperature must be a number, got '0.5'"),
+        (lambda: llmdb.complete(table, "{review}", stop=5), TypeError,
+         "stop must be a string or a list of strings, got 5"),
+        (lambda: llmdb.complete(table, "{review}", stop=["x", 5]), TypeError,
+         r"stop must be a string or a list of strings, got \['x', 5\]"),
+        (lambda: llmdb.complete(table, "{review}", system=5, on_error="null"), TypeError,
+         "llmdb.complete: system must be a string, got 5"),
+        (lambda: llmdb.classify(table, "review", LABELS, instruction=5, on_error="null"),
+         TypeError, "llmdb.classify: instruction must be a string, got 5"),
+        (lambda: llmdb.complete(table, "Summarize.", fields="review"), TypeError,
+         "fields must be a list of column names, got 'review'"),
+        (lambda: llmdb.complete(table, "{review}", output=None), TypeError,
+         "output must be a column name, got None"),
+        (lambda: llmdb.complete(table, None), TypeError,
+         "llmdb.complete: template must be a string, got None"),
+        (lambda: llmdb.filter(table, 5), TypeError,
+         "llmdb.filter: template must be a string, got 5"),
     ]
     before = llmdb.stats()["total"]
     for call, error, message in wrong:
@@ -154,6 +182,36 @@ def test_a_row_the_tokenizer_cannot_take_fails_alone():
     assert "TypeError" in error["error"]
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_row_the_template_cannot_write_fails_alone(kind):
+    """An index or format spec a row's value does not take ({l[0]} of an empty list) is that
+    row's error, naming the row, not the frame's: the other rows get the answers they get
+    alone. (The frame failed with a bare IndexError, also under on_error='null'.)"""
+    data = {"l": [[7], [], None, [9]]}
+    df = pd.DataFrame(data, index=[10, 20, 30, 40]) if kind == "pandas" else \
+        pl.DataFrame(data) if kind == "polars" else pa.table(data)
+    row = 20 if kind == "pandas" else 1  # pandas names the row by its index
+    session = Session(Options(model="hash-standin", cache=False))
+    out = llmdb.complete(df, "Item {l[0]}", on_error="null", error_column="why",
+                         session=session)
+    rows = [df.iloc[[i]] if kind == "pandas" else df.slice(i, 1) for i in (0, 3)]
+    alone = [column_values(llmdb.complete(r, "Item {l[0]}", session=session),
+                           "completion")[0] for r in rows]
+    assert column_values(out, "completion") == [alone[0], None, None, alone[1]]
+    why = column_values(out, "why")
+    assert why[0] is None and why[2] is None and why[3] is None
+    assert why[1].startswith(f"llm_complete failed on row {row} (l=[]): the template "
+                             f"'Item {{l[0]}}' cannot write its values (IndexError")
+    assert why[1] in [e.error for e in session.errors]
+    kept = llmdb.filter(df, "Item {l[0]}", on_error="null", error_column="why",
+                        session=session)
+    assert why[1].replace("llm_complete", "llm_filter") in column_values(kept, "why")
+    calls = session.total.calls
+    with pytest.raises(llmdb.LLMError, match=fr"failed on row {row} \(l=\[\]\): .*IndexError"):
+        llmdb.complete(df, "Item {l[0]} again", session=session)
+    assert session.total.calls == calls  # raised before any row was asked
+
+
 def test_a_polars_lazyframe_comes_back_lazy(sql_reference):
     lazy = pl.DataFrame(DATA).lazy()
     out = llmdb.complete(lazy, "Product {product}: {review}", max_tokens=6)
@@ -163,6 +221,41 @@ def test_a_polars_lazyframe_comes_back_lazy(sql_reference):
     assert isinstance(kept, pl.LazyFrame)
     with pytest.raises(TypeError, match="got polars.series"):
         llmdb.complete(pl.Series("review", ["x"]), "{review}")
+
+
+def test_a_polars_lazyframe_asks_the_model_when_collected_and_only_its_rows(sql_reference):
+    """Nothing runs before collect; then only the rows that reach the call are asked: a
+    head(k) after complete or classify asks k rows, a polars filter over the input's columns
+    runs first. (The LazyFrame was collected whole, at the call.)"""
+    lazy = pl.DataFrame(DATA).lazy()
+    session = Session(Options(cache=False))
+    out = llmdb.complete(lazy, "Product {product}: {review}", max_tokens=6, session=session)
+    labelled = llmdb.classify(lazy, "review", LABELS, output="sentiment", session=session)
+    kept = llmdb.filter(lazy, "{review}", session=session)
+    assert session.total.rows == 0  # no row asked yet
+    assert out.head(2).collect()["completion"].to_list() == sql_reference["complete"][:2]
+    assert session.total.rows == 2
+    chair = out.filter(pl.col("product") == "chair").collect()
+    assert chair["completion"].to_list() == sql_reference["complete"][4:]
+    assert session.total.rows == 3
+    assert labelled.head(1).collect()["sentiment"].to_list() == sql_reference["classify"][:1]
+    assert session.total.rows == 4
+    # filter: a head(k) after it is the first k rows kept, not the rows kept of the first k
+    first = [p for p, k in zip(DATA["product"], sql_reference["keep"], strict=True) if k][:1]
+    assert kept.head(1).collect()["product"].to_list() == first
+    with pytest.raises(KeyError, match="nope"):  # a missing column is named at the call
+        llmdb.complete(lazy, "{nope}", session=session)
+
+
+def test_a_lazy_output_that_replaces_an_input_column_is_filtered_after_the_call():
+    """A polars filter on the output column runs on the answers, also where the output
+    replaces a column the template read."""
+    session = Session(Options(model="hash-standin", cache=False))
+    table = pl.DataFrame({"review": ["a", "b", "c"]})
+    answers = llmdb.complete(table, "{review}", output="review", session=session)["review"]
+    out = llmdb.complete(table.lazy(), "{review}", output="review", session=session)
+    assert out.filter(pl.col("review") == answers[1]).collect()["review"].to_list() == \
+        [answers[1]]
 
 
 def test_dataframe_calls_share_the_sql_result_cache():

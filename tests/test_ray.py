@@ -148,7 +148,10 @@ def test_bad_arguments_fail_on_the_driver():
     ("complete", ("Greet.",), {"reorder_fields": True}),
     ("filter", ("{name}?",), {"error_column": ""}),
     ("classify", ("name", ["a", "a"]), {}),
-    ("classify", ("name", "ab"), {})])
+    ("classify", ("name", "ab"), {}),
+    ("complete", ("Greet {name}.",), {"max_tokens": "4"}),
+    ("complete", ("Greet {name}.",), {"model": 5}),  # (a model is not loaded to check it)
+    ("classify", ("name", ["a", "b"]), {"instruction": 5})])
 def test_a_wrong_option_fails_on_the_driver_as_in_one_process(function, args, options):
     """A wrong option of the call is the single-process call's error (type and message),
     raised by map_rows before any worker starts: in a worker it came back, after a model
