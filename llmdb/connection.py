@@ -24,7 +24,7 @@ from . import functions, relation, samples
 from .batch import LLMError
 from .planner import Planner, Report, explain
 from .planner.callsites import draws_per_row
-from .planner.run import Prepared
+from .planner.run import Prepared, bind_as_written
 from .scope import ScopedConnection, caller_frame, tables_named
 from .session import Options, QueryCancelled, Session
 
@@ -134,9 +134,17 @@ class Connection:
         else the query as written (draws_per_row)."""
         prepared = self.planner.rewrite(query, parameters) if self.planner else None
         if prepared is None:
-            return draws_per_row(query)
+            return self._as_written(query, parameters)
         self.planner.prefetch(prepared)
         return prepared.sql
+
+    def _as_written(self, query: str, parameters: Any = None) -> str:
+        """The statement run unplanned: its calls that draw per row renamed (draws_per_row:
+        sqlglot's text), where DuckDB takes the statement as written (else DuckDB's error)."""
+        renamed = draws_per_row(query)
+        if renamed != query:
+            bind_as_written(self._con, query, parameters)
+        return renamed
 
     def execute(self, query: str, parameters: Any = None) -> Connection:
         explained = EXPLAIN_LLM.match(query)
@@ -167,7 +175,7 @@ class Connection:
             prepared = self._run(lambda: self.planner.rewrite(query, kwargs.get("params"))) \
                 if self.planner else None
             if prepared is None:
-                return self._con.sql(draws_per_row(query), **kwargs)
+                return self._con.sql(self._as_written(query, kwargs.get("params")), **kwargs)
             if prepared.plan.writes or not relation.LAZY_READS:
                 self._run(lambda: self.planner.prefetch(prepared))
                 return self._con.sql(prepared.sql, **kwargs)
