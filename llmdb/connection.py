@@ -51,6 +51,11 @@ class RowCallError(LLMError, duckdb.InvalidInputException):
     duckdb.InvalidInputException DuckDB raises for a failing UDF (the message is the row's)."""
 
 
+class ArgumentTypeError(duckdb.InvalidInputException):
+    """A wrong argument type to an llm_* function: the duckdb.InvalidInputException DuckDB
+    raises for it, with llmdb's message alone (naming the function and the parameter)."""
+
+
 class QueryInterrupted(QueryCancelled, duckdb.InterruptException):
     """The query was cancelled: an llmdb.QueryCancelled, and still DuckDB's interrupt."""
 
@@ -63,13 +68,15 @@ _UDF_ERROR = re.compile(r"executing the UDF: (?P<kind>LLMError|QueryCancelled): 
 def _as_llmdb_error(e: BaseException) -> BaseException:
     """A failed row or a cancel as the llmdb type users catch, also the DuckDB error it is
     inside a query: raised by the planner's prefetch as itself, or by DuckDB around the
-    exception of a UDF."""
-    if isinstance(e, RowCallError | QueryInterrupted):
+    exception of a UDF. A wrong argument type: its message without DuckDB's prefix."""
+    if isinstance(e, RowCallError | QueryInterrupted | ArgumentTypeError):
         return e
     if isinstance(e, LLMError):
         return RowCallError(str(e))
     if isinstance(e, QueryCancelled | duckdb.InterruptException):
         return QueryInterrupted("the query was cancelled")
+    if (message := functions.argument_error(e)) is not None:
+        return ArgumentTypeError(message)
     if isinstance(e, duckdb.Error) and (m := _UDF_ERROR.search(str(e))):
         if m["kind"] == "QueryCancelled":
             return QueryInterrupted(m["msg"])

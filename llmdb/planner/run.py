@@ -22,7 +22,7 @@ import sqlglot
 from sqlglot import exp
 from sqlglot.errors import SqlglotError
 
-from llmdb.functions import DEFAULT_PARAMS, is_argument_error
+from llmdb.functions import DEFAULT_PARAMS, argument_error
 from llmdb.session import QueryCancelled, Session
 
 from . import drivers, memo
@@ -395,7 +395,7 @@ class Planner:
         except duckdb.InterruptException:
             raise
         except duckdb.Error as e:
-            if is_argument_error(e):
+            if argument_error(e) is not None:
                 raise
             if self.session.cancel.is_set():
                 raise QueryCancelled("the query was cancelled") from None
