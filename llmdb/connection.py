@@ -133,6 +133,11 @@ class Connection:
         self._con.tables = tables_named(query, frame, read_streams="llm_" in query.lower())
         try:
             yield
+        except duckdb.CatalogException as e:
+            named = samples.unknown_table(self._con, query, e)
+            if named is None:
+                raise
+            raise named from e
         finally:
             self._con.tables = {}
 
