@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any
@@ -167,6 +167,17 @@ class Connection:
         with self._tables(query, caller_frame()):
             self.session.begin_query(bool(_INSPECTS.search(query)))
             self._run(lambda: self._con.execute(self._planned(query, parameters), parameters))
+        return self
+
+    def executemany(self, query: str, parameters: Iterable[Any] | None = None) -> Connection:
+        """DuckDB's executemany: the statement once per parameter set, each as execute runs
+        it (planned, cancellable, a query of llm_stats()); the last set's rows are left to
+        fetch. An interrupt stops the sets after the cancelled one."""
+        sets = list(parameters or [])
+        if not sets:  # (DuckDB's own error: it wants a non-empty list)
+            self._con.executemany(query, sets)
+        for values in sets:
+            self.execute(query, values)
         return self
 
     def sql(self, query: str, **kwargs: Any) -> duckdb.DuckDBPyRelation | None:
