@@ -235,6 +235,7 @@ class LLMEngine:
             raise TypeError(f"a prompt is a string, a list of token ids or a list of chat "
                             f"messages (dicts), not {type(prompt).__name__}")
         if prompt and all(isinstance(m, dict) for m in prompt):
+            _check_contents(prompt)
             # Message text is data: it cannot forge the template's turn markers.
             return self.tokenizer.encode_chat(prompt)
         return self._token_ids(prompt)
@@ -835,6 +836,18 @@ class _InFlight:
     caught_up: list[Request]
     launched: LaunchedStep
     preemptions: list[int]
+
+
+def _check_contents(messages: Sequence[dict[str, Any]]) -> None:
+    """OpenAI's rule for a chat message's content: null (or missing) only in an assistant
+    message that makes tool_calls, which a template that writes tool calls renders. Other
+    null contents reached the template, whose error (a TypeError adding None to text, or
+    a missing attribute) named neither the message nor the field."""
+    for i, m in enumerate(messages):
+        if m.get("content") is None and not (m.get("role") == "assistant" and m.get("tool_calls")):
+            state = "null" if "content" in m else "missing"
+            raise ValueError(f"chat message {i} ({m.get('role')}): content is {state}; it must "
+                             f"be text (null only in an assistant message with tool_calls)")
 
 
 def _token_id(t: Any) -> int:

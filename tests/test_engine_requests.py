@@ -4,6 +4,7 @@ serves the next request as before (the reference: that request's tokens before t
 
 from __future__ import annotations
 
+import re
 import threading
 
 import numpy as np
@@ -287,3 +288,19 @@ def test_a_callback_that_waits_on_the_engine_fails_its_request_instead_of_hangin
     assert engine.generate([prompt], SHORT)[0].token_ids == ref
     while engine._results:  # (the inner request, aborted: its result cannot be waited for)
         engine._results.popitem()
+
+
+@pytest.mark.parametrize("messages, cause", [
+    ([{"role": "user", "content": None}], "chat message 0 (user): content is null"),
+    ([{"role": "system", "content": "Be brief."}, {"role": "user"}],
+     "chat message 1 (user): content is missing"),
+    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None},
+      {"role": "user", "content": "Go on."}], "chat message 1 (assistant): content is null"),
+])
+def test_a_chat_message_without_text_is_refused_naming_it(engine, messages, cause):
+    """It reached the chat template, whose TypeError (concatenating None) named neither the
+    message nor the field. OpenAI's rule: null only in an assistant message with tool_calls."""
+    with pytest.raises(ValueError, match=rf"^{re.escape(cause)}; it must be text \(null only "
+                                         r"in an assistant message with tool_calls\)$"):
+        engine.add_request(messages, SHORT)
+    assert not engine.has_unfinished
