@@ -18,6 +18,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -287,8 +288,8 @@ class LLMEngine:
             req.slo_ttft_s, req.slo_tbt_s = self.rt_slos
         with self._cond:
             if req.request_id in self._requests or req.request_id in self._results:
-                raise ValueError(f"request id {req.request_id!r} is already in use (by a "
-                                 "request running, or finished and not collected by wait())")
+                raise ValueError("the id is already in use by a request running, or finished "
+                                 "and not collected by wait()")
             self._requests[req.request_id] = req
             self.scheduler.add(req)
             self._cond.notify_all()
@@ -304,67 +305,70 @@ class LLMEngine:
         `on_logprobs((logprob, top logprobs))` each token's, just before on_token gets it
         (with params.logprobs set); `on_finish(request_id)` is called once its result can be
         collected with wait()."""
-        params = params or SamplingParams()
-        params.validate()
-        if params.logprobs is not None and params.logprobs > self.config.vocab_size:
-            raise ValueError(f"logprobs must be at most the vocabulary's "
-                             f"{self.config.vocab_size:,} tokens, got {params.logprobs:,}")
-        ids = self.encode_prompt(prompt)
-        self._check_fits(len(ids), "prompt")
-        if len(ids) >= self.config.max_context:
-            raise ValueError(
-                f"prompt is {len(ids):,} tokens: no room to generate in "
-                f"{self._context_served()}"
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        with _naming(rid):
+            params = params or SamplingParams()
+            params.validate()
+            if params.logprobs is not None and params.logprobs > self.config.vocab_size:
+                raise ValueError(f"logprobs must be at most the vocabulary's "
+                                 f"{self.config.vocab_size:,} tokens, got {params.logprobs:,}")
+            ids = self.encode_prompt(prompt)
+            self._check_fits(len(ids), "prompt")
+            if len(ids) >= self.config.max_context:
+                raise ValueError(
+                    f"prompt is {len(ids):,} tokens: no room to generate in "
+                    f"{self._context_served()}"
+                )
+            seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+            need = min(len(ids) + params.max_tokens, self.config.max_context)
+            self._check_fits(need, "prompt plus max_tokens")
+            req = Request(
+                rid, ids, params, seed=seed, callbacks=[on_token] if on_token else [],
+                on_finish=on_finish, on_logprobs=on_logprobs,
             )
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        need = min(len(ids) + params.max_tokens, self.config.max_context)
-        self._check_fits(need, "prompt plus max_tokens")
-        req = Request(
-            request_id if request_id is not None else f"req-{next(self._ids)}",
-            ids, params, seed=seed, callbacks=[on_token] if on_token else [],
-            on_finish=on_finish, on_logprobs=on_logprobs,
-        )
-        return self._submit(req, priority)
+            return self._submit(req, priority)
 
     def add_score_request(self, prompt: Prompt, continuation: str | list[int],
                           request_id: str | None = None,
                           on_finish: Callable[[str], None] | None = None,
                           priority: str = "BE") -> str:
         """Queue the log-likelihood of `continuation` after `prompt`; no token is generated."""
-        ids = self.encode_prompt(prompt)
-        if isinstance(continuation, str):
-            cont = self.tokenizer.encode(continuation)
-        elif isinstance(continuation, list | tuple):
-            cont = self._token_ids(continuation)
-        else:
-            raise TypeError(f"a continuation is a string or a list of token ids, not "
-                            f"{type(continuation).__name__}")
-        if not ids or not cont:
-            raise ValueError("scoring needs a non-empty prompt and continuation")
-        self._check_fits(len(ids) + len(cont), "prompt plus continuation")
-        req = Request(
-            request_id if request_id is not None else f"score-{next(self._ids)}",
-            ids + cont, SamplingParams(max_tokens=1), generate=False, logits_from=len(ids) - 1,
-            on_finish=on_finish,
-        )
-        return self._submit(req, priority)
+        rid = request_id if request_id is not None else f"score-{next(self._ids)}"
+        with _naming(rid):
+            ids = self.encode_prompt(prompt)
+            if isinstance(continuation, str):
+                cont = self.tokenizer.encode(continuation)
+            elif isinstance(continuation, list | tuple):
+                cont = self._token_ids(continuation)
+            else:
+                raise TypeError(f"a continuation is a string or a list of token ids, not "
+                                f"{type(continuation).__name__}")
+            if not ids or not cont:
+                raise ValueError("scoring needs a non-empty prompt and continuation")
+            self._check_fits(len(ids) + len(cont), "prompt plus continuation")
+            req = Request(
+                rid, ids + cont, SamplingParams(max_tokens=1), generate=False,
+                logits_from=len(ids) - 1, on_finish=on_finish,
+            )
+            return self._submit(req, priority)
 
     def add_choice_request(self, prompt: Prompt, candidate_ids: list[int],
                            request_id: str | None = None,
                            on_finish: Callable[[str], None] | None = None,
                            priority: str = "BE") -> str:
         """Queue the next-token log-probabilities of `candidate_ids` after `prompt`."""
-        ids = self.encode_prompt(prompt)
-        self._check_fits(len(ids), "prompt")
-        candidate_ids = self._token_ids(candidate_ids)
-        if not candidate_ids:
-            raise ValueError("a choice needs at least one candidate token id")
-        req = Request(
-            request_id if request_id is not None else f"choice-{next(self._ids)}",
-            ids, SamplingParams(max_tokens=1), generate=False, logits_from=len(ids) - 1,
-            candidate_ids=candidate_ids, on_finish=on_finish,
-        )
-        return self._submit(req, priority)
+        rid = request_id if request_id is not None else f"choice-{next(self._ids)}"
+        with _naming(rid):
+            ids = self.encode_prompt(prompt)
+            self._check_fits(len(ids), "prompt")
+            candidate_ids = self._token_ids(candidate_ids)
+            if not candidate_ids:
+                raise ValueError("a choice needs at least one candidate token id")
+            req = Request(
+                rid, ids, SamplingParams(max_tokens=1), generate=False, logits_from=len(ids) - 1,
+                candidate_ids=candidate_ids, on_finish=on_finish,
+            )
+            return self._submit(req, priority)
 
     def add_logits_request(self, prompt: Prompt, request_id: str | None = None,
                            on_finish: Callable[[str], None] | None = None,
@@ -372,14 +376,15 @@ class LLMEngine:
         """Queue the teacher-forced next-token logits of every position of `prompt`, for
         collect_logits(); no token is generated. Like any request, abort(request_id) stops
         it and frees its blocks: a long prompt's job is seconds of work nobody may want."""
-        ids = self.encode_prompt(prompt)
-        self._check_fits(len(ids), "input")
-        req = Request(
-            request_id if request_id is not None else f"logits-{next(self._ids)}",
-            ids, SamplingParams(max_tokens=1), generate=False, logits_from=0,
-            keep_logits=True, on_finish=on_finish,
-        )
-        return self._submit(req, priority)
+        rid = request_id if request_id is not None else f"logits-{next(self._ids)}"
+        with _naming(rid):
+            ids = self.encode_prompt(prompt)
+            self._check_fits(len(ids), "input")
+            req = Request(
+                rid, ids, SamplingParams(max_tokens=1), generate=False, logits_from=0,
+                keep_logits=True, on_finish=on_finish,
+            )
+            return self._submit(req, priority)
 
     # ---- one iteration -------------------------------------------------------------------
 
@@ -836,6 +841,18 @@ class _InFlight:
     caught_up: list[Request]
     launched: LaunchedStep
     preemptions: list[int]
+
+
+@contextmanager
+def _naming(request_id: str) -> Iterator[None]:
+    """An add_*_request refusal names its request at the end of its message (the exception
+    itself, of its type): a caller that submitted many can tell which one was refused."""
+    try:
+        yield
+    except (TypeError, ValueError) as e:
+        if e.args and isinstance(e.args[0], str):
+            e.args = (f"{e.args[0]} (request {request_id!r})", *e.args[1:])
+        raise
 
 
 def _check_contents(messages: Sequence[dict[str, Any]]) -> None:
