@@ -78,16 +78,20 @@ def unknown_table(con: duckdb.DuckDBPyConnection, sql: str, error: duckdb.Catalo
     name = next((n for n in names if n.lower() in str(error).lower()), None)
     if name is None:
         return None
-    users = con.execute(
-        "SELECT count(*) FROM duckdb_schemas() WHERE schema_name = $1 AND database_name <> $1",
-        [CATALOG]).fetchall()[0][0] or any(t not in SAMPLES for (t,) in con.execute(
-            "SELECT table_name FROM duckdb_tables() WHERE database_name = ?", [CATALOG]
-        ).fetchall())
-    if users:
+    if _users_own(con):
         return None
     tables = ", ".join(f"{CATALOG}.{t}" for t in sorted(SAMPLES))
     return duckdb.CatalogException(f"Catalog Error: {CATALOG}.{name} is not a sample table; "
                                    f"the sample tables are {tables}")
+
+
+def _users_own(con: duckdb.DuckDBPyConnection) -> bool:
+    """Whether `samples` names a schema of the user's, or a database with tables of theirs."""
+    schemas = con.execute("SELECT count(*) FROM duckdb_schemas() WHERE schema_name = $1 AND "
+                          "database_name <> $1", [CATALOG]).fetchall()[0][0]
+    tables = con.execute("SELECT table_name FROM duckdb_tables() WHERE database_name = ?",
+                         [CATALOG]).fetchall()
+    return schemas > 0 or any(t not in SAMPLES for (t,) in tables)
 
 
 def referenced(sql: str) -> list[str]:
