@@ -18,6 +18,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -235,6 +236,7 @@ class LLMEngine:
             raise TypeError(f"a prompt is a string, a list of token ids or a list of chat "
                             f"messages (dicts), not {type(prompt).__name__}")
         if prompt and all(isinstance(m, dict) for m in prompt):
+            _check_contents(prompt)
             # Message text is data: it cannot forge the template's turn markers.
             return self.tokenizer.encode_chat(prompt)
         return self._token_ids(prompt)
@@ -286,8 +288,8 @@ class LLMEngine:
             req.slo_ttft_s, req.slo_tbt_s = self.rt_slos
         with self._cond:
             if req.request_id in self._requests or req.request_id in self._results:
-                raise ValueError(f"request id {req.request_id!r} is already in use (by a "
-                                 "request running, or finished and not collected by wait())")
+                raise ValueError("the id is already in use by a request running, or finished "
+                                 "and not collected by wait()")
             self._requests[req.request_id] = req
             if watch is not None:  # (before its first step: it has seen resumed text)
                 self._stop_watches[req.request_id] = watch
@@ -312,35 +314,37 @@ class LLMEngine:
         after them, as a preempted request does, so its result (text, token_ids) is the
         uninterrupted run's; seeded draws too, since a draw's noise depends on its index.
         They count against max_tokens, not as generated tokens, and are not streamed."""
-        params = params or SamplingParams()
-        params.validate()
-        if params.logprobs is not None and params.logprobs > self.config.vocab_size:
-            raise ValueError(f"logprobs must be at most the vocabulary's "
-                             f"{self.config.vocab_size:,} tokens, got {params.logprobs:,}")
-        ids = self.encode_prompt(prompt)
-        self._check_fits(len(ids), "prompt")
-        resumed = self._resumed_tokens(resume_from, params)
-        if len(ids) + len(resumed) >= self.config.max_context:
-            what = "prompt" if not resumed else "prompt plus resume_from"
-            raise ValueError(
-                f"{what} is {len(ids) + len(resumed):,} tokens: no room to generate in "
-                f"{self._context_served()}"
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        with _naming(rid):
+            params = params or SamplingParams()
+            params.validate()
+            if params.logprobs is not None and params.logprobs > self.config.vocab_size:
+                raise ValueError(f"logprobs must be at most the vocabulary's "
+                                 f"{self.config.vocab_size:,} tokens, got {params.logprobs:,}")
+            ids = self.encode_prompt(prompt)
+            self._check_fits(len(ids), "prompt")
+            resumed = self._resumed_tokens(resume_from, params)
+            if len(ids) + len(resumed) >= self.config.max_context:
+                what = "prompt" if not resumed else "prompt plus resume_from"
+                raise ValueError(
+                    f"{what} is {len(ids) + len(resumed):,} tokens: no room to generate in "
+                    f"{self._context_served()}"
+                )
+            seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+            need = min(len(ids) + params.max_tokens, self.config.max_context)
+            self._check_fits(need, "prompt plus max_tokens")
+            req = Request(
+                rid, ids, params, seed=seed, callbacks=[on_token] if on_token else [],
+                on_finish=on_finish, on_logprobs=on_logprobs, output_ids=resumed,
+                num_resumed=len(resumed),
             )
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        need = min(len(ids) + params.max_tokens, self.config.max_context)
-        self._check_fits(need, "prompt plus max_tokens")
-        req = Request(
-            request_id if request_id is not None else f"req-{next(self._ids)}",
-            ids, params, seed=seed, callbacks=[on_token] if on_token else [],
-            on_finish=on_finish, on_logprobs=on_logprobs, output_ids=resumed,
-            num_resumed=len(resumed),
-        )
-        watch = None
-        if resumed and params.stop:
-            watch = StopStringWatch(self.tokenizer.decode, params.stop)
-            if any(watch.add(t) for t in resumed):
-                raise ValueError("resume_from's text holds a stop string: that run had ended")
-        return self._submit(req, priority, watch)
+            watch = None
+            if resumed and params.stop:
+                watch = StopStringWatch(self.tokenizer.decode, params.stop)
+                if any(watch.add(t) for t in resumed):
+                    raise ValueError("resume_from's text holds a stop string: that run had "
+                                     "ended")
+            return self._submit(req, priority, watch)
 
     def _resumed_tokens(self, resume_from: Sequence[int], params: SamplingParams) -> list[int]:
         """resume_from checked: tokens a run of this request could have generated without
@@ -366,40 +370,42 @@ class LLMEngine:
                           on_finish: Callable[[str], None] | None = None,
                           priority: str = "BE") -> str:
         """Queue the log-likelihood of `continuation` after `prompt`; no token is generated."""
-        ids = self.encode_prompt(prompt)
-        if isinstance(continuation, str):
-            cont = self.tokenizer.encode(continuation)
-        elif isinstance(continuation, list | tuple):
-            cont = self._token_ids(continuation)
-        else:
-            raise TypeError(f"a continuation is a string or a list of token ids, not "
-                            f"{type(continuation).__name__}")
-        if not ids or not cont:
-            raise ValueError("scoring needs a non-empty prompt and continuation")
-        self._check_fits(len(ids) + len(cont), "prompt plus continuation")
-        req = Request(
-            request_id if request_id is not None else f"score-{next(self._ids)}",
-            ids + cont, SamplingParams(max_tokens=1), generate=False, logits_from=len(ids) - 1,
-            on_finish=on_finish,
-        )
-        return self._submit(req, priority)
+        rid = request_id if request_id is not None else f"score-{next(self._ids)}"
+        with _naming(rid):
+            ids = self.encode_prompt(prompt)
+            if isinstance(continuation, str):
+                cont = self.tokenizer.encode(continuation)
+            elif isinstance(continuation, list | tuple):
+                cont = self._token_ids(continuation)
+            else:
+                raise TypeError(f"a continuation is a string or a list of token ids, not "
+                                f"{type(continuation).__name__}")
+            if not ids or not cont:
+                raise ValueError("scoring needs a non-empty prompt and continuation")
+            self._check_fits(len(ids) + len(cont), "prompt plus continuation")
+            req = Request(
+                rid, ids + cont, SamplingParams(max_tokens=1), generate=False,
+                logits_from=len(ids) - 1, on_finish=on_finish,
+            )
+            return self._submit(req, priority)
 
     def add_choice_request(self, prompt: Prompt, candidate_ids: list[int],
                            request_id: str | None = None,
                            on_finish: Callable[[str], None] | None = None,
                            priority: str = "BE") -> str:
         """Queue the next-token log-probabilities of `candidate_ids` after `prompt`."""
-        ids = self.encode_prompt(prompt)
-        self._check_fits(len(ids), "prompt")
-        candidate_ids = self._token_ids(candidate_ids)
-        if not candidate_ids:
-            raise ValueError("a choice needs at least one candidate token id")
-        req = Request(
-            request_id if request_id is not None else f"choice-{next(self._ids)}",
-            ids, SamplingParams(max_tokens=1), generate=False, logits_from=len(ids) - 1,
-            candidate_ids=candidate_ids, on_finish=on_finish,
-        )
-        return self._submit(req, priority)
+        rid = request_id if request_id is not None else f"choice-{next(self._ids)}"
+        with _naming(rid):
+            ids = self.encode_prompt(prompt)
+            self._check_fits(len(ids), "prompt")
+            candidate_ids = self._token_ids(candidate_ids)
+            if not candidate_ids:
+                raise ValueError("a choice needs at least one candidate token id")
+            req = Request(
+                rid, ids, SamplingParams(max_tokens=1), generate=False, logits_from=len(ids) - 1,
+                candidate_ids=candidate_ids, on_finish=on_finish,
+            )
+            return self._submit(req, priority)
 
     def add_logits_request(self, prompt: Prompt, request_id: str | None = None,
                            on_finish: Callable[[str], None] | None = None,
@@ -407,14 +413,15 @@ class LLMEngine:
         """Queue the teacher-forced next-token logits of every position of `prompt`, for
         collect_logits(); no token is generated. Like any request, abort(request_id) stops
         it and frees its blocks: a long prompt's job is seconds of work nobody may want."""
-        ids = self.encode_prompt(prompt)
-        self._check_fits(len(ids), "input")
-        req = Request(
-            request_id if request_id is not None else f"logits-{next(self._ids)}",
-            ids, SamplingParams(max_tokens=1), generate=False, logits_from=0,
-            keep_logits=True, on_finish=on_finish,
-        )
-        return self._submit(req, priority)
+        rid = request_id if request_id is not None else f"logits-{next(self._ids)}"
+        with _naming(rid):
+            ids = self.encode_prompt(prompt)
+            self._check_fits(len(ids), "input")
+            req = Request(
+                rid, ids, SamplingParams(max_tokens=1), generate=False, logits_from=0,
+                keep_logits=True, on_finish=on_finish,
+            )
+            return self._submit(req, priority)
 
     # ---- one iteration -------------------------------------------------------------------
 
@@ -882,6 +889,30 @@ class _InFlight:
     caught_up: list[Request]
     launched: LaunchedStep
     preemptions: list[int]
+
+
+@contextmanager
+def _naming(request_id: str) -> Iterator[None]:
+    """An add_*_request refusal names its request at the end of its message (the exception
+    itself, of its type): a caller that submitted many can tell which one was refused."""
+    try:
+        yield
+    except (TypeError, ValueError) as e:
+        if e.args and isinstance(e.args[0], str):
+            e.args = (f"{e.args[0]} (request {request_id!r})", *e.args[1:])
+        raise
+
+
+def _check_contents(messages: Sequence[dict[str, Any]]) -> None:
+    """OpenAI's rule for a chat message's content: null (or missing) only in an assistant
+    message that makes tool_calls, which a template that writes tool calls renders. Other
+    null contents reached the template, whose error (a TypeError adding None to text, or
+    a missing attribute) named neither the message nor the field."""
+    for i, m in enumerate(messages):
+        if m.get("content") is None and not (m.get("role") == "assistant" and m.get("tool_calls")):
+            state = "null" if "content" in m else "missing"
+            raise ValueError(f"chat message {i} ({m.get('role')}): content is {state}; it must "
+                             f"be text (null only in an assistant message with tool_calls)")
 
 
 def _token_id(t: Any) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any
@@ -24,7 +24,7 @@ from . import functions, relation, samples
 from .batch import LLMError
 from .planner import Planner, Report, explain
 from .planner.callsites import draws_per_row
-from .planner.run import Prepared
+from .planner.run import Prepared, bind_as_written
 from .scope import ScopedConnection, caller_frame, tables_named
 from .session import Options, QueryCancelled, Session
 
@@ -51,6 +51,11 @@ class RowCallError(LLMError, duckdb.InvalidInputException):
     duckdb.InvalidInputException DuckDB raises for a failing UDF (the message is the row's)."""
 
 
+class ArgumentTypeError(duckdb.InvalidInputException):
+    """A wrong argument type to an llm_* function: the duckdb.InvalidInputException DuckDB
+    raises for it, with llmdb's message alone (naming the function and the parameter)."""
+
+
 class QueryInterrupted(QueryCancelled, duckdb.InterruptException):
     """The query was cancelled: an llmdb.QueryCancelled, and still DuckDB's interrupt."""
 
@@ -63,13 +68,15 @@ _UDF_ERROR = re.compile(r"executing the UDF: (?P<kind>LLMError|QueryCancelled): 
 def _as_llmdb_error(e: BaseException) -> BaseException:
     """A failed row or a cancel as the llmdb type users catch, also the DuckDB error it is
     inside a query: raised by the planner's prefetch as itself, or by DuckDB around the
-    exception of a UDF."""
-    if isinstance(e, RowCallError | QueryInterrupted):
+    exception of a UDF. A wrong argument type: its message without DuckDB's prefix."""
+    if isinstance(e, RowCallError | QueryInterrupted | ArgumentTypeError):
         return e
     if isinstance(e, LLMError):
         return RowCallError(str(e))
     if isinstance(e, QueryCancelled | duckdb.InterruptException):
         return QueryInterrupted("the query was cancelled")
+    if (message := functions.argument_error(e)) is not None:
+        return ArgumentTypeError(message)
     if isinstance(e, duckdb.Error) and (m := _UDF_ERROR.search(str(e))):
         if m["kind"] == "QueryCancelled":
             return QueryInterrupted(m["msg"])
@@ -126,6 +133,11 @@ class Connection:
         self._con.tables = tables_named(query, frame, read_streams="llm_" in query.lower())
         try:
             yield
+        except duckdb.CatalogException as e:
+            named = samples.unknown_table(self._con, query, e)
+            if named is None:
+                raise
+            raise named from e
         finally:
             self._con.tables = {}
 
@@ -134,9 +146,17 @@ class Connection:
         else the query as written (draws_per_row)."""
         prepared = self.planner.rewrite(query, parameters) if self.planner else None
         if prepared is None:
-            return draws_per_row(query)
+            return self._as_written(query, parameters)
         self.planner.prefetch(prepared)
         return prepared.sql
+
+    def _as_written(self, query: str, parameters: Any = None) -> str:
+        """The statement run unplanned: its calls that draw per row renamed (draws_per_row:
+        sqlglot's text), where DuckDB takes the statement as written (else DuckDB's error)."""
+        renamed = draws_per_row(query)
+        if renamed != query:
+            bind_as_written(self._con, query, parameters)
+        return renamed
 
     def execute(self, query: str, parameters: Any = None) -> Connection:
         explained = EXPLAIN_LLM.match(query)
@@ -147,6 +167,17 @@ class Connection:
         with self._tables(query, caller_frame()):
             self.session.begin_query(bool(_INSPECTS.search(query)))
             self._run(lambda: self._con.execute(self._planned(query, parameters), parameters))
+        return self
+
+    def executemany(self, query: str, parameters: Iterable[Any] | None = None) -> Connection:
+        """DuckDB's executemany: the statement once per parameter set, each as execute runs
+        it (planned, cancellable, a query of llm_stats()); the last set's rows are left to
+        fetch. An interrupt stops the sets after the cancelled one."""
+        sets = list(parameters or [])
+        if not sets:  # (DuckDB's own error: it wants a non-empty list)
+            self._con.executemany(query, sets)
+        for values in sets:
+            self.execute(query, values)
         return self
 
     def sql(self, query: str, **kwargs: Any) -> duckdb.DuckDBPyRelation | None:
@@ -167,7 +198,7 @@ class Connection:
             prepared = self._run(lambda: self.planner.rewrite(query, kwargs.get("params"))) \
                 if self.planner else None
             if prepared is None:
-                return self._con.sql(draws_per_row(query), **kwargs)
+                return self._con.sql(self._as_written(query, kwargs.get("params")), **kwargs)
             if prepared.plan.writes or not relation.LAZY_READS:
                 self._run(lambda: self.planner.prefetch(prepared))
                 return self._con.sql(prepared.sql, **kwargs)

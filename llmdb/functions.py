@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -625,11 +626,17 @@ def _raise_argument_error(message: str) -> None:
     raise ValueError(message)
 
 
-def is_argument_error(e: duckdb.Error) -> bool:
-    """Whether DuckDB raised one of checked_arg's errors (a wrong argument type)."""
-    text = str(e)
-    return isinstance(e, duckdb.InvalidInputException) and any(
-        f"{f.name}: {p.name} " in text for f in FUNCTIONS.values() for p in f.params)
+# How DuckDB reports the ValueError of _raise_argument_error.
+_ARGUMENT_ERROR = re.compile(r"executing the UDF: ValueError: (?P<msg>(?P<f>\w+): (?P<p>\w+) .*)",
+                             re.S)
+
+
+def argument_error(e: BaseException) -> str | None:
+    """checked_arg's message (a wrong argument type, naming the function and parameter)
+    where DuckDB raised one of its errors, else None."""
+    m = _ARGUMENT_ERROR.search(str(e)) if isinstance(e, duckdb.InvalidInputException) else None
+    f = FUNCTIONS.get(m["f"]) if m else None
+    return m["msg"] if f is not None and any(p.name == m["p"] for p in f.params) else None
 
 
 # llm_complete sampling without a seed is a fresh draw per row, but DuckDB computes a pure

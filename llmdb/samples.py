@@ -68,6 +68,32 @@ SAMPLES: dict[str, Callable[[], pa.Table]] = {
 _REFERENCE = re.compile(rf"\b{CATALOG}\"?\s*\.\s*\"?(\w+)", re.IGNORECASE)
 
 
+def unknown_table(con: duckdb.DuckDBPyConnection, sql: str, error: duckdb.CatalogException
+                  ) -> duckdb.CatalogException | None:
+    """DuckDB's error about a table the query names as samples.<name> that is no sample
+    table (DuckDB said that the schema samples did not exist), as one that names it and
+    lists the sample tables; None where the error is another's, or `samples` is the
+    user's own schema or database."""
+    names = [m for m in _REFERENCE.findall(sql) if m.lower() not in SAMPLES]
+    name = next((n for n in names if n.lower() in str(error).lower()), None)
+    if name is None:
+        return None
+    if _users_own(con):
+        return None
+    tables = ", ".join(f"{CATALOG}.{t}" for t in sorted(SAMPLES))
+    return duckdb.CatalogException(f"Catalog Error: {CATALOG}.{name} is not a sample table; "
+                                   f"the sample tables are {tables}")
+
+
+def _users_own(con: duckdb.DuckDBPyConnection) -> bool:
+    """Whether `samples` names a schema of the user's, or a database with tables of theirs."""
+    schemas = con.execute("SELECT count(*) FROM duckdb_schemas() WHERE schema_name = $1 AND "
+                          "database_name <> $1", [CATALOG]).fetchall()[0][0]
+    tables = con.execute("SELECT table_name FROM duckdb_tables() WHERE database_name = ?",
+                         [CATALOG]).fetchall()
+    return schemas > 0 or any(t not in SAMPLES for (t,) in tables)
+
+
 def referenced(sql: str) -> list[str]:
     """Sample tables a query names (a mention inside a string only costs a load)."""
     return sorted({m.lower() for m in _REFERENCE.findall(sql) if m.lower() in SAMPLES})

@@ -4,6 +4,7 @@ serves the next request as before (the reference: that request's tokens before t
 
 from __future__ import annotations
 
+import re
 import threading
 
 import numpy as np
@@ -129,7 +130,7 @@ def test_a_request_id_whose_result_is_not_collected_is_still_in_use(engine):
     first = engine.add_request("Say A", SHORT, request_id="x")
     while engine.has_unfinished:
         engine.step()
-    with pytest.raises(ValueError, match="request id 'x' is already in use"):
+    with pytest.raises(ValueError, match=r"already in use .* \(request 'x'\)$"):
         engine.add_request("Tell me a long story", SHORT, request_id="x")
     assert engine.wait(first).usage.prompt_tokens == len(engine.encode_prompt("Say A"))
     again = engine.add_request("Tell me a long story", SHORT, request_id="x")  # collected: free
@@ -287,3 +288,53 @@ def test_a_callback_that_waits_on_the_engine_fails_its_request_instead_of_hangin
     assert engine.generate([prompt], SHORT)[0].token_ids == ref
     while engine._results:  # (the inner request, aborted: its result cannot be waited for)
         engine._results.popitem()
+
+
+@pytest.mark.parametrize("messages, cause", [
+    ([{"role": "user", "content": None}], "chat message 0 (user): content is null"),
+    ([{"role": "system", "content": "Be brief."}, {"role": "user"}],
+     "chat message 1 (user): content is missing"),
+    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None},
+      {"role": "user", "content": "Go on."}], "chat message 1 (assistant): content is null"),
+])
+def test_a_chat_message_without_text_is_refused_naming_it(engine, messages, cause):
+    """It reached the chat template, whose TypeError (concatenating None) named neither the
+    message nor the field. OpenAI's rule: null only in an assistant message with tool_calls."""
+    with pytest.raises(ValueError, match=rf"^{re.escape(cause)}; it must be text \(null only "
+                                         r"in an assistant message with tool_calls\) "
+                                         r"\(request 'req-\d+'\)$"):
+        engine.add_request(messages, SHORT)
+    assert not engine.has_unfinished
+
+
+@pytest.mark.parametrize("submit, error", [
+    (lambda e, rid: e.add_request("Hi", SamplingParams(max_tokens=0), request_id=rid),
+     ValueError),
+    (lambda e, rid: e.add_request("Hi", SamplingParams(seed="7"), request_id=rid), TypeError),
+    (lambda e, rid: e.add_request("", SHORT, request_id=rid), ValueError),
+    (lambda e, rid: e.add_request("Hi", SHORT, request_id=rid, priority="urgent"), ValueError),
+    (lambda e, rid: e.add_request([{"role": "user"}], SHORT, request_id=rid), ValueError),
+    (lambda e, rid: e.add_score_request("Hi", "", request_id=rid), ValueError),
+    (lambda e, rid: e.add_score_request("Hi", 5, request_id=rid), TypeError),
+    (lambda e, rid: e.add_choice_request("Hi", [], request_id=rid), ValueError),
+    (lambda e, rid: e.add_logits_request([1.5], request_id=rid), TypeError),
+])
+def test_a_refused_request_is_named_by_its_id(engine, submit, error):
+    """A caller that submitted many requests can tell which one was refused (the exception
+    type is the one it was)."""
+    with pytest.raises(error) as info:
+        submit(engine, "row-17")
+    assert type(info.value) is error
+    assert str(info.value).endswith(" (request 'row-17')"), str(info.value)
+
+
+def test_a_refused_request_without_an_id_is_named_by_the_one_it_was_given(engine):
+    with pytest.raises(ValueError, match=r"^max_tokens must be positive, got 0 \(request "
+                                         r"'req-\d+'\)$"):
+        engine.add_request("Hi", SamplingParams(max_tokens=0))
+    rid = engine.add_request("Hi", SHORT, request_id="taken")
+    with pytest.raises(ValueError, match=r"^the id is already in use by a request running, or "
+                                         r"finished and not collected by wait\(\) \(request "
+                                         r"'taken'\)$"):
+        engine.add_request("Hi", SHORT, request_id="taken")
+    engine.wait(rid)

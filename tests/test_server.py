@@ -748,3 +748,30 @@ def test_prompt_logprob_ranks_equal_a_row_by_row_count():
             for t, value, rank in row:
                 assert value == pytest.approx(float(r[t]))
                 assert rank == int((r > r[t]).sum()) + 1
+
+
+TOOL_CALL = {"id": "call_1", "type": "function",
+             "function": {"name": "lookup", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+@pytest.mark.parametrize("message, param, cause", [
+    ({"role": "user", "content": None}, "messages.1.content",
+     "messages.1.content: content must be text (null only in an assistant message with "
+     "tool_calls)"),
+    ({"role": "user"}, "messages.1.content",
+     "messages.1.content: content must be text (null only in an assistant message with "
+     "tool_calls)"),
+    # OpenAI's API takes it; this server makes no tool calls, so it cannot render one.
+    ({"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]}, "messages.1.tool_calls",
+     "messages.1.tool_calls: tool calls are not supported by this server"),
+])
+def test_a_message_without_text_is_a_400_naming_its_index_and_field(server, path, message,
+                                                                    param, cause):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    messages = [{"role": "system", "content": "Answer briefly."}, message,
+                {"role": "user", "content": "Hi"}]
+    r = httpx.post(server.url + path, headers=auth, json={"messages": messages, "max_tokens": 1})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert r.json()["error"]["message"] == cause

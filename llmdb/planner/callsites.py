@@ -10,6 +10,7 @@ llm_count_tokens is not a call site: it never reaches a model.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass, replace
 
 import sqlglot
@@ -151,6 +152,15 @@ def is_check(node: exp.Expression) -> bool:
 def _parsed(sql: str) -> exp.Expression:
     """A parameter's default, parsed once (callers take a copy)."""
     return sqlglot.parse_one(sql, read="duckdb")
+
+
+# `priority := 'RT'` is the planner's argument: the SQL functions have no such parameter.
+_PRIORITY_ARGUMENT = re.compile(r",\s*priority\s*:=\s*'[^']*'", re.IGNORECASE)
+
+
+def without_priority(sql: str) -> str:
+    """The statement as DuckDB's functions take it: without the calls' `priority := '..'`."""
+    return _PRIORITY_ARGUMENT.sub("", sql)
 
 
 def _priority_literal(e: exp.Expression) -> str:

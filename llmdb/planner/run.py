@@ -22,11 +22,11 @@ import sqlglot
 from sqlglot import exp
 from sqlglot.errors import SqlglotError
 
-from llmdb.functions import DEFAULT_PARAMS, is_argument_error
+from llmdb.functions import DEFAULT_PARAMS, argument_error
 from llmdb.session import QueryCancelled, Session
 
 from . import drivers, memo
-from .callsites import Site, Unsupported, find_sites
+from .callsites import Site, Unsupported, find_sites, without_priority
 from .drivers import Fill, Incremental, Learn, Placement, Step
 from .guards import Predicate, rewrite_sites
 from .learned import DEFAULT_PASS_RATE, LEARNED, Learned
@@ -69,6 +69,7 @@ class Plan:
     placements: dict[int, Placement]
     notes: list[str] = field(default_factory=list)
     parameters: Any = None  # the values of its placeholders (drivers bind those they use)
+    statement: str = ""  # the statement's text as the user wrote it
 
     @property
     def has_lazy(self) -> bool:
@@ -152,6 +153,7 @@ def plan_or_reason(sql: str, qid: int, model: str, *, namespace: int = 0,
 
 def _plan(sql: str, qid: int, namespace: int, model: str, parameters: Any,
           learned: Learned) -> Plan:
+    statement = sql
     try:
         statements = sqlglot.parse(number_parameters(sql) if parameters else sql,
                                    read="duckdb")
@@ -198,7 +200,7 @@ def _plan(sql: str, qid: int, namespace: int, model: str, parameters: Any,
     sql = tree.sql("duckdb")
     dry_sql = sql if root is tree else root.sql("duckdb")  # a query: its one text
     return Plan(qid, sql, dry_sql, written_sql, names_kept, sites, predicates, steps,
-                placements, parameters=parameters)
+                placements, parameters=parameters, statement=statement)
 
 
 def with_values_used(sql: str, parameters: Any) -> tuple[str, Any]:
@@ -221,6 +223,26 @@ def with_values_used(sql: str, parameters: Any) -> tuple[str, Any]:
     for p in used:
         p.set("this", str(renumbered[int(p.name)]))
     return tree.sql("duckdb"), [values[n - 1] for n in numbers]
+
+
+def bind_as_written(con: duckdb.DuckDBPyConnection, sql: str, parameters: Any = None) -> None:
+    """Raise DuckDB's own error where DuckDB refuses the statement as written. llmdb runs
+    sqlglot's text of a statement (the planner's rewrite, the per-row draws rename), and
+    sqlglot reads more than DuckDB does: a `x -> ...` lambda (refused since DuckDB 1.3),
+    a LIMIT before UNION ALL (moved into the first branch). Neither check runs the
+    statement or folds a constant call into a model call: a query binds as a relation; a
+    write is EXPLAINed without the optimizer (an INSERT's casts to its columns still fold
+    theirs, a call the statement makes anyway, remembered for it by the query's memory)."""
+    statements = con.extract_statements(sql)  # (a syntax error, as DuckDB reports it)
+    if len(statements) == 1 and statements[0].type == duckdb.StatementType.SELECT:
+        con.sql(sql, params=parameters)
+        return
+    optimizer = con.execute("SELECT current_setting('enable_optimizer')").fetchall()[0][0]
+    con.execute("SET enable_optimizer = false")
+    try:
+        con.execute(f"EXPLAIN {sql}", parameters)
+    finally:
+        con.execute(f"SET enable_optimizer = {str(optimizer).lower()}")
 
 
 def normalized(sql: str) -> str:
@@ -324,8 +346,9 @@ class Planner:
 
     def binds(self, p: Plan, parameters: Any) -> bool:
         """Whether DuckDB accepts the rewritten SQL (sqlglot regenerates it). Planning it
-        may fold constant calls: a dry run answers those. A query DuckDB rejects as written
-        too (a missing table, say) raises DuckDB's error about it."""
+        may fold constant calls: a dry run answers those. A statement DuckDB rejects as
+        written raises DuckDB's error about it."""
+        bind_as_written(self.con, without_priority(p.statement), parameters)
         self.runs.put(QueryRun(p.qid, p.sites, self.session, dry=True, learned=self.learned))
         try:
             self.con.execute(f"EXPLAIN {p.sql}", parameters)
@@ -333,9 +356,6 @@ class Planner:
         except duckdb.InterruptException:
             raise
         except duckdb.Error as e:
-            if p.dry_sql == p.sql:  # a query (a write's own CTEs are not in written_sql)
-                # A relation binds, without constant folding (so without model calls).
-                self.con.sql(p.written_sql, params=parameters)
             p.notes.append(f"rewritten SQL rejected ({type(e).__name__}); ran as written")
             return False
 
@@ -375,7 +395,7 @@ class Planner:
         except duckdb.InterruptException:
             raise
         except duckdb.Error as e:
-            if is_argument_error(e):
+            if argument_error(e) is not None:
                 raise
             if self.session.cancel.is_set():
                 raise QueryCancelled("the query was cancelled") from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from llmdb.engine.params import SamplingParams
 
@@ -140,12 +141,32 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    tool_calls: list[Any] | None = Field(default=None, exclude=True)  # (not for the template)
+    # Checked when missing too: OpenAI's API requires it but beside tool_calls.
+    content: str | list[TextPart] | None = Field(default=None, validate_default=True)
 
     @field_validator("role")
     @classmethod
     def _developer_is_system(cls, v: str) -> str:
         return "system" if v == "developer" else v  # (OpenAI's newer name for it)
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, v: list | None) -> None:
+        """Refused, not ignored: the model would see an empty assistant turn instead."""
+        if v:
+            raise PydanticCustomError("tool_calls", "tool calls are not supported by this server")
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _present(cls, v: Any) -> Any:
+        """OpenAI's API takes a null content only in an assistant message with tool_calls
+        (refused above); other null contents reached the chat template, whose TypeError
+        named neither the message nor the field."""
+        if v is None:
+            raise PydanticCustomError("content", "content must be text (null only in an "
+                                      "assistant message with tool_calls)")
+        return v
 
     @field_validator("content")
     @classmethod
