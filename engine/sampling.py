@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from llmdb.kernels.cpu_ext import gumbel_argmax, load_library
 from llmdb.kernels.transfer import to_device
 
 if TYPE_CHECKING:
@@ -84,15 +85,15 @@ def _sample_rows(logits: torch.Tensor, top: torch.Tensor, top_ids: torch.Tensor,
     params (temperature > 0) and noise keys: the argmax of the scaled logits plus noise over
     the tokens that top-k and top-p keep.
 
-    On the CPU a row sorts and hashes only its top W tokens by logit: its top-k, or without
-    one the tokens in reach of winning, those with a scaled logit of at least s0 - G_MAX,
-    s0 being the top token's score (its noise: its scaled logit is 0). Top-k and top-p keep
-    either only tokens among those, or all of them (a prefix of the sorted order), the top
-    token included; the winner then scores at least s0, which no token out of reach can.
-    So the top W hold the winner, and top-p's cumulative sums over them are those of the
-    whole sort. Rows with most of the vocabulary in reach (a high temperature, flat logits)
-    are sorted whole. (On a GPU every row is: the sort is cheap there, and counting the
-    reach would cost a host sync.)"""
+    On the CPU a row sorts and hashes only its top W tokens by logit: without top-k the
+    tokens in reach of winning, those with a scaled logit of at least s0 - G_MAX, s0 being
+    the top token's score (its noise: its scaled logit is 0); with top-k the tokens it keeps.
+    Top-k and top-p keep either only tokens among the first, or all of them (a prefix of the
+    sorted order), the top token included; the winner then scores at least s0, which no token
+    out of reach can. So the top W hold the winner, and top-p's cumulative sums over them are
+    those of the whole sort. Rows with most of the vocabulary in reach (a high temperature,
+    flat logits) are sorted whole. (On a GPU every row is: the sort is cheap there, and
+    counting the reach would cost a host sync.)"""
     vocab = logits.shape[-1]
     temperature = to_device([p.temperature for p in params], logits.device)
     # Shifted so that the top logit is 0 first: a tiny temperature then sends the others
@@ -100,10 +101,13 @@ def _sample_rows(logits: torch.Tensor, top: torch.Tensor, top_ids: torch.Tensor,
     scaled = (logits - top[:, None]) / temperature[:, None]
     if logits.device.type != "cpu":
         return _draw(scaled, params, keys, vocab)
-    top_noise = gumbel_noise(keys, top_ids[:, None])[:, 0]
-    reach = (scaled >= (top_noise - G_MAX - _BOUND_SLACK)[:, None]).sum(-1)
+    least = gumbel_noise(keys, top_ids[:, None])[:, 0] - G_MAX - _BOUND_SLACK
     top_k = torch.tensor([p.top_k for p in params])
-    width = torch.where(top_k > 0, top_k.clamp(max=vocab), reach)
+    if bool((top_k > 0).any()):  # (top-p weighs all that top-k keeps, in reach or not)
+        k = top_k.clamp(1, vocab)
+        kth = scaled.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])[:, 0]
+        least = torch.where(top_k > 0, kth, least)
+    width = (scaled >= least[:, None]).sum(-1)
     pruned = width <= vocab * _WHOLE_SORT_SHARE
     if bool(pruned.all()):
         return _draw(scaled, params, keys, int(width.max()))
@@ -118,25 +122,36 @@ def _sample_rows(logits: torch.Tensor, top: torch.Tensor, top_ids: torch.Tensor,
 
 def _draw(scaled: torch.Tensor, params: list[SamplingParams], keys: torch.Tensor,
           width: int) -> torch.Tensor:
-    """_sample_rows' draw from scaled logits [N, V] over each row's top `width` tokens."""
+    """_sample_rows' draw from scaled logits [N, V] over each row's top `width` tokens.
+
+    Equal logits are kept or dropped together: top-k keeps every token at least as large as
+    the k-th largest, and top-p every token whose more likely tokens (strictly) hold less
+    than top_p of the mass. Cutting through a run of equal values (common in bf16) would
+    leave the draw to the order a sort gives them, which changes with the batch's width."""
     dev, vocab = scaled.device, scaled.shape[-1]
     top_p = to_device([p.top_p for p in params], dev)
     top_k = to_device([p.top_k for p in params], dev)
     vals, ids = scaled.topk(width, dim=-1)  # sorted, largest first
-    rank = torch.arange(width, device=dev)[None, :]
-    k = torch.where(top_k > 0, top_k, vocab)
-    drop = rank >= k[:, None]
+    k = torch.where(top_k > 0, top_k.clamp(max=width), width)
+    drop = vals < vals.gather(1, (k - 1)[:, None])
     if any(p.top_p < 1.0 for p in params):
         # top-p's probabilities, over what top-k keeps (the whole row without it). A row's
         # mass is a cumulative sum, the same whatever the batch's width.
-        exp = vals.exp()
-        mass = exp.cumsum(-1).gather(1, (k.clamp(max=width) - 1)[:, None])[:, 0]
+        exp = vals.exp().masked_fill(drop, 0.0)
+        kept = (~drop).sum(-1)
+        mass = exp.cumsum(-1).gather(1, (kept - 1)[:, None])[:, 0]
         if width < vocab and any(p.top_p < 1.0 and not p.top_k for p in params):
             mass = torch.where(top_k > 0, mass, scaled.exp().sum(-1))
-        probs = exp.masked_fill(drop, 0.0) / mass[:, None]
-        # The smallest prefix whose mass reaches top_p (the first token always stays); a
-        # top_p of 1 keeps every token (its sums could round up to 1 before the last).
-        drop |= (probs.cumsum(-1) - probs >= top_p[:, None]) & (top_p < 1.0)[:, None]
+        probs = exp / mass[:, None]
+        before = probs.cumsum(-1) - probs
+        # Each token's mass before it, that of its run of equal values' first token.
+        rank = torch.arange(width, device=dev).expand_as(vals)
+        starts = torch.ones_like(drop)
+        starts[:, 1:] = vals[:, 1:] != vals[:, :-1]
+        before = before.gather(1, torch.where(starts, rank, 0).cummax(-1).values)
+        # The first token always stays; a top_p of 1 keeps every token (its sums could round
+        # up to 1 before the last).
+        drop |= (before >= top_p[:, None]) & (top_p < 1.0)[:, None]
     noise = gumbel_noise(keys, ids)  # tied to token ids, not ranks
     pick = (vals + noise).masked_fill(drop, float("-inf")).argmax(-1)
     return ids.gather(1, pick[:, None])[:, 0]
@@ -150,11 +165,31 @@ def sample(logits: torch.Tensor, drawn: list[int], params: list[SamplingParams],
     top, tokens = logits.max(-1)  # on the CPU 3x faster than argmax on bf16, same ids
     if not drawn:
         return tokens
+    plain = [j for j, p in enumerate(params) if not p.top_k and p.top_p >= 1.0]
+    if plain and _drawn_in_cpp(logits):
+        # A temperature alone: csrc/sampling.cpp draws the same token in one pass.
+        rows = [drawn[j] for j in plain]
+        sub = logits if rows == list(range(len(logits))) else logits[rows]
+        tokens[rows] = gumbel_argmax(
+            sub, top[rows].float(), tokens[rows], torch.tensor([params[j].temperature
+                                                                 for j in plain]),
+            torch.tensor([keys[j] for j in plain], dtype=torch.int64),
+            G_MAX + _BOUND_SLACK, _U_MAX)
+        rest = sorted(set(range(len(drawn))) - set(plain))
+        drawn, params, keys = ([drawn[j] for j in rest], [params[j] for j in rest],
+                               [keys[j] for j in rest])
+        if not drawn:
+            return tokens
     idx = to_device(drawn, logits.device)
     picked = _sample_rows(logits.index_select(0, idx).float(), top.index_select(0, idx).float(),
                           tokens.index_select(0, idx), params,
                           to_device(keys, logits.device, torch.int64))
     return tokens.index_copy(0, idx, picked)
+
+
+def _drawn_in_cpp(logits: torch.Tensor) -> bool:
+    return (logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float32)
+            and logits.stride(-1) == 1 and load_library() is not None)
 
 
 def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int

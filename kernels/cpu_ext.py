@@ -20,10 +20,14 @@ import torch
 
 from .host import cache_dir, cpu_info
 
-SOURCES = [Path(__file__).parent / "csrc" / n for n in ("row_attention.cpp", "elementwise.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / n
+           for n in ("row_attention.cpp", "elementwise.cpp", "sampling.cpp")]
 
 
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17")
+# The sampler's draws must be torch's to the bit: no reassociation, no reciprocal for a
+# division, no approximate logarithm.
+EXACT_SOURCES = {"sampling.cpp"}
 
 
 @functools.cache
@@ -48,7 +52,8 @@ def load_library() -> ctypes.CDLL | None:
             # Compiled with -ffast-math, linked without it: at link time GCC adds
             # crtfastmath.o, whose constructor turns on flush-to-zero in the thread that
             # loads the library, the user's (their subnormal floats would become 0).
-            cmds = [[compiler, *COMPILE_FLAGS, "-c", str(s), "-o", o]
+            cmds = [[compiler, *COMPILE_FLAGS, *(["-fno-fast-math"] if s.name in EXACT_SOURCES
+                                                 else []), "-c", str(s), "-o", o]
                     for s, o in zip(SOURCES, objects, strict=True)]
             cmds.append([compiler, "-shared", "-fopenmp", *objects, "-o", str(out)])
             try:
@@ -67,6 +72,10 @@ def load_library() -> ctypes.CDLL | None:
         ctypes.c_float, ctypes.c_int]
     lib.llmdb_silu_mul_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [
         ctypes.c_int]
+    for name in ("llmdb_gumbel_argmax_bf16", "llmdb_gumbel_argmax_f32"):
+        getattr(lib, name).argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [
+            ctypes.c_void_p] * 4 + [ctypes.c_float] * 2 + [ctypes.c_void_p, ctypes.c_int]
+        getattr(lib, name).restype = None
     return lib
 
 
@@ -123,4 +132,24 @@ def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, ffn, dtype=gate_up.dtype)
     load_library().llmdb_silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), rows, ffn,
                                        torch.get_num_threads())
+    return out
+
+
+def gumbel_argmax(logits: torch.Tensor, top: torch.Tensor, top_ids: torch.Tensor,
+                  temperature: torch.Tensor, keys: torch.Tensor, g_max: float,
+                  u_max: float) -> torch.Tensor:
+    """Tokens [N] int64 drawn from bf16 or fp32 logits [N, V] (rows contiguous): per row the
+    argmax of (logit - top) / temperature plus the noise of (key, token id), where top and
+    top_ids are the rows' maxima [N] fp32 and their ids; see csrc/sampling.cpp."""
+    _check_cpu(logits, top, top_ids, temperature, keys)
+    fn = {torch.float32: load_library().llmdb_gumbel_argmax_f32,
+          torch.bfloat16: load_library().llmdb_gumbel_argmax_bf16}[logits.dtype]
+    if logits.stride(-1) != 1:
+        raise ValueError("gumbel_argmax reads each row of logits contiguously")
+    top, temperature = top.float().contiguous(), temperature.float().contiguous()
+    top_ids, keys = top_ids.long().contiguous(), keys.long().contiguous()
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    fn(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), top.data_ptr(),
+       top_ids.data_ptr(), temperature.data_ptr(), keys.data_ptr(), g_max, u_max,
+       out.data_ptr(), torch.get_num_threads())
     return out

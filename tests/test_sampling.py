@@ -11,19 +11,33 @@ from llmdb.engine.params import SamplingParams
 from llmdb.engine.sampling import gumbel_noise, row_key, sample
 
 
-def reference_draw(logits: torch.Tensor, p: SamplingParams, key: int) -> int:
-    """One row by the definition: the whole row scaled and sorted, top-k's ranks and top-p's
-    smallest prefix kept (none dropped at top_p = 1), then the argmax of the kept scaled
-    logits plus every token's noise."""
+def reference_keep(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The tokens a row may draw, by the definition: top-k keeps each token with fewer than
+    k tokens above it (strictly: equal logits stay or go together), top-p each token whose
+    strictly more likely tokens hold less than top_p of what top-k kept (none dropped at
+    top_p = 1)."""
     scaled = (logits - logits.max()) / p.temperature
     vocab = scaled.shape[-1]
-    sorted_logits, order = scaled.sort(descending=True)
-    drop = torch.arange(vocab) >= (p.top_k or vocab)
-    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+    above = (scaled[None, :] > scaled[:, None]).sum(-1)  # [i]: tokens strictly above token i
+    keep = above < (p.top_k or vocab)
     if p.top_p < 1:
-        drop |= probs.cumsum(-1) - probs >= p.top_p
-    noise = gumbel_noise(torch.tensor([key]), vocab)[0][order]
-    return int(order[(sorted_logits + noise).masked_fill(drop, float("-inf")).argmax()])
+        probs = scaled.masked_fill(~keep, float("-inf")).softmax(-1)
+        ascending = probs.sort().values
+        mass_above = ascending.flip(0).cumsum(0)  # [j]: the j + 1 largest probabilities
+        # The tokens strictly more likely than token i are the `n` largest.
+        n = vocab - torch.searchsorted(ascending, probs, side="right")
+        held = torch.where(n > 0, mass_above[(n - 1).clamp(min=0)], 0.0)
+        keep &= held < p.top_p
+    return keep
+
+
+def reference_draw(logits: torch.Tensor, p: SamplingParams, key: int,
+                   keep: torch.Tensor | None = None) -> int:
+    """The argmax of the kept scaled logits plus every token's noise."""
+    keep = reference_keep(logits, p) if keep is None else keep
+    scaled = (logits - logits.max()) / p.temperature
+    noise = gumbel_noise(torch.tensor([key]), scaled.shape[-1])[0]
+    return int((scaled + noise).masked_fill(~keep, float("-inf")).argmax())
 
 
 def _logits(rows: int, vocab: int, spread: float, seed: int) -> torch.Tensor:
@@ -98,5 +112,46 @@ def test_top_p_weighs_the_tokens_out_of_reach_too(top_k):
     p = SamplingParams(temperature=1.0, top_p=top_p, top_k=top_k)
     keys = [row_key(5, i) for i in range(200)]
     got = [_draw(row[None, :], [p], [k])[0] for k in keys]
-    assert got == [reference_draw(row, p, k) for k in keys]
+    keep = reference_keep(row, p)
+    assert got == [reference_draw(row, p, k, keep) for k in keys]
     assert set(got) == {17, 901}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_temperature_alone_is_drawn_in_cpp_as_in_torch(dtype, monkeypatch):
+    """Rows with no top-k or top-p are drawn by csrc/sampling.cpp (one pass, few tokens
+    hashed) on the CPU: the same tokens as the torch path, for rows of a batch drawn or not,
+    beside rows with top-k and top-p."""
+    if sampling.load_library() is None:
+        pytest.skip("no C++ compiler: the torch path draws every row")
+    logits = torch.cat([_logits(48, 4096, 1.0, seed=8), _logits(48, 4096, 6.0, seed=9)])
+    logits = logits.to(dtype)
+    temps = [1e-3, 0.3, 0.7, 1.0, 1.5, 20.0]
+    drawn = [i for i in range(96) if i % 5]  # every fifth row greedy
+    params = [SamplingParams(temperature=temps[i % 6], top_p=0.9 if i % 7 == 0 else 1.0)
+              for i in drawn]
+    keys = [row_key(13, i) for i in drawn]
+    got = sample(logits, drawn, params, keys)
+    monkeypatch.setattr(sampling, "load_library", lambda: None)
+    assert got.tolist() == sample(logits, drawn, params, keys).tolist()
+    every = list(range(96))
+    params = [SamplingParams(temperature=temps[i % 6]) for i in every]
+    keys = [row_key(17, i) for i in every]
+    want = sample(logits, every, params, keys)
+    monkeypatch.undo()
+    assert sample(logits, every, params, keys).tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (0, 0.65)])
+def test_equal_logits_at_the_cut_are_kept_together(top_k, top_p):
+    """A leader, then ten equal logits that top-k's (or top-p's) cut falls inside: all ten
+    are kept, whatever order a sort puts them in (which changes with the batch's width)."""
+    row = torch.full((4096,), -30.0)
+    tied = torch.arange(100, 1100, 100)
+    row[7], row[tied] = 1.6, 0.0  # the leader's share 0.33, each tied token's 0.067
+    p = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p)
+    keys = [row_key(9, i) for i in range(400)]
+    got = [_draw(row[None, :], [p], [k])[0] for k in keys]
+    keep = reference_keep(row, p)
+    assert got == [reference_draw(row, p, k, keep) for k in keys]
+    assert set(got) == {7, *tied.tolist()}
