@@ -7,11 +7,12 @@ preempted request draws the same tokens again, the whole batch is drawn with a f
 ops (no per-row generator, no host round trip), and the CPU and the GPU draw the same token
 from the same logits. Top-k and top-p are masks on the sorted logits before the argmax.
 
-On the CPU only the tokens that can win are sorted and given noise. The noise is bounded
-(G_MAX below), so a token whose scaled logit is more than G_MAX below the top token's score
-can never beat it; at T = 0.7 that leaves a median of about 3,000 of SmolLM2's 49,152 tokens.
-Sorting and hashing the whole vocabulary for every drawn row made a sampled job a fifth as
-fast as a greedy one there (bench/RESULTS.md).
+On the CPU only the tokens that can win are sorted and given noise: rows without top-k by
+kernels/csrc/sampling.cpp in one pass over the logits, the others in torch. The noise is
+bounded (G_MAX below), so a token whose scaled logit is more than G_MAX below the top
+token's score can never beat it; at T = 0.7 that leaves a median of about 3,000 of SmolLM2's
+49,152 tokens. Sorting and hashing the whole vocabulary for every drawn row made a sampled
+job a fifth as fast as a greedy one there (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -165,14 +166,15 @@ def sample(logits: torch.Tensor, drawn: list[int], params: list[SamplingParams],
     top, tokens = logits.max(-1)  # on the CPU 3x faster than argmax on bf16, same ids
     if not drawn:
         return tokens
-    plain = [j for j, p in enumerate(params) if not p.top_k and p.top_p >= 1.0]
+    plain = [j for j, p in enumerate(params) if not p.top_k]
     if plain and _drawn_in_cpp(logits):
-        # A temperature alone: csrc/sampling.cpp draws the same token in one pass.
+        # No top-k: csrc/sampling.cpp draws the same token in one pass over the logits.
         rows = [drawn[j] for j in plain]
         sub = logits if rows == list(range(len(logits))) else logits[rows]
         tokens[rows] = gumbel_argmax(
-            sub, top[rows].float(), tokens[rows], torch.tensor([params[j].temperature
-                                                                 for j in plain]),
+            sub, top[rows].float(), tokens[rows],
+            torch.tensor([params[j].temperature for j in plain]),
+            torch.tensor([params[j].top_p for j in plain]),
             torch.tensor([keys[j] for j in plain], dtype=torch.int64),
             G_MAX + _BOUND_SLACK, _U_MAX)
         rest = sorted(set(range(len(drawn))) - set(plain))

@@ -118,24 +118,24 @@ def test_top_p_weighs_the_tokens_out_of_reach_too(top_k):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_temperature_alone_is_drawn_in_cpp_as_in_torch(dtype, monkeypatch):
-    """Rows with no top-k or top-p are drawn by csrc/sampling.cpp (one pass, few tokens
-    hashed) on the CPU: the same tokens as the torch path, for rows of a batch drawn or not,
-    beside rows with top-k and top-p."""
+def test_rows_without_top_k_are_drawn_in_cpp_as_in_torch(dtype, monkeypatch):
+    """Rows with no top-k are drawn by csrc/sampling.cpp on the CPU (one pass; few tokens
+    hashed, or with top-p those in reach sorted): the same tokens as the torch path, for
+    rows of a batch drawn or not, beside rows with top-k."""
     if sampling.load_library() is None:
         pytest.skip("no C++ compiler: the torch path draws every row")
     logits = torch.cat([_logits(48, 4096, 1.0, seed=8), _logits(48, 4096, 6.0, seed=9)])
     logits = logits.to(dtype)
     temps = [1e-3, 0.3, 0.7, 1.0, 1.5, 20.0]
     drawn = [i for i in range(96) if i % 5]  # every fifth row greedy
-    params = [SamplingParams(temperature=temps[i % 6], top_p=0.9 if i % 7 == 0 else 1.0)
-              for i in drawn]
+    params = [SamplingParams(temperature=temps[i % 6], top_p=(0.9, 1.0, 0.5)[i % 3],
+                             top_k=40 if i % 7 == 0 else 0) for i in drawn]
     keys = [row_key(13, i) for i in drawn]
     got = sample(logits, drawn, params, keys)
     monkeypatch.setattr(sampling, "load_library", lambda: None)
     assert got.tolist() == sample(logits, drawn, params, keys).tolist()
     every = list(range(96))
-    params = [SamplingParams(temperature=temps[i % 6]) for i in every]
+    params = [SamplingParams(temperature=temps[i % 6], top_p=(1.0, 0.8)[i % 2]) for i in every]
     keys = [row_key(17, i) for i in every]
     want = sample(logits, every, params, keys)
     monkeypatch.undo()

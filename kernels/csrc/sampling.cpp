@@ -1,16 +1,25 @@
-// Gumbel-max draws for rows sampled with a temperature alone (no top-k, no top-p): the
-// argmax over the vocabulary of (logit - top) / T + g, where g is the noise engine/sampling.py
-// hashes from (the row's key, the token id). The same hash and the same fp32 operations, so
-// the same token as that torch path; built without -ffast-math (cpu_ext.py) to keep them.
+// Gumbel-max draws for rows sampled with a temperature and maybe top-p, no top-k: the
+// argmax of (logit - top) / T + g over the tokens top-p keeps, where g is the noise
+// engine/sampling.py hashes from (the row's key, the token id). The same hash, the same fp32
+// scores and the same rule for equal logits as that torch path; built without -ffast-math
+// (cpu_ext.py). A temperature alone draws the torch path's token exactly; top-p's sums may
+// round otherwise than torch's, which matters only for a token whose mass sits on top_p.
 //
 // Why a kernel: in torch a row's draw takes a conversion, a scaling and a comparison pass
-// over its logits, then a sort and a hash of every token that can win (thousands of tokens at
-// T = 0.7, most of the vocabulary at T >= 1). Here one pass reads the logits, and a token is
-// hashed only if it could still beat the best score so far (its scaled logit plus the
-// largest noise, g_max): the top token first, then few others.
+// over its logits (and for top-p a pass of exponentials), then a sort and a hash of every
+// token that can win (thousands of tokens at T = 0.7, most of the vocabulary at T >= 1).
+// Here one pass reads the logits, and with a temperature alone a token is hashed only if it
+// could still beat the best score so far (its scaled logit plus the largest noise, g_max):
+// the top token first, then few others. With top-p, the tokens in reach of winning (a
+// scaled logit of at least the top token's score less g_max) are sorted, and top-p keeps a
+// prefix of them: no token out of reach can win, and all the tokens more likely than one
+// in reach are in reach too.
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 namespace {
 
@@ -39,27 +48,76 @@ inline float gumbel(uint32_t key, uint32_t token, float u_max) {
 }
 
 template <typename T, float (*load)(T)>
-void draw_rows(const T* logits, int64_t rows, int64_t vocab, int64_t stride, const float* top,
-               const int64_t* top_ids, const float* temperature, const int64_t* keys,
-               float g_max, float u_max, int64_t* out, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 4)
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* row = logits + r * stride;
-    const float t = temperature[r], peak = top[r];
-    const uint32_t key = static_cast<uint32_t>(keys[r]);
-    // The top token first: its scaled logit is 0, so the best score starts at its noise.
-    int64_t best_id = top_ids[r];
-    float best = (load(row[best_id]) - peak) / t + gumbel(key, best_id, u_max);
-    for (int64_t v = 0; v < vocab; ++v) {
-      const float s = (load(row[v]) - peak) / t;
-      if (s + g_max < best) continue;  // (g_max carries the rounding slack)
-      const float score = s + gumbel(key, static_cast<uint32_t>(v), u_max);
+int64_t draw_plain(const T* row, int64_t vocab, float peak, float t, uint32_t key,
+                   int64_t top_id, float g_max, float u_max) {
+  // The top token first: its scaled logit is 0, so the best score starts at its noise.
+  int64_t best_id = top_id;
+  float best = (load(row[top_id]) - peak) / t + gumbel(key, top_id, u_max);
+  for (int64_t v = 0; v < vocab; ++v) {
+    const float s = (load(row[v]) - peak) / t;
+    if (s + g_max < best) continue;  // (g_max carries the rounding slack)
+    const float score = s + gumbel(key, static_cast<uint32_t>(v), u_max);
+    if (score > best) {
+      best = score;
+      best_id = v;
+    }
+  }
+  return best_id;
+}
+
+template <typename T, float (*load)(T)>
+int64_t draw_nucleus(const T* row, int64_t vocab, float peak, float t, uint32_t key,
+                     int64_t top_id, float top_p, float g_max, float u_max,
+                     std::vector<std::pair<float, int64_t>>& reach) {
+  const float least = gumbel(key, top_id, u_max) - g_max;
+  double mass = 0.0;  // of the whole row: top-p's probabilities are of every token
+  reach.clear();
+  for (int64_t v = 0; v < vocab; ++v) {
+    const float s = (load(row[v]) - peak) / t;
+    mass += std::exp(s);  // (float exponentials, as torch takes them; a double sum)
+    if (s >= least) reach.emplace_back(s, v);
+  }
+  std::sort(reach.begin(), reach.end(),
+            [](const auto& a, const auto& b) { return a.first > b.first; });
+  // Top-p keeps each run of equal scores whose more likely tokens hold less than top_p.
+  const double limit = static_cast<double>(top_p) * mass;
+  double above = 0.0;
+  float best = -INFINITY;
+  int64_t best_id = top_id;
+  for (size_t i = 0; i < reach.size();) {
+    if (above >= limit && i > 0) break;
+    size_t end = i;
+    for (; end < reach.size() && reach[end].first == reach[i].first; ++end) {
+      const float score = reach[end].first + gumbel(key, static_cast<uint32_t>(reach[end].second),
+                                                    u_max);
       if (score > best) {
         best = score;
-        best_id = v;
+        best_id = reach[end].second;
       }
     }
-    out[r] = best_id;
+    above += static_cast<double>(end - i) * std::exp(reach[i].first);
+    i = end;
+  }
+  return best_id;
+}
+
+template <typename T, float (*load)(T)>
+void draw_rows(const T* logits, int64_t rows, int64_t vocab, int64_t stride, const float* top,
+               const int64_t* top_ids, const float* temperature, const float* top_p,
+               const int64_t* keys, float g_max, float u_max, int64_t* out, int threads) {
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<std::pair<float, int64_t>> reach;  // (each thread's, reused row to row)
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* row = logits + r * stride;
+      const uint32_t key = static_cast<uint32_t>(keys[r]);
+      out[r] = top_p[r] < 1.f
+                   ? draw_nucleus<T, load>(row, vocab, top[r], temperature[r], key, top_ids[r],
+                                           top_p[r], g_max, u_max, reach)
+                   : draw_plain<T, load>(row, vocab, top[r], temperature[r], key, top_ids[r],
+                                         g_max, u_max);
+    }
   }
 }
 
@@ -72,18 +130,19 @@ extern "C" {
 // out[r] = the drawn token of logits row r ([rows, vocab] with row stride `stride`).
 void llmdb_gumbel_argmax_bf16(const uint16_t* logits, int64_t rows, int64_t vocab,
                               int64_t stride, const float* top, const int64_t* top_ids,
-                              const float* temperature, const int64_t* keys, float g_max,
-                              float u_max, int64_t* out, int threads) {
+                              const float* temperature, const float* top_p,
+                              const int64_t* keys, float g_max, float u_max, int64_t* out,
+                              int threads) {
   draw_rows<uint16_t, bf16_to_float>(logits, rows, vocab, stride, top, top_ids, temperature,
-                                     keys, g_max, u_max, out, threads);
+                                     top_p, keys, g_max, u_max, out, threads);
 }
 
 void llmdb_gumbel_argmax_f32(const float* logits, int64_t rows, int64_t vocab, int64_t stride,
                              const float* top, const int64_t* top_ids, const float* temperature,
-                             const int64_t* keys, float g_max, float u_max, int64_t* out,
-                             int threads) {
-  draw_rows<float, load_f32>(logits, rows, vocab, stride, top, top_ids, temperature, keys,
-                             g_max, u_max, out, threads);
+                             const float* top_p, const int64_t* keys, float g_max, float u_max,
+                             int64_t* out, int threads) {
+  draw_rows<float, load_f32>(logits, rows, vocab, stride, top, top_ids, temperature, top_p,
+                             keys, g_max, u_max, out, threads);
 }
 
 }  // extern "C"
