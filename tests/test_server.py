@@ -681,6 +681,10 @@ def test_option_rules(server):
     assert r.status_code == 400 and "logprobs" in r.json()["error"]["message"]
     r = httpx.post(url + "/v1/chat/completions", headers=auth, json={**chat, "prompt_logprobs": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+    r = httpx.post(url + "/v1/completions", headers=auth, json={"prompt": "", "max_tokens": 1})
+    # The engine's refusal, without the server's own request id (the client never sees it).
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        "empty prompt: there is nothing to condition on"), r.text
     r = httpx.get(url + "/v1/nothing", headers=auth)
     assert r.status_code == 404 and r.json()["error"]["message"]
     r = httpx.post(url + "/v1/completions", headers=auth, content=b'{"prompt": ')

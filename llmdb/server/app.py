@@ -144,20 +144,21 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
         loop = asyncio.get_running_loop()
         tokens: asyncio.Queue = asyncio.Queue()
         logprobs: list = []
+        rid = f"srv-{uuid.uuid4().hex}"
         try:
             ids = engine.encode_prompt(prompt)
             cap = limits.max_prompt_tokens or engine.config.max_context
             if len(ids) > cap:
                 raise ServerError(400, f"the prompt is {len(ids)} tokens; at most {cap} here",
                                   "prompt", code="context_length_exceeded")
-            rid = engine.add_request(
-                ids, params, request_id=f"srv-{uuid.uuid4().hex}",
+            engine.add_request(
+                ids, params, request_id=rid,
                 on_token=lambda tok: loop.call_soon_threadsafe(tokens.put_nowait, tok),
                 on_logprobs=(lambda lp: loop.call_soon_threadsafe(logprobs.append, lp))
                 if body.stream and params.logprobs is not None else None,
                 priority=body.scheduling_class())
         except ValueError as e:
-            raise ServerError(400, str(e)) from e
+            raise ServerError(400, _refusal(e, rid)) from e
         inflight.add(rid)
         return _Call(rid, tokens, logprobs)
 
@@ -282,6 +283,7 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
         its own and the k most likely ids' {"logprob", "rank", "decoded_token"}. The logits
         are an engine request like a completion's: a client that goes away (this task is
         cancelled) aborts it, and so does shutdown."""
+        rid = f"srv-{uuid.uuid4().hex}"
         try:
             ids = await asyncio.to_thread(engine.encode_prompt, prompt)
             cap = limits.max_prompt_tokens or engine.config.max_context
@@ -289,9 +291,9 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
                 raise ValueError(f"the prompt is {len(ids)} tokens; at most {cap} here")
             # Queued here on the event loop, not in the thread: a cancel then finds it queued
             # (and aborts it) or not yet made, never about to be.
-            rid = engine.add_logits_request(ids, request_id=f"srv-{uuid.uuid4().hex}")
+            engine.add_logits_request(ids, request_id=rid)
         except ValueError as e:
-            raise ServerError(400, str(e), "prompt") from e
+            raise ServerError(400, _refusal(e, rid), "prompt") from e
         inflight.add(rid)
         abandoned = threading.Event()
         try:
@@ -425,6 +427,12 @@ def _ranked(logits: torch.Tensor, own: list[int], k: int) -> list[list[tuple[int
                                            top_rank.tolist(), strict=True):
             row += [e for e in zip(ids, values, ranks, strict=True) if e[0] != row[0][0]]
     return rows
+
+
+def _refusal(e: ValueError, request_id: str) -> str:
+    """The engine's refusal without the request id it names (the server's own, which the
+    client never sees)."""
+    return str(e).removesuffix(f" (request {request_id!r})")
 
 
 def _sse(obj: dict) -> str:
