@@ -23,7 +23,7 @@ from llmdb.kernels.host import cache_dir
 from .config import ModelConfig
 from .errors import ModelLoadError
 from .gguf_file import read_gguf_metadata, read_gguf_weights
-from .hf_dir import read_hf_metadata, read_hf_weights
+from .hf_dir import read_hf_metadata, read_hf_weights, weight_files
 from .tokenizer import ModelTokenizer
 
 
@@ -64,8 +64,7 @@ def check_model(path: str | Path) -> ModelConfig:
         raise ModelLoadError(f"model path {path} does not exist")
     if path.is_dir():
         config, _ = read_hf_metadata(path)
-        if not any(path.glob("*.safetensors")):
-            raise ModelLoadError(f"{path} has no *.safetensors files")
+        weight_files(path)  # (raises if there are none, or a shard is missing)
         return config
     with path.open("rb") as f:
         magic = f.read(4)
@@ -80,9 +79,8 @@ def load_model(path: str | Path) -> LoadedModel:
         raise ModelLoadError(f"model path {path} does not exist")
     if path.is_dir():
         config, tokenizer = read_hf_metadata(path)
-        files = sorted(path.glob("*.safetensors"))
         weights = read_hf_weights(path)
-        return LoadedModel(path, config, tokenizer, weights, _fingerprint(files))
+        return LoadedModel(path, config, tokenizer, weights, _fingerprint(weight_files(path)))
     fingerprint = _fingerprint([path])
     cached = cache_dir() / "weights" / f"{fingerprint}.safetensors"
     meta = cached.with_suffix(".json")

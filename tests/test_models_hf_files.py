@@ -1,0 +1,180 @@
+"""Hugging Face directories as users bring them: sharded, with Mistral's extra
+consolidated.safetensors, with named chat templates, or damaged (a missing shard, a broken
+tokenizer.json, a config without a key, quantized weights). Each damage is refused when the
+model is registered, naming the file and the cause; what loads gives transformers' logits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from llmdb.engine.engine import LLMEngine
+from llmdb.engine.models import ModelLoadError, load_model
+from llmdb.engine.models.loader import check_model
+
+from .model_builders import (
+    WORDS,
+    assert_close,
+    copy_dir,
+    edit_config,
+    randomize,
+    ref_logits,
+    word_level_tokenizer,
+)
+
+SPECIALS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+VOCAB = {t: i for i, t in enumerate(SPECIALS + sorted(set(WORDS) - {""}))}
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+IDS = [1, 7, 30, 12, 55, 9, 3, 41]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A tiny untied Llama with seeded random weights, saved as transformers saves it."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(VOCAB), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = transformers.LlamaForCausalLM(cfg)
+    randomize(model, 0)
+    path = tmp_path_factory.mktemp("hf") / "llama"
+    model.save_pretrained(path, safe_serialization=True)
+    word_level_tokenizer(VOCAB, SPECIALS, unk="<pad>").save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML,
+        "bos_token": "<s>", "eos_token": "<|im_end|>", "pad_token": "<pad>"}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def _engine(path: Path) -> LLMEngine:
+    return LLMEngine(model=str(path), dtype="fp32", kv_cache_bytes=1 << 20, threads=1)
+
+
+def _shard(src: Path, dst: Path) -> Path:
+    """A copy of src with its weights split in two shards and an index, as
+    save_pretrained(max_shard_size=...) writes them."""
+    d = copy_dir(src, dst, skip="model.safetensors")
+    weights = load_file(src / "model.safetensors")
+    names = sorted(weights)
+    weight_map = {}
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2:]), 1):
+        file = f"model-0000{i}-of-00002.safetensors"
+        save_file({n: weights[n] for n in part}, d / file)
+        weight_map.update(dict.fromkeys(part, file))
+    (d / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return d
+
+
+def _refused(path: Path, pattern: str) -> None:
+    """Refused alike at registration (metadata alone) and at load."""
+    with pytest.raises(ModelLoadError, match=pattern):
+        check_model(path)
+    with pytest.raises(ModelLoadError, match=pattern):
+        _engine(path)
+
+
+# ---- what loads --------------------------------------------------------------------------
+
+
+def test_sharded_directory_with_consolidated_file_reads_only_the_indexed_shards(
+        model_dir, reference, tmp_path):
+    """Mistral's repositories hold consolidated.safetensors (the same weights, in Mistral's
+    own names) beside the shards; it was read too, doubling a 7B load's memory and time."""
+    d = _shard(model_dir, tmp_path / "sharded")
+    save_file({"layers.0.attention.wq.weight": torch.zeros(64, 64)},
+              d / "consolidated.safetensors")
+    weights = load_model(d).weights
+    assert set(weights) == set(load_file(model_dir / "model.safetensors"))
+    engine = _engine(d)
+    assert_close(engine.logits(IDS), ref_logits(reference, IDS), "sharded")
+
+
+def test_named_chat_templates_take_the_default_as_transformers_does(model_dir, tmp_path):
+    """tokenizer_config.json may hold a list of named templates (Hermes, Command R); the
+    loader handed the list to Jinja and failed with 'Can't compile non template nodes'."""
+    d = copy_dir(model_dir, tmp_path / "named")
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = [{"name": "tool_use", "template": "{{ 'tools' }}"},
+                            {"name": "default", "template": CHATML}]
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    chat = [{"role": "user", "content": "hello world"}]
+    expected = transformers.AutoTokenizer.from_pretrained(d).apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True)
+    assert load_model(d).tokenizer.apply_chat_template(chat) == expected
+
+    cfg["chat_template"] = cfg["chat_template"][:1]
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    _refused(d, r"chat templates \['tool_use'\], none is named 'default'")
+
+
+# ---- what is refused, and how --------------------------------------------------------------
+
+
+def test_a_missing_shard_is_named_at_registration(model_dir, tmp_path):
+    """It was found only at load, as 'the weights have no tensor ...' of another tensor."""
+    d = _shard(model_dir, tmp_path / "partial")
+    (d / "model-00002-of-00002.safetensors").unlink()
+    _refused(d, "lacks model-00002-of-00002.safetensors, which model.safetensors.index.json "
+                "names")
+
+
+def test_a_broken_tokenizer_json_is_named(model_dir, tmp_path):
+    d = copy_dir(model_dir, tmp_path / "badtok")
+    (d / "tokenizer.json").write_text("{}")
+    _refused(d, f"cannot read {d / 'tokenizer.json'}")
+
+
+def test_a_broken_chat_template_is_named(model_dir, tmp_path):
+    d = copy_dir(model_dir, tmp_path / "badtemplate")
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{% for m in messages %}"
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    _refused(d, f"{d}: the chat template is not valid Jinja")
+
+
+@pytest.mark.parametrize("key", ["hidden_size", "vocab_size", "intermediate_size"])
+def test_a_config_without_a_needed_key_is_named(model_dir, tmp_path, key):
+    """It was a bare KeyError."""
+    d = edit_config(model_dir, tmp_path / "nokey", lambda cfg: cfg.pop(key))
+    _refused(d, f"config.json has no '{key}', which LlamaForCausalLM needs")
+
+
+def test_a_config_that_is_no_object_is_named(model_dir, tmp_path):
+    d = copy_dir(model_dir, tmp_path / "listcfg")
+    (d / "config.json").write_text("[1, 2]")
+    _refused(d, "config.json holds a JSON list, not an object")
+
+
+def test_a_quantized_checkpoint_is_refused_by_its_method(model_dir, tmp_path):
+    """An FP8 checkpoint's weights were cast to floats without their scales: the model ran,
+    answering noise."""
+    d = copy_dir(model_dir, tmp_path / "fp8")
+    weights = load_file(d / "model.safetensors")
+    weights["model.layers.0.mlp.up_proj.weight"] = (
+        weights["model.layers.0.mlp.up_proj.weight"].to(torch.float8_e4m3fn))
+    save_file(weights, d / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"tensor 'model.layers.0.mlp.up_proj.weight' "
+                                             r"is torch.float8_e4m3fn, a quantized type"):
+        _engine(d)
+    edit_config(d, tmp_path / "fp8-config", lambda cfg: cfg.update(
+        quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}))
+    _refused(tmp_path / "fp8-config", r"quantized checkpoints \('fp8', config.json's "
+                                      r"quantization_config\) are not supported")
