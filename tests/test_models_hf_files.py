@@ -18,43 +18,20 @@ from llmdb.engine.models import ModelLoadError, load_model
 from llmdb.engine.models.loader import check_model
 
 from .model_builders import (
-    WORDS,
+    TINY_CHATML,
     assert_close,
     copy_dir,
     edit_config,
-    randomize,
     ref_logits,
-    word_level_tokenizer,
+    save_tiny_llama,
 )
 
-SPECIALS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
-VOCAB = {t: i for i, t in enumerate(SPECIALS + sorted(set(WORDS) - {""}))}
-CHATML = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 IDS = [1, 7, 30, 12, 55, 9, 3, 41]
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    """A tiny untied Llama with seeded random weights, saved as transformers saves it."""
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=len(VOCAB), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = transformers.LlamaForCausalLM(cfg)
-    randomize(model, 0)
-    path = tmp_path_factory.mktemp("hf") / "llama"
-    model.save_pretrained(path, safe_serialization=True)
-    word_level_tokenizer(VOCAB, SPECIALS, unk="<pad>").save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML,
-        "bos_token": "<s>", "eos_token": "<|im_end|>", "pad_token": "<pad>"}))
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("hf") / "llama")
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +90,7 @@ def test_named_chat_templates_take_the_default_as_transformers_does(model_dir, t
     d = copy_dir(model_dir, tmp_path / "named")
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     cfg["chat_template"] = [{"name": "tool_use", "template": "{{ 'tools' }}"},
-                            {"name": "default", "template": CHATML}]
+                            {"name": "default", "template": TINY_CHATML}]
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
     chat = [{"role": "user", "content": "hello world"}]
     expected = transformers.AutoTokenizer.from_pretrained(d).apply_chat_template(
