@@ -155,3 +155,16 @@ def test_a_quantized_checkpoint_is_refused_by_its_method(model_dir, tmp_path):
         quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}))
     _refused(tmp_path / "fp8-config", r"quantized checkpoints \('fp8', config.json's "
                                       r"quantization_config\) are not supported")
+
+
+@pytest.mark.parametrize("name, rows", [
+    ("model.layers.1.self_attn.k_proj.weight", slice(0, 16)),  # a config of another size
+    ("model.embed_tokens.weight", slice(0, 40)),  # short of the vocabulary: ran until a
+])                                                # row's token fell past its end
+def test_a_tensor_of_the_wrong_shape_is_named(model_dir, tmp_path, name, rows):
+    """Was a RuntimeError from torch.cat naming no tensor, or no error at all."""
+    d = copy_dir(model_dir, tmp_path / "shape")
+    weights = load_file(d / "model.safetensors")
+    weights[name] = weights[name][rows].contiguous()
+    save_file(weights, d / "model.safetensors")
+    _refused(d, rf"{d}: tensor '{name}' has shape \[\d+, 64\], but the model's config gives")

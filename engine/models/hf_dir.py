@@ -372,6 +372,20 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
+def hf_tensor_shapes(path: Path) -> dict[str, list[int]]:
+    """The decoder's tensors' shapes, from the safetensors headers alone (no tensor read)."""
+    shapes: dict[str, list[int]] = {}
+    for f in weight_files(path):
+        try:
+            with safe_open(str(f), framework="pt") as tensors:
+                shapes.update({name: tensors.get_slice(key).get_shape()
+                               for key in tensors.keys()
+                               if (name := _decoder_name(key)) is not None})
+        except Exception as e:
+            raise ModelLoadError(f"cannot read {f}: {e}") from e
+    return shapes
+
+
 # What a checkpoint's weights may be stored as; the model casts them to its dtype. Anything
 # else is quantized data (int8, packed int32, unscaled fp8) that a cast would corrupt.
 _WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
