@@ -814,7 +814,7 @@ def test_tokenization_matches_llama_cpp(pre, vocab_file, llama_cpp):
 def test_non_llama_architecture_is_named(arch, pre, hf_models, bpe, tmp_path):
     """Named even when its tokenizer is one we do not read either (falcon's pre-tokenizer)."""
     path = _write_gguf(tmp_path / f"{arch}.gguf", hf_models["untied"], bpe, arch=arch, pre=pre)
-    with pytest.raises(ModelLoadError, match=f"unsupported GGUF architecture '{arch}'"):
+    with pytest.raises(ModelLoadError, match=f"{path}: unsupported GGUF architecture '{arch}'"):
         load_model(path)
     with pytest.raises(ModelLoadError, match=f"'{arch}'"):
         _engine(path)
@@ -827,8 +827,8 @@ def test_unsupported_tensor_type_is_refused_by_name(hf_models, bpe, tmp_path):
     path = _write_gguf(tmp_path / "mxfp4.gguf", hf_models["untied"], bpe,
                        tensor_types={"blk.1.ffn_up.weight": QT.MXFP4})
     for read in (loader.check_model, load_model):
-        with pytest.raises(ModelLoadError, match=r"blk\.1\.ffn_up\.weight.*unsupported type "
-                           r"MXFP4 in .*\(supported: .*Q5_0"):
+        with pytest.raises(ModelLoadError, match=rf"{path}: tensor blk\.1\.ffn_up\.weight has "
+                           r"unsupported type MXFP4 \(supported: .*Q5_0"):
             read(path)
 
 

@@ -384,27 +384,31 @@ def _open(path: Path):
         raise ModelLoadError(f"cannot read GGUF file {path}: truncated or corrupt ({e})") from e
 
 
-def _check_tensor_types(reader, path: Path) -> None:
+def _check_tensor_types(reader) -> None:
     for t in reader.tensors:
         kind = t.tensor_type.name
         if kind not in SUPPORTED_TYPES:
             raise ModelLoadError(
-                f"tensor {t.name} has unsupported type {kind} in {path} (supported: "
+                f"tensor {t.name} has unsupported type {kind} (supported: "
                 f"{', '.join(sorted(SUPPORTED_TYPES))}); llama.cpp's llama-quantize "
                 f"--allow-requantize writes one of them")
 
 
 def read_gguf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
     reader = _open(path)
-    arch = _architecture(reader)  # first: another model fails on that, not on its tokenizer
-    _check_tensor_types(reader, path)  # (here, not after dequantizing the tensors before it)
-    tokenizer = _tokenizer(reader)
-    has_output = any(t.name == "output.weight" for t in reader.tensors)
-    return _config(reader, arch, tokenizer, has_output), tokenizer
+    try:  # (the file is named here: a connection opens a model by its registered name)
+        arch = _architecture(reader)  # first: another model fails on that, not on its vocabulary
+        _check_tensor_types(reader)  # (here, not after dequantizing the tensors before it)
+        tokenizer = _tokenizer(reader)
+        has_output = any(t.name == "output.weight" for t in reader.tensors)
+        return _config(reader, arch, tokenizer, has_output), tokenizer
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
 
 
 def read_gguf_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """All tensors dequantized to fp32, named and laid out as in a Hugging Face checkpoint."""
+    """All tensors dequantized to fp32, named and laid out as in a Hugging Face checkpoint
+    (their types checked by read_gguf_metadata, which comes first)."""
     import gguf
 
     reader = _open(path)
@@ -413,7 +417,6 @@ def read_gguf_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor
     # It stores Gemma's norm weights w as the 1 + w they scale by: back to w, in fp32 (exact
     # for the stored values from 0.5 up; below, within an ulp of what llama.cpp scales by).
     shifted_norms = arch not in LLAMA_LIKE
-    _check_tensor_types(reader, path)
     weights = {}
     for t in reader.tensors:
         if t.name in _ROPE_TENSORS:
