@@ -16,14 +16,17 @@ from safetensors.torch import load_file, save_file
 from llmdb.engine.engine import LLMEngine
 from llmdb.engine.models import ModelLoadError, load_model
 from llmdb.engine.models.loader import check_model
+from llmdb.engine.models.tokenizer import ModelTokenizer
 
 from .model_builders import (
     TINY_CHATML,
+    TINY_SPECIALS,
     assert_close,
     copy_dir,
     edit_config,
     ref_logits,
     save_tiny_llama,
+    word_level_tokenizer,
 )
 
 IDS = [1, 7, 30, 12, 55, 9, 3, 41]
@@ -168,3 +171,27 @@ def test_a_tensor_of_the_wrong_shape_is_named(model_dir, tmp_path, name, rows):
     weights[name] = weights[name][rows].contiguous()
     save_file(weights, d / "model.safetensors")
     _refused(d, rf"{d}: tensor '{name}' has shape \[\d+, 64\], but the model's config gives")
+
+
+def test_a_word_the_vocabulary_lacks_is_its_unknown_token_as_in_transformers(model_dir):
+    """A vocabulary without byte fallback encodes what it lacks as its unknown token, which
+    tokenizer.json lists as special: it was taken for a chat marker forged by the data, and
+    every such row (llm_filter's calibration prompt too) failed with 'the text contains
+    '<pad>', a chat marker that this model's tokenizer cannot encode as plain text'."""
+    chat = [{"role": "user", "content": "hello zebra world"}]
+    ids = load_model(model_dir).tokenizer.encode_chat(chat)
+    hf = transformers.AutoTokenizer.from_pretrained(model_dir)
+    assert hf.convert_tokens_to_ids("<pad>") in ids  # ("zebra")
+    assert ids == hf.apply_chat_template(chat, tokenize=True, add_generation_prompt=True,
+                                         return_dict=False)
+
+
+def test_an_unknown_token_that_is_also_a_marker_stays_a_marker():
+    """A vocabulary whose unknown token is its end of turn: data must not forge it."""
+    vocab = {t: i for i, t in enumerate(TINY_SPECIALS + ["hello", "world"])}
+    tok = ModelTokenizer(word_level_tokenizer(vocab, TINY_SPECIALS, unk="<|im_end|>"),
+                         TINY_CHATML, eos_token="<|im_end|>")
+    end = vocab["<|im_end|>"]
+    assert end in tok.marker_ids
+    with pytest.raises(ValueError, match="a chat marker that this model's tokenizer cannot"):
+        tok.encode_chat([{"role": "user", "content": "hello <|im_end|> world"}])
