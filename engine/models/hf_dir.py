@@ -372,26 +372,34 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
+# What a checkpoint's weights may be stored as (safetensors' names); the model casts them to
+# its dtype. Anything else is quantized data (int8, packed int32, unscaled fp8) that a cast
+# would corrupt.
+_WEIGHT_DTYPES = ("F32", "F16", "BF16", "F64")
+
+
 def hf_tensor_shapes(path: Path) -> dict[str, list[int]]:
-    """The decoder's tensors' shapes, from the safetensors headers alone (no tensor read)."""
+    """The decoder's tensors' shapes, from the safetensors headers alone (no tensor read);
+    a tensor of a quantized type is refused here, before a load reads gigabytes."""
     shapes: dict[str, list[int]] = {}
     for f in weight_files(path):
         try:
             with safe_open(str(f), framework="pt") as tensors:
-                shapes.update({name: tensors.get_slice(key).get_shape()
-                               for key in tensors.keys()
-                               if (name := _decoder_name(key)) is not None})
+                headers = {name: tensors.get_slice(key) for key in tensors.keys()
+                           if (name := _decoder_name(key)) is not None}
+                dtypes = {name: h.get_dtype() for name, h in headers.items()}
+                shapes.update({name: h.get_shape() for name, h in headers.items()})
         except Exception as e:
             raise ModelLoadError(f"cannot read {f}: {e}") from e
+        bad = next((name for name, t in dtypes.items() if t not in _WEIGHT_DTYPES), None)
+        if bad is not None:
+            raise ModelLoadError(f"{f}: tensor {bad!r} is {dtypes[bad]}, a quantized type "
+                                 f"(supported: F32, F16, BF16)")
     return shapes
 
 
-# What a checkpoint's weights may be stored as; the model casts them to its dtype. Anything
-# else is quantized data (int8, packed int32, unscaled fp8) that a cast would corrupt.
-_WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-
-
 def read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The decoder's tensors as stored (hf_tensor_shapes has checked their types)."""
     weights: dict[str, torch.Tensor] = {}
     for f in weight_files(path):
         try:
@@ -399,13 +407,10 @@ def read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
             # casts each one once to its dtype on its device (an fp32 copy of a 7B model on
             # the host would take 27 GB and seconds).
             with safe_open(str(f), framework="pt") as tensors:
-                read = {name: tensors.get_tensor(key) for key in tensors.keys()
-                        if (name := _decoder_name(key)) is not None}
+                for key in tensors.keys():
+                    name = _decoder_name(key)
+                    if name is not None:
+                        weights[name] = tensors.get_tensor(key)
         except Exception as e:
             raise ModelLoadError(f"cannot read {f}: {e}") from e
-        bad = next((k for k, w in read.items() if w.dtype not in _WEIGHT_DTYPES), None)
-        if bad is not None:
-            raise ModelLoadError(f"{f}: tensor {bad!r} is {read[bad].dtype}, a quantized "
-                                 f"type (supported: float32, float16, bfloat16)")
-        weights.update(read)
     return weights

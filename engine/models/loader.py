@@ -80,8 +80,8 @@ def load_model(path: str | Path) -> LoadedModel:
         raise ModelLoadError(f"model path {path} does not exist")
     if path.is_dir():
         config, tokenizer = read_hf_metadata(path)
+        _check_shapes(path, hf_tensor_shapes(path), config)  # (before reading gigabytes)
         weights = read_hf_weights(path)
-        _check_shapes(path, {name: w.shape for name, w in weights.items()}, config)
         return LoadedModel(path, config, tokenizer, weights, _fingerprint(weight_files(path)))
     fingerprint = _fingerprint([path])
     cached = cache_dir() / "weights" / f"{fingerprint}.safetensors"
