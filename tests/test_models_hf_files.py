@@ -105,6 +105,20 @@ def test_named_chat_templates_take_the_default_as_transformers_does(model_dir, t
     _refused(d, r"chat templates \['tool_use'\], none is named 'default'")
 
 
+def test_chat_template_jinja_comes_before_tokenizer_config_as_in_transformers(model_dir,
+                                                                             tmp_path):
+    """Both present (a repository that fixed its template in chat_template.jinja):
+    tokenizer_config.json's old one was taken."""
+    d = copy_dir(model_dir, tmp_path / "jinja")
+    (d / "chat_template.jinja").write_text(
+        TINY_CHATML.replace("message['role'] + '\n'", "message['role'] + ': '"))
+    chat = [{"role": "user", "content": "hello world"}]
+    expected = transformers.AutoTokenizer.from_pretrained(d).apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True)
+    assert "user: hello" in expected
+    assert load_model(d).tokenizer.apply_chat_template(chat) == expected
+
+
 # ---- what is refused, and how --------------------------------------------------------------
 
 

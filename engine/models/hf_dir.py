@@ -182,9 +182,10 @@ def _tokenizer(path: Path, arch: str) -> ModelTokenizer:
 
 
 def _chat_template(path: Path, tok_cfg: dict) -> str | None:
-    template = tok_cfg.get("chat_template")
-    if template is None and (path / "chat_template.jinja").exists():
-        template = (path / "chat_template.jinja").read_text()
+    # chat_template.jinja first, as transformers reads it: repositories that fix their
+    # template there may keep the old one in tokenizer_config.json.
+    jinja = path / "chat_template.jinja"
+    template = jinja.read_text() if jinja.exists() else tok_cfg.get("chat_template")
     if template is None:  # (where multimodal processors wrote it before chat_template.jinja)
         template = _read_json(path / "chat_template.json").get("chat_template")
     if isinstance(template, list):
