@@ -78,16 +78,22 @@ def read_hf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
                              f"model or a GGUF file")
     tokenizer = _tokenizer(path, arch)
     try:
-        return _model_config(cfg, arch, path), tokenizer
+        return _model_config(cfg, arch, path, tokenizer), tokenizer
     except KeyError as e:  # a key every config of the architecture has
         raise ModelLoadError(f"{path / 'config.json'} has no {e.args[0]!r}, which "
                              f"{arch} needs") from None
 
 
-def _model_config(cfg: dict, arch: str, path: Path) -> ModelConfig:
+def _model_config(cfg: dict, arch: str, path: Path, tokenizer: ModelTokenizer) -> ModelConfig:
     gen_cfg = _read_json(path / "generation_config.json")
     eos = gen_cfg.get("eos_token_id", cfg.get("eos_token_id"))
-    eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    eos_ids = list(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    # And the tokenizer's EOS, where a fine-tune changed it (to its <|im_end|>) and left
+    # config.json's: vLLM stops there, and llama.cpp, whose converter writes it as the
+    # file's EOS; the chat's answers ran on to max_tokens past their end of turn.
+    tok_eos = tokenizer.token_id(tokenizer.eos_token) if tokenizer.eos_token else None
+    if tok_eos is not None and tok_eos not in eos_ids:
+        eos_ids.append(tok_eos)
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     common = dict(
         vocab_size=cfg["vocab_size"],
@@ -95,7 +101,7 @@ def _model_config(cfg: dict, arch: str, path: Path) -> ModelConfig:
         num_layers=cfg["num_hidden_layers"],
         num_heads=heads,
         bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=eos_ids,
+        eos_token_ids=tuple(eos_ids),
         max_context=cfg.get("max_position_embeddings", 2048),
     )
     if arch in GEMMA:
