@@ -5,6 +5,8 @@ names and layout), tokenizer."""
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -384,6 +386,47 @@ def _open(path: Path):
         raise ModelLoadError(f"cannot read GGUF file {path}: truncated or corrupt ({e})") from e
 
 
+# llama.cpp's gguf-split (and the converter's --split-max-size) names a model's files
+# PREFIX-00001-of-00003.gguf and so on: the first holds the metadata, each some tensors.
+_SPLIT_NAME = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf")
+
+
+def gguf_files(path: Path) -> list[Path]:
+    """The files of the model at `path`: the file itself, or each part of a split model
+    (`path` being its first)."""
+    m = _SPLIT_NAME.fullmatch(path.name)
+    if m is None or m[3] == "00001":
+        return [path]
+    if m[2] != "00001":
+        raise ModelLoadError(f"{path} is part {int(m[2])} of a split model: give its first "
+                             f"file, {m[1]}-00001-of-{m[3]}.gguf")
+    files = [path.with_name(f"{m[1]}-{i:05d}-of-{m[3]}.gguf") for i in range(1, int(m[3]) + 1)]
+    missing = [f.name for f in files if not f.exists()]
+    if missing:
+        raise ModelLoadError(f"{path} is the first of {len(files)} files of a split model, "
+                             f"and {', '.join(missing)} is missing")
+    return files
+
+
+@dataclass
+class _Model:
+    """What the functions here read of a GGUFReader, over a model's files: the metadata
+    (the first file's) and every file's tensors."""
+
+    fields: dict
+    tensors: list
+
+
+def _open_model(path: Path) -> _Model:
+    readers = [_open(f) for f in gguf_files(path)]
+    count = _field(readers[0], "split.count", 1)
+    if count != len(readers):
+        raise ModelLoadError(f"{path} is the first of {count} files of a split model "
+                             f"(split.count), which are found by their names: "
+                             f"PREFIX-00001-of-{count:05d}.gguf and so on")
+    return _Model(readers[0].fields, [t for r in readers for t in r.tensors])
+
+
 def _check_tensor_types(reader) -> None:
     for t in reader.tensors:
         kind = t.tensor_type.name
@@ -395,7 +438,7 @@ def _check_tensor_types(reader) -> None:
 
 
 def read_gguf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
-    reader = _open(path)
+    reader = _open_model(path)
     try:  # (the file is named here: a connection opens a model by its registered name)
         arch = _architecture(reader)  # first: another model fails on that, not on its vocabulary
         _check_tensor_types(reader)  # (here, not after dequantizing the tensors before it)
@@ -411,7 +454,7 @@ def read_gguf_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor
     (their types checked by read_gguf_metadata, which comes first)."""
     import gguf
 
-    reader = _open(path)
+    reader = _open_model(path)
     arch = _architecture(reader)
     permuted = arch in PERMUTED_QK
     # It stores Gemma's norm weights w as the 1 + w they scale by: back to w, in fp32 (exact

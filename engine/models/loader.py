@@ -22,7 +22,7 @@ from llmdb.kernels.host import cache_dir
 
 from .config import ModelConfig
 from .errors import ModelLoadError
-from .gguf_file import read_gguf_metadata, read_gguf_weights
+from .gguf_file import gguf_files, read_gguf_metadata, read_gguf_weights
 from .hf_dir import hf_tensor_shapes, read_hf_metadata, read_hf_weights, weight_files
 from .shapes import check_shapes
 from .tokenizer import ModelTokenizer
@@ -83,7 +83,7 @@ def load_model(path: str | Path) -> LoadedModel:
         _check_shapes(path, hf_tensor_shapes(path), config)  # (before reading gigabytes)
         weights = read_hf_weights(path)
         return LoadedModel(path, config, tokenizer, weights, _fingerprint(weight_files(path)))
-    fingerprint = _fingerprint([path])
+    fingerprint = _fingerprint(gguf_files(path))
     cached = cache_dir() / "weights" / f"{fingerprint}.safetensors"
     meta = cached.with_suffix(".json")
     if cached.exists() and meta.exists():
