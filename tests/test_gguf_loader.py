@@ -863,13 +863,14 @@ def test_unsupported_tensor_type_is_refused_by_name(hf_models, bpe, tmp_path):
 
 def test_a_vocabulary_longer_than_the_embedding_is_refused(hf_models, bpe, tmp_path):
     """llama.cpp refuses such a file (token_embd.weight has the wrong shape); it loaded, and
-    ran until a row's token fell past the embedding's end."""
+    ran until a row's token fell past the embedding's end. Refused from the metadata."""
     path = _write_gguf(tmp_path / "long-vocab.gguf", hf_models["untied"], bpe,
                        extra_tokens=(("<extra>", 4),))
-    with pytest.raises(ModelLoadError, match=r"long-vocab.gguf: tensor "
-                       r"'model.embed_tokens.weight' has shape \[\d+, 64\], but the model's "
-                       r"config gives"):
-        load_model(path)
+    for read in (loader.check_model, load_model):
+        with pytest.raises(ModelLoadError, match=r"long-vocab.gguf: tensor "
+                           r"'model.embed_tokens.weight' has shape \[\d+, 64\], but the "
+                           r"model's config gives"):
+            read(path)
 
 
 @pytest.mark.parametrize("kind", ["t5", "bert"])

@@ -16,6 +16,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from .config import ModelConfig, sliding_windows
 from .errors import ModelLoadError
 from .rope import LongRope
+from .shapes import check_shapes
 from .spm import spm_tokenizer
 from .tokenizer import ModelTokenizer
 
@@ -444,7 +445,11 @@ def read_gguf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
         _check_tensor_types(reader)  # (here, not after dequantizing the tensors before it)
         tokenizer = _tokenizer(reader)
         has_output = any(t.name == "output.weight" for t in reader.tensors)
-        return _config(reader, arch, tokenizer, has_output), tokenizer
+        config = _config(reader, arch, tokenizer, has_output)
+        # (GGUF lists a tensor's dimensions innermost first)
+        check_shapes({_hf_name(t.name, arch): tuple(int(d) for d in reversed(t.shape))
+                      for t in reader.tensors if t.name not in _ROPE_TENSORS}, config)
+        return config, tokenizer
     except ModelLoadError as e:
         raise ModelLoadError(f"{path}: {e}") from None
 

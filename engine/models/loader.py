@@ -93,8 +93,7 @@ def load_model(path: str | Path) -> LoadedModel:
         except Exception:  # a damaged cache entry is rebuilt, not fatal
             cached.unlink(missing_ok=True)
     config, tokenizer = read_gguf_metadata(path)
-    weights = read_gguf_weights(path, config)
-    _check_shapes(path, {name: w.shape for name, w in weights.items()}, config)
+    weights = read_gguf_weights(path, config)  # (shapes checked with the metadata)
     cached.parent.mkdir(parents=True, exist_ok=True)
     # Weights first, metadata last: a half-written entry is never taken for a whole one.
     _atomic_write(cached, lambda tmp: save_file(weights, str(tmp)))

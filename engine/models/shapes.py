@@ -3,8 +3,8 @@
 A checkpoint whose tensors disagree with its config.json (a layer edited by hand, a config
 from another size of the model) failed in torch.cat while the model was built, naming no
 tensor; an embedding table shorter than the vocabulary did not fail at all until a row's
-token fell past its end. Checked from the safetensors headers when a model is registered,
-and from the tensors read before the model is built."""
+token fell past its end. Checked with the metadata (safetensors headers, GGUF tensor
+infos), so when a model is registered and before a load reads its weights."""
 
 from __future__ import annotations
 
