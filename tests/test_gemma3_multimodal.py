@@ -177,6 +177,9 @@ def test_only_the_text_decoders_weights_are_read(names, hf_dirs, hf_ref, monkeyp
             read.append(key)
             return self.tensors.get_tensor(key)
 
+        def get_slice(self, key: str):  # (a header: the checks of shapes and types)
+            return self.tensors.get_slice(key)
+
     monkeypatch.setattr(hf_dir, "safe_open", Recording)
     for name, tie in MODELS.items():
         read.clear()

@@ -217,14 +217,15 @@ def _write_gguf(path: Path, model, tok: Tokenizer, qtype: QT = QT.F32, *, arch: 
                 tokenizer_model: str = "gpt2", pre: str | None = "smollm",
                 tensor_types: dict[str, QT] | None = None,
                 extra_tokens: tuple[tuple[str, int], ...] = (), extra=None,
-                with_tensors: bool = True) -> Path:
+                with_tensors: bool = True, split_max_tensors: int = 0) -> Path:
     cfg = model.config
     arch = arch or cfg.model_type
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     tokens, types, merges = _vocab(tok)
     tokens += [t for t, _ in extra_tokens]
     types += [ty for _, ty in extra_tokens]
-    w = gguf.GGUFWriter(str(path), arch)  # also writes general.architecture
+    # (also writes general.architecture; split: in files PATH-0000k-of-0000n.gguf)
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     w.add_name("tiny-test-llama")
     w.add_vocab_size(len(tokens))
     add_gguf_shape(w, cfg)
@@ -396,6 +397,34 @@ def test_weights_are_hf_named_and_survive_the_cache(f32_files, hf_models):
     for k, v in second.weights.items():
         assert torch.equal(v, first.weights[k]), k
         assert torch.equal(v, ref[k]), k
+
+
+def test_a_split_model_loads_from_its_first_file(hf_models, bpe, tmp_path, llama_cpp):
+    """gguf-split's files (large models are published so): only the first file's tensors
+    were read, and the load failed on a tensor the other files hold. llama.cpp opens them
+    from the first file too."""
+    _write_gguf(tmp_path / "split.gguf", hf_models["untied"], bpe, split_max_tensors=8)
+    parts = sorted(tmp_path.glob("split-*.gguf"))
+    assert [p.name for p in parts] == [f"split-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    loaded = load_model(parts[0])
+    ref = hf_models["untied"].state_dict()
+    assert set(loaded.weights) == set(ref)
+    for k, v in loaded.weights.items():
+        assert torch.equal(v, ref[k]), k
+    ids = _sequences(400, seed=11)[2]
+    ours = _engine(parts[0]).logits(ids)
+    assert _max_err(ours, ref_logits(hf_models["untied"], ids)) <= LOGIT_RTOL
+    assert _rms_err(ours, _llama_cpp_logits(llama_cpp, parts[0], ids)) <= 1e-5
+
+    with pytest.raises(ModelLoadError, match=r"split-00002-of-00003.gguf is part 2 of a split "
+                                             r"model: give its first file, "
+                                             r"split-00001-of-00003.gguf"):
+        loader.check_model(parts[1])
+    parts[2].unlink()
+    with pytest.raises(ModelLoadError, match=r"split-00001-of-00003.gguf is the first of 3 "
+                                             r"files of a split model, and "
+                                             r"split-00003-of-00003.gguf is missing"):
+        loader.check_model(parts[0])
 
 
 def test_windows_and_softcap_survive_the_metadata_cache(f32_files, tmp_path):
@@ -814,7 +843,7 @@ def test_tokenization_matches_llama_cpp(pre, vocab_file, llama_cpp):
 def test_non_llama_architecture_is_named(arch, pre, hf_models, bpe, tmp_path):
     """Named even when its tokenizer is one we do not read either (falcon's pre-tokenizer)."""
     path = _write_gguf(tmp_path / f"{arch}.gguf", hf_models["untied"], bpe, arch=arch, pre=pre)
-    with pytest.raises(ModelLoadError, match=f"unsupported GGUF architecture '{arch}'"):
+    with pytest.raises(ModelLoadError, match=f"{path}: unsupported GGUF architecture '{arch}'"):
         load_model(path)
     with pytest.raises(ModelLoadError, match=f"'{arch}'"):
         _engine(path)
@@ -822,12 +851,26 @@ def test_non_llama_architecture_is_named(arch, pre, hf_models, bpe, tmp_path):
 
 def test_unsupported_tensor_type_is_refused_by_name(hf_models, bpe, tmp_path):
     """MXFP4 (gpt-oss's experts) is a type we have not checked: refused, naming the tensor,
-    the type and the types we read."""
+    the type and the types we read, from the metadata alone: `llmdb models add` took such a
+    file, and a load found it after dequantizing every tensor before it."""
     path = _write_gguf(tmp_path / "mxfp4.gguf", hf_models["untied"], bpe,
                        tensor_types={"blk.1.ffn_up.weight": QT.MXFP4})
-    with pytest.raises(ModelLoadError, match=r"blk\.1\.ffn_up\.weight.*unsupported type MXFP4 "
-                       r"in .*\(supported: .*Q5_0"):
-        load_model(path)
+    for read in (loader.check_model, load_model):
+        with pytest.raises(ModelLoadError, match=rf"{path}: tensor blk\.1\.ffn_up\.weight has "
+                           r"unsupported type MXFP4 \(supported: .*Q5_0"):
+            read(path)
+
+
+def test_a_vocabulary_longer_than_the_embedding_is_refused(hf_models, bpe, tmp_path):
+    """llama.cpp refuses such a file (token_embd.weight has the wrong shape); it loaded, and
+    ran until a row's token fell past the embedding's end. Refused from the metadata."""
+    path = _write_gguf(tmp_path / "long-vocab.gguf", hf_models["untied"], bpe,
+                       extra_tokens=(("<extra>", 4),))
+    for read in (loader.check_model, load_model):
+        with pytest.raises(ModelLoadError, match=r"long-vocab.gguf: tensor "
+                           r"'model.embed_tokens.weight' has shape \[\d+, 64\], but the "
+                           r"model's config gives"):
+            read(path)
 
 
 @pytest.mark.parametrize("kind", ["t5", "bert"])

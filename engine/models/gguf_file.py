@@ -5,6 +5,8 @@ names and layout), tokenizer."""
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +16,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from .config import ModelConfig, sliding_windows
 from .errors import ModelLoadError
 from .rope import LongRope
+from .shapes import check_shapes
 from .spm import spm_tokenizer
 from .tokenizer import ModelTokenizer
 
@@ -384,19 +387,79 @@ def _open(path: Path):
         raise ModelLoadError(f"cannot read GGUF file {path}: truncated or corrupt ({e})") from e
 
 
+# llama.cpp's gguf-split (and the converter's --split-max-size) names a model's files
+# PREFIX-00001-of-00003.gguf and so on: the first holds the metadata, each some tensors.
+_SPLIT_NAME = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf")
+
+
+def gguf_files(path: Path) -> list[Path]:
+    """The files of the model at `path`: the file itself, or each part of a split model
+    (`path` being its first)."""
+    m = _SPLIT_NAME.fullmatch(path.name)
+    if m is None or m[3] == "00001":
+        return [path]
+    if m[2] != "00001":
+        raise ModelLoadError(f"{path} is part {int(m[2])} of a split model: give its first "
+                             f"file, {m[1]}-00001-of-{m[3]}.gguf")
+    files = [path.with_name(f"{m[1]}-{i:05d}-of-{m[3]}.gguf") for i in range(1, int(m[3]) + 1)]
+    missing = [f.name for f in files if not f.exists()]
+    if missing:
+        raise ModelLoadError(f"{path} is the first of {len(files)} files of a split model, "
+                             f"and {', '.join(missing)} is missing")
+    return files
+
+
+@dataclass
+class _Model:
+    """What the functions here read of a GGUFReader, over a model's files: the metadata
+    (the first file's) and every file's tensors."""
+
+    fields: dict
+    tensors: list
+
+
+def _open_model(path: Path) -> _Model:
+    readers = [_open(f) for f in gguf_files(path)]
+    count = _field(readers[0], "split.count", 1)
+    if count != len(readers):
+        raise ModelLoadError(f"{path} is the first of {count} files of a split model "
+                             f"(split.count), which are found by their names: "
+                             f"PREFIX-00001-of-{count:05d}.gguf and so on")
+    return _Model(readers[0].fields, [t for r in readers for t in r.tensors])
+
+
+def _check_tensor_types(reader) -> None:
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        if kind not in SUPPORTED_TYPES:
+            raise ModelLoadError(
+                f"tensor {t.name} has unsupported type {kind} (supported: "
+                f"{', '.join(sorted(SUPPORTED_TYPES))}); llama.cpp's llama-quantize "
+                f"--allow-requantize writes one of them")
+
+
 def read_gguf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
-    reader = _open(path)
-    arch = _architecture(reader)  # first: another model fails on that, not on its tokenizer
-    tokenizer = _tokenizer(reader)
-    has_output = any(t.name == "output.weight" for t in reader.tensors)
-    return _config(reader, arch, tokenizer, has_output), tokenizer
+    reader = _open_model(path)
+    try:  # (the file is named here: a connection opens a model by its registered name)
+        arch = _architecture(reader)  # first: another model fails on that, not on its vocabulary
+        _check_tensor_types(reader)  # (here, not after dequantizing the tensors before it)
+        tokenizer = _tokenizer(reader)
+        has_output = any(t.name == "output.weight" for t in reader.tensors)
+        config = _config(reader, arch, tokenizer, has_output)
+        # (GGUF lists a tensor's dimensions innermost first)
+        check_shapes({_hf_name(t.name, arch): tuple(int(d) for d in reversed(t.shape))
+                      for t in reader.tensors if t.name not in _ROPE_TENSORS}, config)
+        return config, tokenizer
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
 
 
 def read_gguf_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """All tensors dequantized to fp32, named and laid out as in a Hugging Face checkpoint."""
+    """All tensors dequantized to fp32, named and laid out as in a Hugging Face checkpoint
+    (their types checked by read_gguf_metadata, which comes first)."""
     import gguf
 
-    reader = _open(path)
+    reader = _open_model(path)
     arch = _architecture(reader)
     permuted = arch in PERMUTED_QK
     # It stores Gemma's norm weights w as the 1 + w they scale by: back to w, in fp32 (exact
@@ -407,11 +470,6 @@ def read_gguf_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor
         if t.name in _ROPE_TENSORS:
             continue
         kind = t.tensor_type.name
-        if kind not in SUPPORTED_TYPES:
-            raise ModelLoadError(
-                f"tensor {t.name} has unsupported type {kind} in {path} (supported: "
-                f"{', '.join(sorted(SUPPORTED_TYPES))}); llama.cpp's llama-quantize "
-                f"--allow-requantize writes one of them")
         try:
             w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         except Exception as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jinja2
 import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
@@ -42,9 +43,12 @@ GEMMA3_TEXT_DEFAULTS = {
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text()) if path.exists() else {}
+        data = json.loads(path.read_text()) if path.exists() else {}
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} holds a JSON {type(data).__name__}, not an object")
+    return data
 
 
 def _token_text(tok) -> str | None:
@@ -66,33 +70,30 @@ def read_hf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
         cfg, arch = _text_config(cfg, path), MULTIMODAL[arch]
     if arch == "Gemma3ForCausalLM":
         cfg = {**GEMMA3_TEXT_DEFAULTS, **cfg}
-    if not (path / "tokenizer.json").exists():
-        raise ModelLoadError(f"{path} has no tokenizer.json")
-    tok_cfg = _read_json(path / "tokenizer_config.json")
+    quant = cfg.get("quantization_config")
+    if quant:  # (its tensors would be read as plain weights: packed ints, unscaled fp8)
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise ModelLoadError(f"{path}: quantized checkpoints ({method!r}, config.json's "
+                             f"quantization_config) are not supported; use the unquantized "
+                             f"model or a GGUF file")
+    tokenizer = _tokenizer(path, arch)
+    try:
+        return _model_config(cfg, arch, path, tokenizer), tokenizer
+    except KeyError as e:  # a key every config of the architecture has
+        raise ModelLoadError(f"{path / 'config.json'} has no {e.args[0]!r}, which "
+                             f"{arch} needs") from None
+
+
+def _model_config(cfg: dict, arch: str, path: Path, tokenizer: ModelTokenizer) -> ModelConfig:
     gen_cfg = _read_json(path / "generation_config.json")
-    template = tok_cfg.get("chat_template")
-    if template is None and (path / "chat_template.jinja").exists():
-        template = (path / "chat_template.jinja").read_text()
-    if template is None:  # (where multimodal processors wrote it before chat_template.jinja)
-        template = _read_json(path / "chat_template.json").get("chat_template")
-    hf_tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-    bos_token = _token_text(tok_cfg.get("bos_token"))
-    add_bos = tok_cfg.get("add_bos_token")
-    if add_bos is None:
-        # No explicit setting (e.g. Llama 3): do what tokenizer.json's post-processor does.
-        bos_id = hf_tok.token_to_id(bos_token) if bos_token else None
-        add_bos = arch == "OPTForCausalLM" or (
-            bos_id is not None and hf_tok.encode("a").ids[:1] == [bos_id]
-        )
-    tokenizer = ModelTokenizer(
-        tokenizer=hf_tok,
-        chat_template=template,
-        bos_token=bos_token,
-        eos_token=_token_text(tok_cfg.get("eos_token")),
-        add_bos=bool(add_bos),
-    )
     eos = gen_cfg.get("eos_token_id", cfg.get("eos_token_id"))
-    eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    eos_ids = list(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    # And the tokenizer's EOS, where a fine-tune changed it (to its <|im_end|>) and left
+    # config.json's: vLLM stops there, and llama.cpp, whose converter writes it as the
+    # file's EOS; the chat's answers ran on to max_tokens past their end of turn.
+    tok_eos = tokenizer.token_id(tokenizer.eos_token) if tokenizer.eos_token else None
+    if tok_eos is not None and tok_eos not in eos_ids:
+        eos_ids.append(tok_eos)
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     common = dict(
         vocab_size=cfg["vocab_size"],
@@ -100,7 +101,7 @@ def read_hf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
         num_layers=cfg["num_hidden_layers"],
         num_heads=heads,
         bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=eos_ids,
+        eos_token_ids=tuple(eos_ids),
         max_context=cfg.get("max_position_embeddings", 2048),
     )
     if arch in GEMMA:
@@ -153,7 +154,55 @@ def read_hf_metadata(path: Path) -> tuple[ModelConfig, ModelTokenizer]:
             norm_before=cfg.get("do_layer_norm_before", True),
             **common,
         )
-    return config, tokenizer
+    return config
+
+
+def _tokenizer(path: Path, arch: str) -> ModelTokenizer:
+    """tokenizer.json with tokenizer_config.json's special tokens and chat template."""
+    if not (path / "tokenizer.json").exists():
+        raise ModelLoadError(f"{path} has no tokenizer.json")
+    tok_cfg = _read_json(path / "tokenizer_config.json")
+    template = _chat_template(path, tok_cfg)
+    try:
+        hf_tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    except Exception as e:  # (the tokenizers library raises a bare Exception)
+        raise ModelLoadError(f"cannot read {path / 'tokenizer.json'}: {e}") from e
+    bos_token = _token_text(tok_cfg.get("bos_token"))
+    add_bos = tok_cfg.get("add_bos_token")
+    if add_bos is None:
+        # No explicit setting (e.g. Llama 3): do what tokenizer.json's post-processor does.
+        bos_id = hf_tok.token_to_id(bos_token) if bos_token else None
+        add_bos = arch == "OPTForCausalLM" or (
+            bos_id is not None and hf_tok.encode("a").ids[:1] == [bos_id]
+        )
+    try:
+        return ModelTokenizer(
+            tokenizer=hf_tok,
+            chat_template=template,
+            bos_token=bos_token,
+            eos_token=_token_text(tok_cfg.get("eos_token")),
+            add_bos=bool(add_bos),
+        )
+    except jinja2.TemplateError as e:
+        raise ModelLoadError(f"{path}: the chat template is not valid Jinja: {e}") from e
+
+
+def _chat_template(path: Path, tok_cfg: dict) -> str | None:
+    # chat_template.jinja first, as transformers reads it: repositories that fix their
+    # template there may keep the old one in tokenizer_config.json.
+    jinja = path / "chat_template.jinja"
+    template = jinja.read_text() if jinja.exists() else tok_cfg.get("chat_template")
+    if template is None:  # (where multimodal processors wrote it before chat_template.jinja)
+        template = _read_json(path / "chat_template.json").get("chat_template")
+    if isinstance(template, list):
+        # Named templates (Hermes, Command R: "default", "tool_use", "rag"); rows are
+        # plain chats, so the default, as transformers takes it when no tools are given.
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if not isinstance(named.get("default"), str):
+            raise ModelLoadError(f"{path}: of the chat templates {sorted(map(str, named))}, "
+                                 f"none is named 'default'")
+        template = named["default"]
+    return template
 
 
 def _text_config(cfg: dict, path: Path) -> dict:
@@ -306,12 +355,60 @@ def _decoder_name(stored: str) -> str | None:
     return stored if stored.startswith(("model.", "lm_head")) else f"model.{stored}"
 
 
-def read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files that hold the model: those its index names (sharded
+    checkpoints), or model.safetensors, or else every *.safetensors file. Mistral's
+    directories also hold consolidated.safetensors, the same weights in another layout, which
+    the index leaves out: read too, it would double the load's memory and time."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"{index} has no weight_map")
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise ModelLoadError(f"{path} lacks {', '.join(missing)}, which {index.name} "
+                                 f"names (an interrupted download?)")
+        return files
+    if (path / "model.safetensors").exists():
+        return [path / "model.safetensors"]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path} has no *.safetensors files")
+    return files
+
+
+# What a checkpoint's weights may be stored as (safetensors' names); the model casts them to
+# its dtype. Anything else is quantized data (int8, packed int32, unscaled fp8) that a cast
+# would corrupt.
+_WEIGHT_DTYPES = ("F32", "F16", "BF16", "F64")
+
+
+def hf_tensor_shapes(path: Path) -> dict[str, list[int]]:
+    """The decoder's tensors' shapes, from the safetensors headers alone (no tensor read);
+    a tensor of a quantized type is refused here, before a load reads gigabytes."""
+    shapes: dict[str, list[int]] = {}
+    for f in weight_files(path):
+        try:
+            with safe_open(str(f), framework="pt") as tensors:
+                headers = {name: tensors.get_slice(key) for key in tensors.keys()
+                           if (name := _decoder_name(key)) is not None}
+                dtypes = {name: h.get_dtype() for name, h in headers.items()}
+                shapes.update({name: h.get_shape() for name, h in headers.items()})
+        except Exception as e:
+            raise ModelLoadError(f"cannot read {f}: {e}") from e
+        bad = next((name for name, t in dtypes.items() if t not in _WEIGHT_DTYPES), None)
+        if bad is not None:
+            raise ModelLoadError(f"{f}: tensor {bad!r} is {dtypes[bad]}, a quantized type "
+                                 f"(supported: F32, F16, BF16)")
+    return shapes
+
+
+def read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The decoder's tensors as stored (hf_tensor_shapes has checked their types)."""
     weights: dict[str, torch.Tensor] = {}
-    for f in files:
+    for f in weight_files(path):
         try:
             # Tensor by tensor, as stored: another tower's are never read, and the model
             # casts each one once to its dtype on its device (an fp32 copy of a 7B model on

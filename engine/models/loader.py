@@ -22,8 +22,9 @@ from llmdb.kernels.host import cache_dir
 
 from .config import ModelConfig
 from .errors import ModelLoadError
-from .gguf_file import read_gguf_metadata, read_gguf_weights
-from .hf_dir import read_hf_metadata, read_hf_weights
+from .gguf_file import gguf_files, read_gguf_metadata, read_gguf_weights
+from .hf_dir import hf_tensor_shapes, read_hf_metadata, read_hf_weights, weight_files
+from .shapes import check_shapes
 from .tokenizer import ModelTokenizer
 
 
@@ -64,8 +65,7 @@ def check_model(path: str | Path) -> ModelConfig:
         raise ModelLoadError(f"model path {path} does not exist")
     if path.is_dir():
         config, _ = read_hf_metadata(path)
-        if not any(path.glob("*.safetensors")):
-            raise ModelLoadError(f"{path} has no *.safetensors files")
+        _check_shapes(path, hf_tensor_shapes(path), config)
         return config
     with path.open("rb") as f:
         magic = f.read(4)
@@ -80,10 +80,10 @@ def load_model(path: str | Path) -> LoadedModel:
         raise ModelLoadError(f"model path {path} does not exist")
     if path.is_dir():
         config, tokenizer = read_hf_metadata(path)
-        files = sorted(path.glob("*.safetensors"))
+        _check_shapes(path, hf_tensor_shapes(path), config)  # (before reading gigabytes)
         weights = read_hf_weights(path)
-        return LoadedModel(path, config, tokenizer, weights, _fingerprint(files))
-    fingerprint = _fingerprint([path])
+        return LoadedModel(path, config, tokenizer, weights, _fingerprint(weight_files(path)))
+    fingerprint = _fingerprint(gguf_files(path))
     cached = cache_dir() / "weights" / f"{fingerprint}.safetensors"
     meta = cached.with_suffix(".json")
     if cached.exists() and meta.exists():
@@ -93,12 +93,19 @@ def load_model(path: str | Path) -> LoadedModel:
         except Exception:  # a damaged cache entry is rebuilt, not fatal
             cached.unlink(missing_ok=True)
     config, tokenizer = read_gguf_metadata(path)
-    weights = read_gguf_weights(path, config)
+    weights = read_gguf_weights(path, config)  # (shapes checked with the metadata)
     cached.parent.mkdir(parents=True, exist_ok=True)
     # Weights first, metadata last: a half-written entry is never taken for a whole one.
     _atomic_write(cached, lambda tmp: save_file(weights, str(tmp)))
     _atomic_write(meta, lambda tmp: tmp.write_text(_meta_json(config, tokenizer)))
     return LoadedModel(path, config, tokenizer, weights, fingerprint)
+
+
+def _check_shapes(path: Path, shapes: dict, config: ModelConfig) -> None:
+    try:
+        check_shapes(shapes, config)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
 
 
 def _atomic_write(target: Path, write) -> None:

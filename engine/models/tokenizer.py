@@ -66,13 +66,26 @@ class ModelTokenizer:
 
     @cached_property
     def marker_ids(self) -> frozenset[int]:
-        """Tokens that structure a chat: every special added token, and every other added
-        token the chat template writes (some models ship their turn markers as non-special)."""
+        """Tokens that structure a chat: every special added token but the unknown token,
+        and every other added token the chat template writes or names as BOS or EOS (some
+        models ship their turn markers as non-special)."""
         template = self.chat_template or ""
         named = {self.bos_token, self.eos_token}
         return frozenset(
             i for i, t in self.tokenizer.get_added_tokens_decoder().items()
-            if t.special or t.content in template or t.content in named)
+            if t.content in template or t.content in named
+            or (t.special and i != self._unk_id))
+
+    @cached_property
+    def _unk_id(self) -> int | None:
+        """The token a vocabulary without byte fallback encodes what it lacks as: special
+        in tokenizer.json, but data's own (an emoji, a rare script), not a marker unless the
+        template writes it or it is the BOS or EOS too (as some vocabularies have it)."""
+        model = json.loads(self.tokenizer.to_str())["model"]
+        if isinstance(model.get("unk_id"), int):  # (Unigram names it by id)
+            return model["unk_id"]
+        unk = model.get("unk_token")
+        return self.tokenizer.token_to_id(unk) if isinstance(unk, str) else None
 
     @cached_property
     def _plain(self) -> Tokenizer:
