@@ -106,7 +106,7 @@ class LLMEngine:
         self.model_name = model
         self.device = resolve_device(device)
         self.dtype = _parse_dtype(dtype, self.device)
-        self.kernels = _kernel_set(attention, self.device)
+        self.kernels = _kernel_set(attention, self.device, self.dtype)
         if max_num_batched_tokens is None:  # GPUs take larger steps at little extra time
             max_num_batched_tokens = 8192 if self.device.type == "cuda" else 1024
         # Weights and caches are made on the compute thread, where the steps will run.
@@ -652,7 +652,8 @@ class LLMEngine:
                 prompt_tokens=len(req.prompt_ids),
                 generated_tokens=len(out) - req.num_resumed,
                 resumed_tokens=req.num_resumed,
-                cached_tokens=req.num_cached_tokens or 0,
+                # (a resumed request's own tokens may be cached too: prompt tokens only)
+                cached_tokens=min(req.num_cached_tokens or 0, len(req.prompt_ids)),
                 ttft_s=req.first_token_time - req.arrival if req.first_token_time else None,
                 total_s=req.finish_time - req.arrival,
             ),
@@ -720,14 +721,13 @@ class LLMEngine:
         return len(done.token_ids) if done is not None else 0
 
     def output_so_far(self, request_id: str) -> list[int]:
-        """The tokens a request has generated so far ([] once collected): what add_request's
-        resume_from takes to go on from here in another run."""
+        """The tokens an unfinished request has generated so far ([] once it has finished):
+        what add_request's resume_from takes to go on from here in another run."""
         req = self._requests.get(request_id)
-        if req is not None:
-            out = list(req.output_ids)  # (one copy: the step thread appends to it)
-            return out[:-1] if out[-1:] == [PENDING_TOKEN] else out
-        done = self._results.get(request_id)  # finished, not yet collected
-        return list(done.token_ids) if done is not None else []
+        if req is None:
+            return []
+        out = list(req.output_ids)  # (one copy: the step thread appends to it)
+        return out[:-1] if out[-1:] == [PENDING_TOKEN] else out
 
     def wait(self, request_id: str, timeout: float | None = None) -> RequestResult | None:
         """The request's result (removed from the engine), or None if not done in `timeout`.
@@ -953,16 +953,22 @@ def _parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch
     return table[dtype]
 
 
-def _kernel_set(attention: str, device: torch.device) -> str:
+def _kernel_set(attention: str, device: torch.device, dtype: torch.dtype) -> str:
     if attention == "fast":  # the name from before there were two fast paths
         warnings.warn("attention='fast' is deprecated: use 'auto' (the device's fast path) or "
                       "'cpu'", DeprecationWarning, stacklevel=3)
         attention = "auto"
+    # The C++ kernels read bf16 and fp32 (fp16 has no fast path on a CPU, the torch reference
+    # runs it).
+    cpp = "cpu" if dtype in (torch.bfloat16, torch.float32) else "reference"
     if attention == "auto":
-        return "triton" if device.type == "cuda" else "cpu"
+        return "triton" if device.type == "cuda" else cpp
     if attention not in KERNEL_SETS:
         raise ValueError(f"unknown attention {attention!r} (use 'auto' or one of "
                          f"{', '.join(KERNEL_SETS)})")
     if attention == "cpu" and device.type != "cpu":
         raise ValueError(f"the 'cpu' kernels cannot run on {device}")
+    if attention == "cpu" and cpp != "cpu":
+        raise ValueError(f"the 'cpu' kernels run bf16 and fp32, not {dtype} (use "
+                         "attention='reference' or 'auto')")
     return attention

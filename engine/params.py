@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import struct
 from dataclasses import dataclass, field
 
 
@@ -33,6 +34,8 @@ class SamplingParams:
         # tokens with no error; infinity divided them all to 0)
         if not 0 <= _real("temperature", self.temperature) < math.inf:
             raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
+        if _fp32(self.temperature) == 0.0:  # (the sampler scales in fp32: 0/0 was NaN)
+            self.temperature = 0.0
         if not 0.0 < _real("top_p", self.top_p) <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         self.top_k = _integer("top_k", self.top_k)
@@ -55,6 +58,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _fp32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def _integer(name: str, value: object) -> int:

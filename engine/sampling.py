@@ -5,7 +5,8 @@ a hash of (the request's seed, the index of the token being drawn, the token id)
 the state of a generator. So one request's draw depends on nothing else in its batch, a
 preempted request draws the same tokens again, the whole batch is drawn with a few tensor
 ops (no per-row generator, no host round trip), and the CPU and the GPU draw the same token
-from the same logits. Top-k and top-p are masks on the sorted logits before the argmax.
+from the same logits (but for two scores within the last bit of each other, where their
+logarithms round differently). Top-k and top-p are masks on the sorted logits before the argmax.
 
 On the CPU only the tokens that can win are sorted and given noise: rows without top-k by
 kernels/csrc/sampling.cpp in one pass over the logits, the others in torch. The noise is
@@ -150,9 +151,9 @@ def _draw(scaled: torch.Tensor, params: list[SamplingParams], keys: torch.Tensor
         starts = torch.ones_like(drop)
         starts[:, 1:] = vals[:, 1:] != vals[:, :-1]
         before = before.gather(1, torch.where(starts, rank, 0).cummax(-1).values)
-        # The first token always stays; a top_p of 1 keeps every token (its sums could round
-        # up to 1 before the last).
-        drop |= (before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+        # The first run always stays (a top_p of 1e-46 is 0 in fp32); a top_p of 1 keeps
+        # every token (its sums could round up to 1 before the last).
+        drop |= (before >= top_p[:, None]) & (top_p < 1.0)[:, None] & (before > 0)
     noise = gumbel_noise(keys, ids)  # tied to token ids, not ranks
     pick = (vals + noise).masked_fill(drop, float("-inf")).argmax(-1)
     return ids.gather(1, pick[:, None])[:, 0]

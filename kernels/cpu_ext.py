@@ -25,8 +25,8 @@ SOURCES = [Path(__file__).parent / "csrc" / n
 
 
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17")
-# The sampler's draws must be torch's to the bit: no reassociation, no reciprocal for a
-# division, no approximate logarithm.
+# The sampler's scores must be torch's: no reassociation, no reciprocal for a division, no
+# approximate logarithm.
 EXACT_SOURCES = {"sampling.cpp"}
 
 
@@ -41,8 +41,8 @@ def load_library() -> ctypes.CDLL | None:
     source_bytes = b"".join(s.read_bytes() for s in SOURCES)
     cpu = cpu_info()  # -march=native: a build is this CPU's own
     cpu_key = " ".join([cpu.model, *sorted(cpu.flags)]).encode()
-    key = hashlib.sha256(source_bytes + cpu_key + " ".join(COMPILE_FLAGS).encode()
-                         ).hexdigest()[:16]
+    flags = " ".join([*COMPILE_FLAGS, *sorted(EXACT_SOURCES)]).encode()
+    key = hashlib.sha256(source_bytes + cpu_key + flags).hexdigest()[:16]
     lib_path = cache_dir() / "kernels" / f"llmdb_kernels_{key}.so"
     if not lib_path.exists():
         lib_path.parent.mkdir(parents=True, exist_ok=True)

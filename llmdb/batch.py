@@ -166,13 +166,14 @@ class _Batch:
                         h = self.backend.submit(replace(req, resume_from=tuple(tokens)), done)
                     except ValueError:  # (tokens this backend no longer takes: start over)
                         h = self.backend.submit(req, done)
+                        self.saved[i] = 0
                 else:
                     h = self.backend.submit(req, done)
-            except ValueError as e:
-                self.fail(i, str(e))
-                return
             except (TypeError, UnicodeError) as e:  # the row's text (a lone surrogate)
                 self.fail(i, f"{type(e).__name__}: {e}")
+                return
+            except ValueError as e:
+                self.fail(i, str(e))
                 return
             self.handles[i].append(h)
             self.stats.calls += 1
@@ -188,9 +189,9 @@ class _Batch:
         self.outcomes[i] = outcome
         call = self.calls[i]
         if outcome.error is None and self.cache is not None and call.key is not None:
-            self.cache.put(call.key, outcome.value)  # now, not at the end of the batch
-            if self.saved.pop(i, None) is not None:
-                self.cache.delete(partial_key(call.key))
+            # Now, not at the end of the batch; its saved tokens go in the same transaction.
+            drop = [partial_key(call.key)] if self.saved.pop(i, None) is not None else []
+            self.cache.put_many([(call.key, outcome.value)], delete=drop)
         if outcome.error is None:
             self.session.note_answer(call.key, outcome.value)
             self.release(i, outcome)
@@ -330,7 +331,8 @@ class _Batch:
                 self.report_progress()
                 if time.perf_counter() >= self.next_checkpoint:
                     self.checkpoint()
-        except (LLMError, QueryCancelled):
+        except (LLMError, QueryCancelled, KeyboardInterrupt):
+            # (Ctrl-C reaches a DataFrame call here; SQL's is a QueryCancelled)
             self.keep_finished()
             self.checkpoint()
             raise

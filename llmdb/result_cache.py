@@ -14,6 +14,7 @@ import json
 import sqlite3
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,8 +77,8 @@ class ResultCache:
     def put(self, key: str, value: Any) -> None:
         self.put_many([(key, value)])
 
-    def put_many(self, items: list[tuple[str, Any]]) -> None:
-        """Store these (key, value) pairs, in one transaction."""
+    def put_many(self, items: list[tuple[str, Any]], delete: Sequence[str] = ()) -> None:
+        """Store these (key, value) pairs and remove the `delete` keys, in one transaction."""
         now = time.time()
         rows = []
         for key, value in items:
@@ -88,6 +89,7 @@ class ResultCache:
             try:
                 self._db.executemany("INSERT OR REPLACE INTO results (key, value, size, "
                                      "last_used) VALUES (?,?,?,?)", rows)
+                self._db.executemany("DELETE FROM results WHERE key = ?", [(k,) for k in delete])
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
@@ -95,10 +97,6 @@ class ResultCache:
             self._writes_since_trim += len(rows)
             if self._writes_since_trim >= 256:
                 self._trim()
-
-    def delete(self, key: str) -> None:
-        with self._lock:
-            self._db.execute("DELETE FROM results WHERE key = ?", (key,))
 
     def _trim(self) -> None:
         """Evict least recently used entries until the total is under 90% of the limit."""

@@ -497,8 +497,20 @@ def test_cut_output_drops_a_partial_character(engine):
 def test_attention_fast_is_a_deprecated_name_for_auto():
     from llmdb.engine.engine import _kernel_set
 
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
     with pytest.warns(DeprecationWarning, match="attention='fast' is deprecated"):
-        assert _kernel_set("fast", torch.device("cpu")) == _kernel_set("auto", torch.device("cpu"))
+        assert _kernel_set("fast", cpu, bf16) == _kernel_set("auto", cpu, bf16)
+
+
+def test_fp16_on_the_cpu_runs_the_reference_kernels():
+    """The C++ kernels read bf16 and fp32: an fp16 engine on the CPU was built, then every
+    request failed with KeyError: torch.float16."""
+    eng = LLMEngine("smollm2-135m", dtype="fp16", kv_cache_bytes=32 << 20)
+    assert eng.describe()["kernels"] == "reference"
+    [r] = eng.generate([[{"role": "user", "content": "Say hi."}]], SamplingParams(max_tokens=4))
+    assert r.finish_reason in ("stop", "length") and r.usage.generated_tokens > 0
+    with pytest.raises(ValueError, match="bf16 and fp32"):
+        LLMEngine("smollm2-135m", dtype="fp16", attention="cpu")
 
 
 def test_a_request_alone_gets_the_tokens_it_gets_in_a_batch_bf16():

@@ -34,6 +34,8 @@ def test_a_resumed_generation_is_the_uninterrupted_one(engine, params):
             assert got.token_ids == r.token_ids and got.text == r.text, (cut, rid)
             assert got.usage.generated_tokens == 24 - cut
             assert got.usage.resumed_tokens == cut
+            # (the prefix cache holds the resumed tokens too: only prompt tokens count)
+            assert got.usage.cached_tokens <= got.usage.prompt_tokens
 
 
 def test_resumed_beside_fresh_requests_in_one_batch(engine):

@@ -131,7 +131,12 @@ def test_rows_without_top_k_are_drawn_in_cpp_as_in_torch(dtype, monkeypatch):
     params = [SamplingParams(temperature=temps[i % 6], top_p=(0.9, 1.0, 0.5)[i % 3],
                              top_k=40 if i % 7 == 0 else 0) for i in drawn]
     keys = [row_key(13, i) for i in drawn]
+    calls = []
+    cpp = sampling.gumbel_argmax
+    monkeypatch.setattr(sampling, "gumbel_argmax",
+                        lambda logits, *a: calls.append(len(logits)) or cpp(logits, *a))
     got = sample(logits, drawn, params, keys)
+    assert calls == [sum(not p.top_k for p in params)]  # the rows without top-k, in C++
     monkeypatch.setattr(sampling, "load_library", lambda: None)
     assert got.tolist() == sample(logits, drawn, params, keys).tolist()
     every = list(range(96))
@@ -155,3 +160,20 @@ def test_equal_logits_at_the_cut_are_kept_together(top_k, top_p):
     keep = reference_keep(row, p)
     assert got == [reference_draw(row, p, k, keep) for k in keys]
     assert set(got) == {7, *tied.tolist()}
+
+
+@pytest.mark.parametrize("cpp", [True, False])
+def test_vanishing_temperature_and_top_p(cpp, monkeypatch):
+    """Values that are 0 in fp32: a temperature is greedy (0/0 made the top token's score
+    NaN), a top_p keeps the most likely tokens (torch's path dropped every token and failed
+    the whole step)."""
+    if not cpp:
+        monkeypatch.setattr(sampling, "load_library", lambda: None)
+    p = SamplingParams(temperature=1e-46)
+    p.validate()
+    assert p.temperature == 0.0 and p.greedy
+    row = _logits(1, 4096, 2.5, seed=3)
+    row[:, [5, 900, 2000]] = row.max() + 1  # three equal leaders
+    p = SamplingParams(temperature=1.0, top_p=1e-46)
+    p.validate()
+    assert {_draw(row, [p], [row_key(1, i)])[0] for i in range(60)} == {5, 900, 2000}

@@ -17,6 +17,7 @@ import pytest
 import llmdb
 from llmdb import batch
 from llmdb.engine.params import SamplingParams
+from llmdb.session import Options, Session
 
 from .sql_support import (
     cache_entries,
@@ -222,6 +223,8 @@ def test_a_cancelled_query_saves_its_rows_tokens_and_the_rerun_goes_on_from_them
     assert con.execute(query).fetchall() == expected
     rerun = con.stats()["last_query"]
     assert rerun["calls"] == 6 and rerun["cache_hits"] == 0
+    # (the first run's blocks may serve the resumed tokens: only prompt tokens count)
+    assert rerun["cached_tokens"] <= rerun["prompt_tokens"]
     assert rerun["resumed_tokens"] == sum(len(outs[0]) for outs in saved.values())
     assert rerun["generated_tokens"] + rerun["resumed_tokens"] == full["generated_tokens"]
     assert not _partials(path), "the answers' partial entries were left behind"
@@ -261,6 +264,33 @@ def test_sigkill_before_any_row_finished_then_rerun_goes_on_from_the_saved_token
     assert out["stats"]["calls"] == n and out["stats"]["cache_hits"] == 0
     assert out["stats"]["resumed_tokens"] == sum(len(outs[0]) for outs in saved.values())
     assert not _partials(path) and cache_entries(path) == n
+
+
+def test_ctrl_c_in_a_dataframe_call_saves_its_rows_tokens(eng, tmp_path, monkeypatch):
+    """A DataFrame call runs its batch on the caller's thread, where Ctrl-C arrives as a
+    KeyboardInterrupt (SQL's is a QueryCancelled): the rows' tokens are saved all the same."""
+    import _thread
+
+    import pandas as pd
+
+    monkeypatch.setattr(batch, "CHECKPOINT_EVERY_S", 1000.0)  # only the interrupt saves
+    session = Session(Options.from_kwargs(cache_path=tmp_path / "results.sqlite",
+                                          progress=False))
+    df = pd.DataFrame({"x": [f"the number {i}" for i in range(6)]})
+
+    def ctrl_c_part_way():
+        while not any(len(r.output_ids) >= 8 for r in list(eng._requests.values())):
+            time.sleep(0.005)
+        _thread.interrupt_main()
+
+    interrupter = threading.Thread(target=ctrl_c_part_way)
+    interrupter.start()
+    with pytest.raises(KeyboardInterrupt):
+        llmdb.complete(df, "Write a long story about {x}.", max_tokens=40, session=session)
+    interrupter.join()
+    saved = _partials(tmp_path / "results.sqlite")
+    assert len(saved) == 6 and all(len(outs[0]) >= 5 for outs in saved.values()), saved
+    assert not eng.has_unfinished
 
 
 def test_ctrl_c_in_the_cli_exits_130_with_a_message(tmp_path):

@@ -223,7 +223,10 @@ class ModelTokenizer:
         """The rendered chat. template_kwargs: more template variables, or enable_thinking."""
         template_kwargs = template_kwargs or {}
         if self._template is None:
-            raise ValueError("this model has no chat template; pass a plain prompt instead")
+            # (llmdb's functions send chat messages: a base model cannot serve them)
+            raise ValueError("this model has no chat template (a base model?), so chat "
+                             "messages cannot be encoded: use an instruction-tuned model, or "
+                             "give the engine a plain prompt (text or token ids)")
         taken = sorted(_TEMPLATE_OWN & template_kwargs.keys())
         if taken:
             raise ValueError(f"chat template variable {taken[0]!r} is set by the server, not "
