@@ -891,6 +891,12 @@ class _InFlight:
     preemptions: list[int]
 
 
+def refusal_text(e: Exception, request_id: str) -> str:
+    """An add_*_request refusal's message without the request id _naming put at its end: for
+    a caller whose ids are its own business (a server's, a row's), not its user's."""
+    return str(e).removesuffix(f" (request {request_id!r})")
+
+
 @contextmanager
 def _naming(request_id: str) -> Iterator[None]:
     """An add_*_request refusal names its request at the end of its message (the exception

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import itertools
 import math
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from llmdb.engine.engine import LLMEngine
+from llmdb.engine.engine import LLMEngine, refusal_text
 from llmdb.engine.process_engines import shared_engine, shutdown_engines
 from llmdb.engine.research.sim import SimConfig
 
@@ -24,6 +25,9 @@ from .base import (
     Simulation,
     chat_messages,
 )
+
+# Request ids of every LocalBackend (several may share an engine).
+_request_ids = itertools.count()
 
 
 class LocalBackend:
@@ -72,22 +76,33 @@ class LocalBackend:
         return self._word_ids[word]
 
     def submit(self, request: ModelRequest, on_finish: Callable[[], None]) -> str:
-        done = lambda _rid: on_finish()  # noqa: E731
+        # A refusal is the row's error: the engine's request id at its end would be noise
+        # there (and differ from run to run).
+        rid = f"llmdb-{next(_request_ids)}"
+        try:
+            return self._submit(request, rid, lambda _rid: on_finish())
+        except (TypeError, ValueError) as e:
+            if e.args and isinstance(e.args[0], str):
+                e.args = (refusal_text(e, rid), *e.args[1:])
+            raise
+
+    def _submit(self, request: ModelRequest, rid: str, done: Callable[[str], None]) -> str:
         eng = self.engine
         if isinstance(request, GenerationRequest):
-            return eng.add_request(request.prompt, request.params, on_finish=done,
-                                   priority=request.priority, resume_from=request.resume_from)
+            return eng.add_request(request.prompt, request.params, request_id=rid,
+                                   on_finish=done, priority=request.priority,
+                                   resume_from=request.resume_from)
         if isinstance(request, ScoreRequest):
             return eng.add_score_request(request.prompt,
                                          self._continuation(request.continuation),
-                                         on_finish=done,
+                                         request_id=rid, on_finish=done,
                                          priority=request.priority)
         if isinstance(request, ChoiceRequest):
             groups = [self._variants(w) for w in request.words]
             with self._lock:  # the callback may fire before add_choice_request returns
                 handle = eng.add_choice_request(
-                    request.prompt, [t for g in groups for t in g], on_finish=done,
-                    priority=request.priority)
+                    request.prompt, [t for g in groups for t in g], request_id=rid,
+                    on_finish=done, priority=request.priority)
                 self._choices[handle] = groups
             return handle
         raise TypeError(f"unknown request type {type(request).__name__}")

@@ -28,7 +28,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmdb.engine.compute import run_on_compute_thread
-from llmdb.engine.engine import LLMEngine
+from llmdb.engine.engine import LLMEngine, refusal_text
 from llmdb.engine.outputs import RequestAborted, RequestResult
 from llmdb.engine.params import SamplingParams
 
@@ -158,7 +158,7 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
                 if body.stream and params.logprobs is not None else None,
                 priority=body.scheduling_class())
         except ValueError as e:
-            raise ServerError(400, _refusal(e, rid)) from e
+            raise ServerError(400, refusal_text(e, rid)) from e
         inflight.add(rid)
         return _Call(rid, tokens, logprobs)
 
@@ -293,7 +293,7 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
             # (and aborts it) or not yet made, never about to be.
             engine.add_logits_request(ids, request_id=rid)
         except ValueError as e:
-            raise ServerError(400, _refusal(e, rid), "prompt") from e
+            raise ServerError(400, refusal_text(e, rid), "prompt") from e
         inflight.add(rid)
         abandoned = threading.Event()
         try:
@@ -427,12 +427,6 @@ def _ranked(logits: torch.Tensor, own: list[int], k: int) -> list[list[tuple[int
                                            top_rank.tolist(), strict=True):
             row += [e for e in zip(ids, values, ranks, strict=True) if e[0] != row[0][0]]
     return rows
-
-
-def _refusal(e: ValueError, request_id: str) -> str:
-    """The engine's refusal without the request id it names (the server's own, which the
-    client never sees)."""
-    return str(e).removesuffix(f" (request {request_id!r})")
 
 
 def _sse(obj: dict) -> str:
