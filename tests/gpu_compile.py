@@ -151,6 +151,9 @@ def run_shape(name: str, layers: int, dtype: torch.dtype, arch: int, root: Path)
     path.mkdir(parents=True, exist_ok=True)
     random_model.write_metadata(shape, path, dtype)
     loader.read_hf_weights = _zero_weights(shape, dtype)
+    loader.hf_tensor_shapes = lambda path: {  # (no files to read the headers of)
+        name: list(dims) for name, dims in random_model.tensor_shapes(shape).items()}
+    loader.weight_files = lambda path: []  # (nor any to fingerprint)
     cuda_graphs._num_sms = lambda device: ARCHS[arch]["sms"]
     engine = LLMEngine(str(path), device="cpu", dtype=str(dtype).removeprefix("torch."),
                        attention="triton", cuda_graphs=False, kv_cache_bytes=256 << 20,
