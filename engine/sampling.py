@@ -167,8 +167,8 @@ def sample(logits: torch.Tensor, drawn: list[int], params: list[SamplingParams],
     top, tokens = logits.max(-1)  # on the CPU 3x faster than argmax on bf16, same ids
     if not drawn:
         return tokens
-    plain = [j for j, p in enumerate(params) if not p.top_k]
-    if plain and _drawn_in_cpp(logits):
+    plain = [j for j, p in enumerate(params) if not p.top_k] if _drawn_in_cpp(logits) else []
+    if plain:
         # No top-k: csrc/sampling.cpp draws the same token in one pass over the logits.
         rows = [drawn[j] for j in plain]
         sub = logits if rows == list(range(len(logits))) else logits[rows]
