@@ -22,6 +22,7 @@ from .host import cache_dir, cpu_info
 
 SOURCES = [Path(__file__).parent / "csrc" / n
            for n in ("row_attention.cpp", "elementwise.cpp", "sampling.cpp")]
+HEADERS = [Path(__file__).parent / "csrc" / "bf16.h"]  # (part of the build's cache key)
 
 
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17")
@@ -36,9 +37,9 @@ def load_library() -> ctypes.CDLL | None:
     if os.environ.get("LLMDB_NO_CPP_KERNELS"):
         return None
     compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
-    if compiler is None or not all(s.exists() for s in SOURCES):
+    if compiler is None or not all(s.exists() for s in SOURCES + HEADERS):
         return None
-    source_bytes = b"".join(s.read_bytes() for s in SOURCES)
+    source_bytes = b"".join(s.read_bytes() for s in SOURCES + HEADERS)
     cpu = cpu_info()  # -march=native: a build is this CPU's own
     cpu_key = " ".join([cpu.model, *sorted(cpu.flags)]).encode()
     flags = " ".join([*COMPILE_FLAGS, *sorted(EXACT_SOURCES)]).encode()

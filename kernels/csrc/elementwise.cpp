@@ -3,25 +3,8 @@
 // torch reference in kernels/elementwise.py: fp32 math, bf16 where torch rounds.
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
-namespace {
-
-inline float bf16_to_float(uint16_t x) {
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  bits += 0x7FFF + ((bits >> 16) & 1);  // round to nearest even
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-}  // namespace
+#include "bf16.h"
 
 extern "C" {
 

@@ -7,9 +7,10 @@
 // -march, loaded with ctypes (see kernels/cpu_ext.py): no torch headers, a one-second build.
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 #include <vector>
+
+#include "bf16.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -18,19 +19,9 @@
 namespace {
 
 inline float to_float(float x) { return x; }
-inline float to_float(uint16_t x) {
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+inline float to_float(uint16_t x) { return bf16_to_float(x); }
 inline void from_float(float x, float* out) { *out = x; }
-inline void from_float(float x, uint16_t* out) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  bits += 0x7FFF + ((bits >> 16) & 1);  // round to nearest even, as torch does
-  *out = static_cast<uint16_t>(bits >> 16);
-}
+inline void from_float(float x, uint16_t* out) { *out = float_to_bf16(x); }
 
 #if defined(__AVX512BF16__)
 // [sum(a), sum(b), sum(c), sum(d)] of four 16-lane vectors: pairs interleaved and added

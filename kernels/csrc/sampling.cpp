@@ -20,18 +20,12 @@
 #include <cmath>
 #include <cstdint>
 #include <algorithm>
-#include <cstring>
 #include <utility>
 #include <vector>
 
-namespace {
+#include "bf16.h"
 
-inline float bf16_to_float(uint16_t x) {
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+namespace {
 
 // engine/sampling.py's _mix_tensor: its int64 arithmetic masked to 32 bits is uint32's.
 inline uint32_t mix(uint32_t x) {
