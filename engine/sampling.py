@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from llmdb.kernels.cpu_ext import gumbel_argmax, load_library
+from llmdb.kernels.cpu_ext import gumbel_argmax, load_library, row_max
 from llmdb.kernels.transfer import to_device
 
 if TYPE_CHECKING:
@@ -164,10 +164,13 @@ def sample(logits: torch.Tensor, drawn: list[int], params: list[SamplingParams],
     """Tokens [N] (on logits' device) for rows of logits [N, vocab]: the argmax (greedy,
     exact in any dtype) except rows drawn[j], drawn with params[j] and noise key keys[j]
     (row_key)."""
-    top, tokens = logits.max(-1)  # on the CPU 3x faster than argmax on bf16, same ids
+    cpp = _drawn_in_cpp(logits)
+    # The rows' maxima and their first ids, as torch's max(-1) gives them (on the CPU 3x
+    # faster than argmax on bf16; row_max is 4x faster again).
+    top, tokens = row_max(logits) if cpp else logits.max(-1)
     if not drawn:
         return tokens
-    plain = [j for j, p in enumerate(params) if not p.top_k] if _drawn_in_cpp(logits) else []
+    plain = [j for j, p in enumerate(params) if not p.top_k] if cpp else []
     if plain:
         # No top-k: csrc/sampling.cpp draws the same token in one pass over the logits.
         rows = [drawn[j] for j in plain]

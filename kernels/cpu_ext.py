@@ -21,14 +21,14 @@ import torch
 from .host import cache_dir, cpu_info
 
 SOURCES = [Path(__file__).parent / "csrc" / n
-           for n in ("row_attention.cpp", "elementwise.cpp", "sampling.cpp")]
+           for n in ("row_attention.cpp", "elementwise.cpp", "sampling.cpp", "cache_write.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / "bf16.h"]  # (part of the build's cache key)
 
 
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17")
-# The sampler's scores must be torch's: no reassociation, no reciprocal for a division, no
-# approximate logarithm.
-EXACT_SOURCES = {"sampling.cpp"}
+# The sampler's scores and the rotated Q/K must be torch's: no reassociation, no reciprocal
+# for a division, no approximate logarithm, no multiply-add torch does not do.
+EXACT_SOURCES = {"sampling.cpp", "cache_write.cpp"}
 
 
 @functools.cache
@@ -76,6 +76,14 @@ def load_library() -> ctypes.CDLL | None:
     for name in ("llmdb_gumbel_argmax_bf16", "llmdb_gumbel_argmax_f32"):
         getattr(lib, name).argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [
             ctypes.c_void_p] * 5 + [ctypes.c_float] * 2 + [ctypes.c_void_p, ctypes.c_int]
+        getattr(lib, name).restype = None
+    for name in ("llmdb_row_max_bf16", "llmdb_row_max_f32"):
+        getattr(lib, name).argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [
+            ctypes.c_void_p] * 2 + [ctypes.c_int]
+        getattr(lib, name).restype = None
+    for name in ("llmdb_rope_write_kv_bf16", "llmdb_rope_write_kv_f32"):
+        getattr(lib, name).argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6 + [
+            ctypes.c_int]
         getattr(lib, name).restype = None
     return lib
 
@@ -156,3 +164,39 @@ def gumbel_argmax(logits: torch.Tensor, top: torch.Tensor, top_ids: torch.Tensor
        top_ids.data_ptr(), temperature.data_ptr(), top_p.data_ptr(), keys.data_ptr(), g_max,
        u_max, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of bf16 or fp32 logits [N, V] (rows contiguous): the largest value (fp32) and
+    the first index holding it, NaN first where a row has one, as torch's max(-1) gives."""
+    _check_cpu(logits)
+    if logits.stride(-1) != 1:
+        raise ValueError("row_max reads each row of logits contiguously")
+    fn = {torch.float32: load_library().llmdb_row_max_f32,
+          torch.bfloat16: load_library().llmdb_row_max_bf16}[logits.dtype]
+    top = torch.empty(logits.shape[0], dtype=torch.float32)
+    ids = torch.empty(logits.shape[0], dtype=torch.int64)
+    fn(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), top.data_ptr(),
+       ids.data_ptr(), torch.get_num_threads())
+    return top, ids
+
+
+def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor | None,
+                  sin: torch.Tensor | None, slots: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, heads: int, kv_heads: int, written: int
+                  ) -> torch.Tensor:
+    """Q [T, heads, D] rotated, from the contiguous projection qkv [T, (heads + 2 kv_heads) *
+    D]; rows below `written` also write their rotated K and their V into slot slots[r] of
+    the caches [slots, kv_heads, D]. cos, sin: fp32 [positions, R/2] tables (None: no
+    rotation). See csrc/cache_write.cpp."""
+    _check_cpu(qkv, positions, slots, k_cache, v_cache, *([cos, sin] if cos is not None else []))
+    fn = {torch.float32: load_library().llmdb_rope_write_kv_f32,
+          torch.bfloat16: load_library().llmdb_rope_write_kv_bf16}[qkv.dtype]
+    rows, dim = qkv.shape[0], k_cache.shape[-1]
+    q = torch.empty(rows, heads, dim, dtype=qkv.dtype)
+    half = 0 if cos is None else cos.shape[-1]
+    table = (0, 0) if cos is None else (cos.data_ptr(), sin.data_ptr())
+    fn(qkv.data_ptr(), positions.data_ptr(), *table, slots.data_ptr(), k_cache.data_ptr(),
+       v_cache.data_ptr(), q.data_ptr(), rows, written, heads, kv_heads, dim, half,
+       torch.get_num_threads())
+    return q

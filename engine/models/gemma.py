@@ -24,14 +24,15 @@ from dataclasses import dataclass
 
 import torch
 
-from llmdb.kernels.attention import AttentionBatch, write_kv
+from llmdb.kernels.attention import AttentionBatch
 from llmdb.kernels.elementwise import gelu_tanh_mul_reference, rms_norm_fp32
 from llmdb.kernels.hidden_cache import HiddenBatch
 from llmdb.kernels.linear import Linear, linear
+from llmdb.kernels.rope import rotate_and_write_kv
 
 from .checkpoint import Checkpoint
 from .config import ModelConfig
-from .llama import RopeTable, cpu_attention, norm_heads, rotate, vocab_projection
+from .llama import RopeTable, cpu_attention, norm_heads, vocab_projection
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ class GemmaModel:
         c = self.config
         t, eps = input_ids.shape[0], c.norm_eps
         hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
-        angles = [rope.at(positions) for rope in self.ropes]
+        tables = [(rope.cos, rope.sin) for rope in self.ropes]
         x = self.embed[input_ids] * self.embed_scale
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             h = rms_norm_fp32(x, layer.input_norm, eps)
@@ -122,9 +123,8 @@ class GemmaModel:
             if layer.qk_norm is not None:
                 norm_heads(qkv, 0, hq, d, layer.qk_norm[0], eps, rms_norm_fp32)
                 norm_heads(qkv, hq, hk, d, layer.qk_norm[1], eps, rms_norm_fp32)
-            qk, v = qkv.split([(hq + hk) * d, hk * d], dim=-1)
-            q, k = rotate(qk.view(t, hq + hk, d), *angles[layer.rope]).split([hq, hk], dim=1)
-            write_kv(k_cache, v_cache, k, v.reshape(t, hk, d), batch.slot_mapping)
+            q = rotate_and_write_kv(qkv, positions, tables[layer.rope], batch.slot_mapping,
+                                    k_cache, v_cache, hq, hk, t)
             o = attention(q, k_cache, v_cache, batch, c.attention_scale, window=layer.window,
                           softcap=c.attn_softcap)
             x = x + rms_norm_fp32(layer.o(o.reshape(t, hq * d)), layer.post_attention_norm, eps)

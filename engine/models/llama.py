@@ -19,11 +19,11 @@ from llmdb.kernels.attention import (
     AttentionBatch,
     paged_attention,
     paged_attention_reference,
-    write_kv,
 )
 from llmdb.kernels.elementwise import rms_norm, silu_mul
 from llmdb.kernels.hidden_cache import HiddenBatch
 from llmdb.kernels.linear import Linear, linear
+from llmdb.kernels.rope import rotate, rotate_and_write_kv
 
 from .checkpoint import Checkpoint, kv_projection
 from .config import ModelConfig
@@ -67,20 +67,6 @@ class RopeTable:
     def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [T, 1, R/2] of the CPU path at `positions`, to rotate [T, heads, D]."""
         return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (Hugging Face layout) in fp32, written into one output buffer, over
-    the first 2 x cos.shape[-1] dimensions of each head; the rest pass (partial rotary)."""
-    xf = x.float()
-    half = cos.shape[-1]
-    x1, x2 = xf[..., :half], xf[..., half:2 * half]
-    out = torch.empty_like(xf)
-    torch.mul(x1, cos, out=out[..., :half]).addcmul_(x2, sin, value=-1.0)
-    torch.mul(x2, cos, out=out[..., half:2 * half]).addcmul_(x1, sin)
-    if 2 * half < xf.shape[-1]:
-        out[..., 2 * half:] = xf[..., 2 * half:]
-    return out.to(x.dtype)
 
 
 def norm_heads(x: torch.Tensor, first: int, heads: int, head_dim: int, weight: torch.Tensor,
@@ -170,7 +156,7 @@ class LlamaModel:
         c = self.config
         t = input_ids.shape[0]
         hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
-        cos, sin = self.rope.at(positions)
+        table = (self.rope.cos, self.rope.sin)
         scale = d**-0.5
         nk = t if hidden is None else hidden.first_row
         x = self.embed[input_ids]
@@ -180,12 +166,8 @@ class LlamaModel:
             h = rms_norm(x, ln1, c.norm_eps)
             qkv = qkv_proj(h)
             self._norm_qk(qkv, i)
-            qk, v = qkv.split([(hq + hk) * d, hk * d], dim=-1)
-            qk = qk.view(t, hq + hk, d)
-            if self.rotates[i]:  # Q and K heads rotate together: one pass over both
-                qk = rotate(qk, cos, sin)
-            q, k = qk.split([hq, hk], dim=1)
-            write_kv(k_cache, v_cache, k[:nk], v.reshape(t, hk, d)[:nk], batch.slot_mapping[:nk])
+            q = rotate_and_write_kv(qkv, positions, table if self.rotates[i] else None,
+                                    batch.slot_mapping, k_cache, v_cache, hq, hk, nk)
             attn_args = {"window": c.layer_window(i), "softcap": c.attn_softcap}
             if hidden is None:
                 o = attention(q, k_cache, v_cache, batch, scale, **attn_args)

@@ -25,6 +25,10 @@
 
 #include "bf16.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 // engine/sampling.py's _mix_tensor: its int64 arithmetic masked to 32 bits is uint32's.
@@ -120,6 +124,84 @@ void draw_rows(const T* logits, int64_t rows, int64_t vocab, int64_t stride, con
 
 inline float load_f32(float x) { return x; }
 
+#if defined(__AVX512F__)
+template <typename T>
+inline __m512 load16(const T* p) {
+  if constexpr (sizeof(T) == 2) {  // bf16: the top half of an fp32
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  } else {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+  }
+}
+#endif
+
+// The largest of n values and whether any is NaN (then the largest is meaningless).
+template <typename T, float (*load)(T)>
+float largest(const T* row, int64_t n, bool* nan) {
+  float best = -INFINITY;
+  bool any_nan = false;
+  int64_t v = 0;
+#if defined(__AVX512F__)
+  // Vectorized by hand: without -ffast-math GCC keeps a maximum's loop scalar (a NaN would
+  // make a reordered maximum differ), and the NaN test here makes the order irrelevant.
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  __mmask16 unordered = 0;
+  for (; v + 16 <= n; v += 16) {
+    const __m512 x = load16(row + v);
+    unordered |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    top = _mm512_max_ps(x, top);
+  }
+  best = _mm512_reduce_max_ps(top);
+  any_nan = unordered != 0;
+#endif
+  for (; v < n; ++v) {
+    const float x = load(row[v]);
+    best = x > best ? x : best;
+    any_nan |= x != x;
+  }
+  *nan = any_nan;
+  return best;
+}
+
+// The first index whose value is `value` (with nan: the first NaN); 0 if none.
+template <typename T, float (*load)(T)>
+int64_t first_index(const T* row, int64_t n, float value, bool nan) {
+  int64_t v = 0;
+#if defined(__AVX512F__)
+  const __m512 target = _mm512_set1_ps(value);
+  for (; v + 16 <= n; v += 16) {
+    const __m512 x = load16(row + v);
+    const __mmask16 hit = nan ? _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q)
+                              : _mm512_cmp_ps_mask(x, target, _CMP_EQ_OQ);
+    if (hit) return v + __builtin_ctz(hit);
+  }
+#endif
+  for (; v < n; ++v) {
+    const float x = load(row[v]);
+    if (nan ? x != x : x == value) return v;
+  }
+  return 0;
+}
+
+// Each row's largest value and the first index holding it; a row with a NaN gives its first
+// NaN (torch's max(-1) on the CPU). Why: torch took 7.6 ms for 400 x 49,152 bf16 logits here,
+// each greedy step; this is one vector pass, then a search of the same row, still in the
+// cache, for the first hit.
+template <typename T, float (*load)(T)>
+void row_max(const T* logits, int64_t rows, int64_t vocab, int64_t stride, float* top,
+             int64_t* top_ids, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* row = logits + r * stride;
+    bool nan = false;
+    const float best = largest<T, load>(row, vocab, &nan);
+    const int64_t id = first_index<T, load>(row, vocab, best, nan);
+    top[r] = load(row[id]);
+    top_ids[r] = id;
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -140,6 +222,17 @@ void llmdb_gumbel_argmax_f32(const float* logits, int64_t rows, int64_t vocab, i
                              int64_t* out, int threads) {
   draw_rows<float, load_f32>(logits, rows, vocab, stride, top, top_ids, temperature, top_p,
                              keys, g_max, u_max, out, threads);
+}
+
+// top[r], top_ids[r]: the largest value of logits row r and its first index (see row_max).
+void llmdb_row_max_bf16(const uint16_t* logits, int64_t rows, int64_t vocab, int64_t stride,
+                        float* top, int64_t* top_ids, int threads) {
+  row_max<uint16_t, bf16_to_float>(logits, rows, vocab, stride, top, top_ids, threads);
+}
+
+void llmdb_row_max_f32(const float* logits, int64_t rows, int64_t vocab, int64_t stride,
+                       float* top, int64_t* top_ids, int threads) {
+  row_max<float, load_f32>(logits, rows, vocab, stride, top, top_ids, threads);
 }
 
 }  // extern "C"
