@@ -10,6 +10,7 @@ import asyncio
 import math
 import threading
 import time
+import traceback
 
 import httpx
 import pytest
@@ -364,3 +365,32 @@ def test_top_logprobs_make_the_word_probabilities(backends):
                                                math.exp(-1.5)))
     sent = stub.seen[0].body
     assert sent["logprobs"] is True and sent["top_logprobs"] == 20 and sent["max_tokens"] == 1
+
+
+def test_a_key_read_with_a_line_break_is_sent_without_it(backends, monkeypatch):
+    # A key read from a file keeps its newline; the HTTP client refused the header with an
+    # error quoting it, which became every row's error.
+    monkeypatch.setenv("STUB_KEY", "sk-stub-4711\n")
+    with StubEndpoint(_script((200, {}, chat_answer("ok")))) as stub:
+        assert _run(backends([stub.url], api_key_env="STUB_KEY")).text == "ok"
+    assert stub.seen[0].headers["authorization"] == "Bearer sk-stub-4711"
+    monkeypatch.setenv("STUB_KEY", "sk-stub\n4711")
+    with pytest.raises(ValueError, match="STUB_KEY holds characters") as e:
+        OpenAIBackend("stub-model", ["http://127.0.0.1:9/v1"], api_key_env="STUB_KEY")
+    assert "4711" not in str(e.value)
+
+
+def test_a_key_quoted_by_the_server_is_cut_from_errors(backends, monkeypatch):
+    key = "sk-stub-quoted-0815"
+    monkeypatch.setenv("STUB_KEY", key)
+    quoting = {"error": {"message": f"key {key} is over its quota"}}
+    with StubEndpoint(_script((401, {}, quoting))) as stub:
+        backend = backends([stub.url], api_key_env="STUB_KEY")
+        assert _run(backend).error.endswith("answered 401: key *** is over its quota")
+        stub.handler = _script((500, {}, quoting))
+        assert "key *** is over its quota" in _run(backends(
+            [stub.url], api_key_env="STUB_KEY", max_retries=0)).error
+        con = llmdb.connect(backend=backend, cache=False)
+        with pytest.raises(llmdb.LLMError) as e:
+            con.sql("SELECT llm_complete('hi')").fetchall()
+        assert key not in "".join(traceback.format_exception(e.value))

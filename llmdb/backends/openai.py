@@ -61,6 +61,21 @@ def _needs_logprobs(url: str, what: str) -> EndpointError:
         f"OpenAI-compatible server that returns them (vLLM, llmdb serve)")
 
 
+def _api_key(variable: str, endpoints: list[str]) -> str:
+    """The key in the environment variable, without the surrounding whitespace a key read
+    from a file brings: a line break in a header is refused by the HTTP client with an error
+    that quotes the header, key and all."""
+    key = os.environ.get(variable, "").strip()
+    if not key:
+        raise ValueError(f"the environment variable {variable} (the API key for "
+                         f"{', '.join(endpoints)}) is not set")
+    if not (key.isascii() and key.isprintable()):
+        raise ValueError(f"the environment variable {variable} holds characters that an HTTP "
+                         "header cannot carry (a line break or a non-ASCII character inside "
+                         "the key?)")
+    return key
+
+
 class OpenAIBackend:
     def __init__(self, name: str, endpoints: Sequence[str], *, api_key_env: str | None = None,
                  served_model: str | None = None, send_priority: bool = False, **limits: Any):
@@ -76,20 +91,14 @@ class OpenAIBackend:
         self.served_model = served_model or name
         self.send_priority = send_priority
         self.endpoints = [base_url(u) for u in endpoints]
-        headers = {}
-        if api_key_env:
-            key = os.environ.get(api_key_env)
-            if not key:
-                raise ValueError(f"the environment variable {api_key_env} (the API key for "
-                                 f"{', '.join(self.endpoints)}) is not set")
-            headers["Authorization"] = f"Bearer {key}"
+        key = _api_key(api_key_env, self.endpoints) if api_key_env else None
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._futures: dict[str, Future] = {}
         self._results: dict[str, BackendResult] = {}
         self._tokenized: dict[str, asyncio.Future] = {}  # JSON of a /tokenize body -> ids
         self._has_tokenize: bool | None = None
-        self.pool = ReplicaPool(self.endpoints, headers, ReplicaLimits(**limits))
+        self.pool = ReplicaPool(self.endpoints, ReplicaLimits(**limits), api_key=key)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name=f"llmdb-openai-{name}")

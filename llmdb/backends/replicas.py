@@ -173,10 +173,14 @@ def _message(response: httpx.Response) -> str:
 
 
 class ReplicaPool:
-    def __init__(self, urls: list[str], headers: dict[str, str], limits: ReplicaLimits):
+    def __init__(self, urls: list[str], limits: ReplicaLimits, api_key: str | None = None):
+        """api_key: sent as `Authorization: Bearer KEY`, and cut out of every error text (a
+        server may quote what it was sent)."""
         if not urls:
             raise ValueError("the openai backend needs at least one endpoint URL")
         self.limits = limits
+        self._api_key = api_key
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.replicas = [Replica(u, headers, limits) for u in urls]
         self._changed = asyncio.Condition()
         self._rpm = _Limiter(limits.requests_per_minute) if limits.requests_per_minute else None
@@ -210,6 +214,9 @@ class ReplicaPool:
             except httpx.TimeoutException as e:
                 last = f"{replica.url} did not answer in time ({type(e).__name__})"
                 response = None
+            except httpx.HTTPError as e:  # (an answer the client cannot read, a bad header)
+                raise EndpointError(self._redact(
+                    f"{replica.url}{path} failed: {type(e).__name__}: {e}")) from None
             finally:
                 await self._release(replica)
             if response is not None:
@@ -218,9 +225,11 @@ class ReplicaPool:
                     try:
                         return response.json()
                     except ValueError as e:
-                        raise EndpointError(f"{replica.url}{path} answered with invalid JSON: "
-                                            f"{response.text[:100]!r}") from e
-                last = f"{replica.url}{path} answered {response.status_code}: {_message(response)}"
+                        raise EndpointError(self._redact(
+                            f"{replica.url}{path} answered with invalid JSON: "
+                            f"{response.text[:100]!r}")) from e
+                last = self._redact(f"{replica.url}{path} answered {response.status_code}: "
+                                    f"{_message(response)}")
                 if response.status_code not in (408, 429) and response.status_code < 500:
                     raise EndpointError(last)
             if retries >= self.limits.max_retries:
@@ -231,6 +240,9 @@ class ReplicaPool:
                 wait *= random.uniform(0.5, 1.0)  # spread out the retries of many rows
             retries += 1
             await asyncio.sleep(min(wait, self.limits.max_retry_after_s))
+
+    def _redact(self, text: str) -> str:
+        return text.replace(self._api_key, "***") if self._api_key else text
 
     async def _acquire(self, interactive: bool) -> tuple[Replica, bool]:
         """The least busy replica in rotation with a free slot (waiting for one; a bulk
