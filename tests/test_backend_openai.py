@@ -390,7 +390,74 @@ def test_a_key_quoted_by_the_server_is_cut_from_errors(backends, monkeypatch):
         stub.handler = _script((500, {}, quoting))
         assert "key *** is over its quota" in _run(backends(
             [stub.url], api_key_env="STUB_KEY", max_retries=0)).error
+        stub.handler = _script((200, {}, {"choices": f"not a list but {key}"}))
+        assert _run(backend).error.endswith("answered without choices: "
+                                            "{'choices': 'not a list but ***'}")
         con = llmdb.connect(backend=backend, cache=False)
         with pytest.raises(llmdb.LLMError) as e:
             con.sql("SELECT llm_complete('hi')").fetchall()
         assert key not in "".join(traceback.format_exception(e.value))
+
+
+def _answer_with(**fields) -> dict:
+    """chat_answer("x") with fields of its first choice (or, as usage=, its usage) set."""
+    answer = chat_answer("x")
+    if "usage" in fields:
+        answer["usage"] = fields.pop("usage")
+    answer["choices"][0].update(fields)
+    return answer
+
+
+@pytest.mark.parametrize(("answer", "error"), [
+    ({"choices": []}, "answered without choices"),
+    ([1, 2], "answered without choices"),
+    ({"choices": [None]}, "answered with a choice that is not an object"),
+    # /v1/completions' shape: it was read as an empty answer
+    ({"choices": [{"index": 0, "text": "hello", "finish_reason": "stop"}]},
+     "answered a choice without a message"),
+    (_answer_with(message={"role": "assistant", "content": ["a", "b"]}),
+     "answered a message whose content is a list, not text"),
+])
+def test_a_malformed_answer_is_the_rows_error_naming_the_replica(backends, answer, error):
+    with StubEndpoint(_script((200, {}, answer))) as stub:
+        result = _run(backends([stub.url]))
+    assert result.finish_reason == "error"
+    assert result.error.startswith(f"http://127.0.0.1:{stub.port}/v1/chat/completions {error}")
+
+
+def test_what_an_answer_may_leave_out(backends):
+    """Usage counts that are not numbers count 0 (they failed the whole query, under
+    on_error='null' too); a message with null content (a reasoning model that spent
+    max_tokens thinking) is an empty answer."""
+    odd_usage = _answer_with(usage={"prompt_tokens": None, "completion_tokens": "2",
+                                    "prompt_tokens_details": None})
+    with StubEndpoint(_script((200, {}, odd_usage))) as stub:
+        backend = backends([stub.url])
+        con = llmdb.connect(backend=backend, cache=False, on_error="null")
+        assert con.sql("SELECT llm_complete('hi', max_tokens := 4)").fetchall() == [("x",)]
+        stub.handler = _script((200, {}, _answer_with(
+            message={"role": "assistant", "content": None}, finish_reason="length")))
+        result = _run(backend)
+    assert (result.text, result.finish_reason, result.error) == ("", "length", None)
+
+
+def test_malformed_logprobs_are_the_rows_error_naming_the_replica(backends):
+    bad = chat_answer("Yes", [{"token": "Yes", "logprob": "high"}])
+    with StubEndpoint(_script((200, {}, bad))) as stub:
+        backend = backends([stub.url])
+        done = threading.Event()
+        handle = backend.submit(ChoiceRequest([{"role": "user", "content": "q"}], ("yes",)),
+                                done.set)
+        assert done.wait(30)
+        error = backend.collect(handle).error
+    assert error.startswith(f"http://127.0.0.1:{stub.port}/v1/chat/completions answered a "
+                            "top_logprobs entry that is not a token and its logprob")
+
+
+def test_an_answer_the_client_cannot_decode_names_the_replica(backends):
+    # A body that says it is gzip and is not: httpx's DecodingError escaped as a bare
+    # exception, naming no endpoint.
+    with StubEndpoint(_script((200, {"Content-Encoding": "gzip"}, chat_answer("x")))) as stub:
+        result = _run(backends([stub.url]))
+    assert result.error.startswith(f"http://127.0.0.1:{stub.port}/v1/chat/completions failed: "
+                                   "DecodingError")

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from . import openai_answers as answers
 from .base import (
     BackendResult,
     ChoiceRequest,
@@ -220,23 +221,18 @@ class OpenAIBackend:
     def _estimate(self, prompt: Prompt, max_tokens: int) -> int:
         return math.ceil(len(json.dumps(prompt)) / CHARS_PER_TOKEN) + max_tokens
 
-    async def _post(self, path: str, body: dict[str, Any], tokens: int, priority: str
-                    ) -> dict[str, Any]:
+    async def _post(self, path: str, body: dict[str, Any], tokens: int, priority: str,
+                    read: Callable[[Any], Any]) -> Any:
         if self.send_priority and priority == "BE":
             body = {**body, "priority": 1}
-        return await self.pool.post(path, body, tokens, priority)
+        return await self.pool.post(path, body, tokens, priority, read)
 
     async def _chat(self, prompt: Prompt, fields: dict[str, Any], max_tokens: int,
-                    priority: str) -> tuple[dict[str, Any], dict[str, Any]]:
+                    priority: str, read: Callable[[Any], Any]) -> Any:
         body = {"model": self.served_model, "messages": prompt, "max_tokens": max_tokens,
                 **fields}
-        data = await self._post("/v1/chat/completions", body,
-                                self._estimate(prompt, max_tokens), priority)
-        try:
-            return data["choices"][0], data.get("usage") or {}
-        except (KeyError, IndexError, TypeError) as e:
-            raise EndpointError(f"a chat completion without choices from "
-                                f"{', '.join(self.endpoints)}: {str(data)[:200]}") from e
+        return await self._post("/v1/chat/completions", body,
+                                self._estimate(prompt, max_tokens), priority, read)
 
     async def _generate(self, request: GenerationRequest) -> BackendResult:
         p = request.params
@@ -247,23 +243,15 @@ class OpenAIBackend:
                     "stop": bool(p.stop), "stop_token_ids": bool(p.stop_token_ids),
                     "ignore_eos": p.ignore_eos}
         fields.update({k: getattr(p, k) for k, on in optional.items() if on})
-        choice, usage = await self._chat(request.prompt, fields, p.max_tokens,
-                                         request.priority)
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        return BackendResult(
-            text=(choice.get("message") or {}).get("content") or "",
-            finish_reason=_FINISH.get(choice.get("finish_reason"), "stop"),
-            prompt_tokens=usage.get("prompt_tokens", 0),
-            generated_tokens=usage.get("completion_tokens", 0), cached_tokens=cached)
+        return await self._chat(request.prompt, fields, p.max_tokens, request.priority,
+                                _generation_result)
 
     async def _choose(self, request: ChoiceRequest) -> BackendResult:
-        choice, usage = await self._chat(
+        top, prompt_tokens = await self._chat(
             request.prompt, {"temperature": 0, "logprobs": True, "top_logprobs": TOP_LOGPROBS},
-            max_tokens=1, priority=request.priority)
-        content = (choice.get("logprobs") or {}).get("content")
-        if not content or not content[0].get("top_logprobs"):
+            max_tokens=1, priority=request.priority, read=_top_logprobs)
+        if top is None:
             raise _needs_logprobs(", ".join(self.endpoints), "logprobs (top_logprobs)")
-        top = {t["token"]: math.exp(t["logprob"]) for t in content[0]["top_logprobs"]}
         probs = []
         for word in request.words:
             forms = {p + f for f in (word, word.lower(), word.capitalize(), word.upper())
@@ -273,8 +261,7 @@ class OpenAIBackend:
                 p = await self._probability_of(request.prompt, sorted(forms),
                                                request.priority)
             probs.append(p)
-        return BackendResult(word_probs=tuple(probs),
-                             prompt_tokens=usage.get("prompt_tokens", 0))
+        return BackendResult(word_probs=tuple(probs), prompt_tokens=prompt_tokens)
 
     async def _probability_of(self, prompt: Prompt, spellings: list[str], priority: str
                               ) -> float:
@@ -308,12 +295,11 @@ class OpenAIBackend:
         /v1/completions' prompt_logprobs (vLLM's, and llmdb serve's)."""
         body = {"model": self.served_model, "prompt": ids, "max_tokens": 1, "temperature": 0,
                 "prompt_logprobs": 0}
-        data = await self._post("/v1/completions", body, len(ids) + 1, priority)
-        try:
-            rows = data["choices"][0]["prompt_logprobs"]
-            return [0.0] + [rows[i][str(ids[i])]["logprob"] for i in range(1, len(ids))]
-        except (KeyError, IndexError, TypeError) as e:
-            raise _needs_logprobs(", ".join(self.endpoints), "prompt_logprobs") from e
+        logprobs = await self._post("/v1/completions", body, len(ids) + 1, priority,
+                                    lambda data: answers.prompt_logprobs(data, ids))
+        if logprobs is None:
+            raise _needs_logprobs(", ".join(self.endpoints), "prompt_logprobs")
+        return logprobs
 
     async def _tokenize(self, body: dict[str, Any]) -> list[int]:
         """Token ids from the endpoints' /tokenize (vLLM's shape), each body asked once."""
@@ -336,18 +322,14 @@ class OpenAIBackend:
         try:
             # No model runs for it, and its answer is shared: it never queues behind
             # bulk generations (and carries no priority field, which /tokenize lacks).
-            data = await self.pool.post("/tokenize", {"model": self.served_model, **body},
-                                        priority="RT")
+            tokens = await self.pool.post("/tokenize", {"model": self.served_model, **body},
+                                          priority="RT", read=answers.tokens)
         except EndpointError as e:
             if " answered 404" in str(e) or " answered 405" in str(e):
                 raise _NoTokenize(f"{e}; scoring needs vLLM's /tokenize, which "
                                     f"{', '.join(self.endpoints)} does not offer") from e
             raise
         self._has_tokenize = True
-        tokens = data.get("tokens") if isinstance(data, dict) else None
-        if not isinstance(tokens, list):
-            raise EndpointError(f"/tokenize of {', '.join(self.endpoints)} answered without "
-                                f"tokens: {str(data)[:200]}")
         return tokens
 
     async def _end_of_turn(self) -> int:
@@ -363,6 +345,21 @@ class OpenAIBackend:
             raise EndpointError(f"cannot tell the end-of-turn token of the model at "
                                 f"{', '.join(self.endpoints)} from its chat template")
         return full[n]
+
+
+def _generation_result(data: Any) -> BackendResult:
+    choice = answers.first_choice(data)
+    prompt_tokens, generated, cached = answers.usage(data)
+    return BackendResult(text=answers.chat_text(choice),
+                         finish_reason=_FINISH.get(choice.get("finish_reason"), "stop"),
+                         prompt_tokens=prompt_tokens, generated_tokens=generated,
+                         cached_tokens=cached)
+
+
+def _top_logprobs(data: Any) -> tuple[dict[str, float] | None, int]:
+    """The first token's top_logprobs as probabilities (None: none sent), and the prompt's
+    tokens."""
+    return answers.first_token_top_logprobs(answers.first_choice(data)), answers.usage(data)[0]
 
 
 _backends: dict[str, OpenAIBackend] = {}

@@ -22,15 +22,18 @@ import logging
 import random
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from aiolimiter import AsyncLimiter
 
 from .endpoints import base_url
+from .openai_answers import MalformedAnswer
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # A connection that fails like this means the replica is gone, not that the request is bad.
 _UNREACHABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
@@ -188,8 +191,10 @@ class ReplicaPool:
         self._rt_waiting = 0  # interactive requests waiting for a slot: bulk ones let them by
 
     async def post(self, path: str, body: dict[str, Any], tokens: int = 0,
-                   priority: str = "BE") -> dict[str, Any]:
-        """The JSON answer of the first replica that gives one; EndpointError otherwise.
+                   priority: str = "BE", read: Callable[[Any], T] = lambda data: data) -> T:
+        """What `read` makes of the JSON answer of the first replica that gives one (a
+        MalformedAnswer from it is the request's error, naming that replica); EndpointError
+        otherwise.
         An RT (interactive) request takes the rate limits' next turn and the next free slot
         before any waiting BE (bulk) one, so a query beside a bulk job does not queue behind
         its rows."""
@@ -223,11 +228,16 @@ class ReplicaPool:
                 if response.status_code == 200:
                     replica.answered[path] += 1
                     try:
-                        return response.json()
-                    except ValueError as e:
+                        data = response.json()
+                    except ValueError:
                         raise EndpointError(self._redact(
                             f"{replica.url}{path} answered with invalid JSON: "
-                            f"{response.text[:100]!r}")) from e
+                            f"{response.text[:100]!r}")) from None
+                    try:
+                        return read(data)
+                    except MalformedAnswer as e:
+                        raise EndpointError(self._redact(
+                            f"{replica.url}{path} answered {e}: {str(data)[:200]}")) from None
                 last = self._redact(f"{replica.url}{path} answered {response.status_code}: "
                                     f"{_message(response)}")
                 if response.status_code not in (408, 429) and response.status_code < 500:
