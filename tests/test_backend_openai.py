@@ -127,6 +127,36 @@ def test_an_unreachable_replica_leaves_the_rotation(backends):
         assert up.answered == {"/v1/chat/completions": 6}
 
 
+@pytest.mark.parametrize("failing", ["500", "stall"])
+def test_a_replica_that_keeps_failing_leaves_the_rotation(backends, failing):
+    """A server whose engine died (500 to everything) or that hangs: before, it stayed in
+    rotation, each row sent there paid a backoff or a timeout, and the least-dispatched
+    tie-break sent retries back to it: 30 rows took 5 s and one failed after 7 attempts on
+    the hung replica."""
+    from llmdb.backends.replicas import FAILURES_OUT
+
+    async def good(path, body):
+        await asyncio.sleep(0.05)
+        return 200, {}, chat_answer("ok " + body["messages"][-1]["content"])
+
+    async def bad(path, body):
+        if failing == "stall":
+            await asyncio.sleep(5)
+        return 500, {}, {"error": {"message": "EngineDeadError"}}
+
+    with StubEndpoint(good) as a, StubEndpoint(bad) as b:
+        backend = backends([a.url, b.url], max_concurrency=2, timeout_s=0.3)
+        done = threading.Semaphore(0)
+        handles = [backend.submit(GenerationRequest([{"role": "user", "content": f"r{i}"}],
+                                                    SamplingParams(max_tokens=1)), done.release)
+                   for i in range(30)]
+        for _ in handles:
+            assert done.acquire(timeout=30)
+        assert [backend.collect(h).text for h in handles] == [f"ok r{i}" for i in range(30)]
+        assert len(b.seen) <= FAILURES_OUT + 2, "the failing replica kept getting rows"
+        assert backend.pool.replicas[1].down_until > time.monotonic()
+
+
 def test_all_replicas_unreachable_is_a_clear_row_error(backends):
     dead = f"http://127.0.0.1:{free_port()}"
     result = _run(backends([dead], max_retries=1))

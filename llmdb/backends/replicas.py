@@ -5,8 +5,9 @@ Everything here runs on one asyncio loop (the openai backend's thread). A reques
 the rate limits, then for a free slot on a replica that is in rotation (the least busy one).
 A replica that cannot be reached (connection refused, reset, dropped mid-answer) leaves the
 rotation for a while and the request goes straight to another replica: a killed server loses
-no row, and since a request counts once it is answered, none is counted twice. 429, 408 and
-5xx answers are retried after the server's Retry-After, else after an exponential backoff
+no row, and since a request counts once it is answered, none is counted twice. So does one
+that fails FAILURES_OUT requests in a row (5xx, 408, timeouts). 429, 408 and 5xx answers are
+retried after the server's Retry-After, else after an exponential backoff
 with jitter; any other 4xx is the request's own error, never retried.
 
 httpx rather than the openai client: the openai client retries inside each call (on the same
@@ -38,6 +39,10 @@ T = TypeVar("T")
 # A connection that fails like this means the replica is gone, not that the request is bad.
 _UNREACHABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
                 httpx.ReadError, httpx.WriteError)
+# A replica that fails this many requests in a row (5xx, 408, no answer in time) leaves the
+# rotation as an unreachable one does: a server whose engine died answers 500 to everything,
+# and each row sent there paid a backoff before going elsewhere.
+FAILURES_OUT = 3
 
 
 class EndpointError(Exception):
@@ -77,6 +82,7 @@ class Replica:
         self.answered: Counter[str] = Counter()  # path -> requests it answered with 200
         self.dispatched = 0
         self.unreachable = 0  # requests lost here with the connection (and sent elsewhere)
+        self.failures = 0  # requests failed in a row (5xx, 408, timeouts)
 
     def up(self, now: float) -> bool:
         return self.down_until <= now
@@ -219,12 +225,16 @@ class ReplicaPool:
             except httpx.TimeoutException as e:
                 last = f"{replica.url} did not answer in time ({type(e).__name__})"
                 response = None
+                replica.failures += 1
             except httpx.HTTPError as e:  # (an answer the client cannot read, a bad header)
                 raise EndpointError(self._redact(
                     f"{replica.url}{path} failed: {type(e).__name__}: {e}")) from None
             finally:
                 await self._release(replica)
             if response is not None:
+                if response.status_code != 429:  # (rate limited: the replica works)
+                    failed = response.status_code == 408 or response.status_code >= 500
+                    replica.failures = replica.failures + 1 if failed else 0
                 if response.status_code == 200:
                     replica.answered[path] += 1
                     try:
@@ -242,6 +252,9 @@ class ReplicaPool:
                                     f"{_message(response)}")
                 if response.status_code not in (408, 429) and response.status_code < 500:
                     raise EndpointError(last)
+            if replica.failures >= FAILURES_OUT:
+                await self._take_out(replica, f"{replica.failures} requests failed in a row, "
+                                              f"the last: {last}")
             if retries >= self.limits.max_retries:
                 raise EndpointError(f"{last} (gave up after {retries + 1} attempts)")
             wait = retry_after(response) if response is not None else None
