@@ -491,3 +491,13 @@ def test_an_answer_the_client_cannot_decode_names_the_replica(backends):
         result = _run(backends([stub.url]))
     assert result.error.startswith(f"http://127.0.0.1:{stub.port}/v1/chat/completions failed: "
                                    "DecodingError")
+
+
+def test_a_redirect_names_where_it_leads(backends):
+    # (An http -> https proxy; not followed: the key would go on to wherever it points.)
+    moved = (308, {"Location": "https://example.com/v1/chat/completions"}, {})
+    with StubEndpoint(_script(moved)) as stub:
+        result = _run(backends([stub.url]))
+    assert result.error == (f"http://127.0.0.1:{stub.port}/v1/chat/completions answered 308: "
+                            "a redirect to https://example.com/v1/chat/completions; give the "
+                            "URL it redirects to as the endpoint")

@@ -43,7 +43,7 @@ from .base import (
     ScoreRequest,
     chat_messages,
 )
-from .endpoints import base_url
+from .endpoints import base_urls
 from .replicas import EndpointError, ReplicaLimits, ReplicaPool
 
 TOKENIZED_KEPT = 10_000  # /tokenize answers kept (prompts scored against several labels)
@@ -91,7 +91,7 @@ class OpenAIBackend:
         self.name = name
         self.served_model = served_model or name
         self.send_priority = send_priority
-        self.endpoints = [base_url(u) for u in endpoints]
+        self.endpoints = base_urls(endpoints)
         key = _api_key(api_key_env, self.endpoints) if api_key_env else None
         self._ids = itertools.count()
         self._lock = threading.Lock()

@@ -170,6 +170,9 @@ def retry_after(response: httpx.Response) -> float | None:
 
 def _message(response: httpx.Response) -> str:
     """The error text of an answer in OpenAI's shape, else the start of the body."""
+    if response.is_redirect:  # (not followed: a POST's body and key would go on elsewhere)
+        return (f"a redirect to {response.headers.get('location')}; give the URL it "
+                "redirects to as the endpoint")
     try:
         err = response.json().get("error")
         if isinstance(err, dict) and err.get("message"):
