@@ -49,7 +49,9 @@ class Seen:
 
 
 class StubEndpoint:
-    def __init__(self, handler: Handler):
+    def __init__(self, handler: Handler, tokenize: bool = False):
+        """tokenize: the handler also answers vLLM's /tokenize (else a 404, as hosted APIs
+        answer)."""
         self.handler = handler
         self.seen: list[Seen] = []
         self.active = 0
@@ -67,8 +69,8 @@ class StubEndpoint:
                 self.active -= 1
             return JSONResponse(payload, status_code=status, headers=headers)
 
-        app = Starlette(routes=[Route(p, endpoint, methods=["POST"]) for p in (
-            "/v1/chat/completions", "/v1/completions")])
+        paths = ["/v1/chat/completions", "/v1/completions"] + ["/tokenize"] * tokenize
+        app = Starlette(routes=[Route(p, endpoint, methods=["POST"]) for p in paths])
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,

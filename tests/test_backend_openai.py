@@ -501,3 +501,32 @@ def test_a_redirect_names_where_it_leads(backends):
     assert result.error == (f"http://127.0.0.1:{stub.port}/v1/chat/completions answered 308: "
                             "a redirect to https://example.com/v1/chat/completions; give the "
                             "URL it redirects to as the endpoint")
+
+
+def test_answers_and_texts_are_tokenized_at_once(backends):
+    """/tokenize is one round trip per text: the planner counts every llm_complete answer's
+    tokens after its query (for EXPLAIN's output lengths), and llm_count_tokens every row's.
+    They were asked one after another, a round trip per row (to a server 50 ms away, 50 s
+    per 1,000 rows); now they go out together, as the rows' own requests do."""
+    busy = {"now": 0, "most": 0}
+
+    async def handler(path, body):
+        if path != "/tokenize":
+            return 200, {}, chat_answer(f"answer to {body['messages'][-1]['content']}")
+        busy["now"] += 1
+        busy["most"] = max(busy["most"], busy["now"])
+        await asyncio.sleep(0.1)
+        busy["now"] -= 1
+        return 200, {}, {"count": 0, "tokens": list(range(len(body["prompt"].split())))}
+
+    with StubEndpoint(handler, tokenize=True) as stub:
+        con = llmdb.connect(backend=backends([stub.url], max_concurrency=8), cache=False)
+        con.execute("CREATE TABLE t AS SELECT repeat('w ', i::INT) AS x FROM range(1, 13) r(i)")
+        assert con.sql("SELECT llm_count_tokens(x) FROM t ORDER BY x").fetchall() == \
+            [(i,) for i in range(1, 13)]
+        assert busy["most"] == 8, "llm_count_tokens asked its rows one by one"
+        busy["most"] = 0
+        assert len(con.sql("SELECT llm_complete(x) FROM t").fetchall()) == 12
+        counted = [s.body["prompt"] for s in stub.seen if s.path == "/tokenize"]
+        assert sorted(counted[12:]) == sorted(f"answer to {'w ' * i}" for i in range(1, 13))
+        assert busy["most"] == 8, "the answers' tokens were counted one by one"

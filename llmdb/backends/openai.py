@@ -120,18 +120,23 @@ class OpenAIBackend:
                     before: Sequence[Exchange] = ()) -> list[dict[str, str]]:
         return chat_messages(user, system, before)
 
-    def count_tokens(self, text: str) -> int:
-        """Exact where the endpoints have /tokenize (vLLM, llmdb serve); else, or while they
-        cannot be reached, an estimate of one token per four characters."""
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        """Exact where the endpoints have /tokenize (vLLM, llmdb serve), all texts asked at
+        once; else, or while they cannot be reached, an estimate of one token per four
+        characters."""
         if self._has_tokenize is not False:
             try:
-                return len(self._run(self._tokenize({"prompt": text,
-                                                     "add_special_tokens": False})))
+                return self._run(self._count_tokens(texts))
             except _NoTokenize:
                 self._has_tokenize = False
             except EndpointError:
                 pass
-        return math.ceil(len(text) / CHARS_PER_TOKEN)
+        return [math.ceil(len(t) / CHARS_PER_TOKEN) for t in texts]
+
+    async def _count_tokens(self, texts: Sequence[str]) -> list[int]:
+        ids = await asyncio.gather(*(self._tokenize({"prompt": t, "add_special_tokens": False})
+                                     for t in texts))
+        return [len(i) for i in ids]
 
     def submit(self, request: ModelRequest, on_finish: Callable[[], None]) -> str:
         if not isinstance(request, GenerationRequest | ScoreRequest | ChoiceRequest):
