@@ -1,8 +1,9 @@
 """A scripted OpenAI-compatible endpoint for the openai backend's tests: what a real server
 cannot be made to do on demand (answer 429 or 503, drop logprobs, stall) it does here.
 
-A test gives an async handler(path, body) -> (status, headers, json body); the stub serves it
-under uvicorn on a free loopback port and records every request it got.
+A test gives an async handler(path, body) -> (status, headers, json body, or a starlette
+Response of its own); the stub serves it under uvicorn on a free loopback port and records
+every request it got.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 Handler = Callable[[str, dict], Awaitable[tuple[int, dict[str, str], Any]]]
@@ -57,7 +58,7 @@ class StubEndpoint:
         self.active = 0
         self.most_active = 0  # the most requests it held at once
 
-        async def endpoint(request: Request) -> JSONResponse:
+        async def endpoint(request: Request) -> Response:
             body = await request.json()
             self.seen.append(Seen(request.url.path, body, time.monotonic(),
                                   dict(request.headers)))
@@ -67,6 +68,8 @@ class StubEndpoint:
                 status, headers, payload = await self.handler(request.url.path, body)
             finally:
                 self.active -= 1
+            if isinstance(payload, Response):  # (one the test made: a stream, say)
+                return payload
             return JSONResponse(payload, status_code=status, headers=headers)
 
         paths = ["/v1/chat/completions", "/v1/completions"] + ["/tokenize"] * tokenize

@@ -7,6 +7,7 @@ backend against real `llmdb serve` processes."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import threading
 import time
@@ -339,7 +340,7 @@ def test_timeout_is_retried_then_the_rows_error(backends):
 
     with StubEndpoint(stall) as stub:
         result = _run(backends([stub.url], timeout_s=0.3, max_retries=1))
-    assert result.finish_reason == "error" and "did not answer in time" in result.error
+    assert result.finish_reason == "error" and "did not answer in 0.3 s" in result.error
     assert len(stub.seen) == 2
 
 
@@ -530,3 +531,25 @@ def test_answers_and_texts_are_tokenized_at_once(backends):
         counted = [s.body["prompt"] for s in stub.seen if s.path == "/tokenize"]
         assert sorted(counted[12:]) == sorted(f"answer to {'w ' * i}" for i in range(1, 13))
         assert busy["most"] == 8, "the answers' tokens were counted one by one"
+
+
+def test_an_answer_trickling_in_past_timeout_s_is_timed_out(backends):
+    """timeout_s bounds the whole request: httpx's own timeout is per read, so an answer
+    sent a byte at a time (a proxy's keep-alive padding, a wedged server) never ran out."""
+    from starlette.responses import StreamingResponse
+
+    async def trickle():
+        for _ in range(30):
+            yield b" "
+            await asyncio.sleep(0.1)
+        yield json.dumps(chat_answer("late")).encode()
+
+    async def handler(path, body):
+        return 200, {}, StreamingResponse(trickle(), media_type="application/json")
+
+    with StubEndpoint(handler) as stub:
+        t0 = time.monotonic()
+        result = _run(backends([stub.url], timeout_s=0.5, max_retries=0))
+    assert result.error == f"http://127.0.0.1:{stub.port} did not answer in 0.5 s " \
+        "(TimeoutError) (gave up after 1 attempts)"
+    assert time.monotonic() - t0 < 2

@@ -54,7 +54,7 @@ class ReplicaLimits:
     max_concurrency: int = 16  # requests in flight per replica
     requests_per_minute: float | None = None  # for all replicas together (a key's quota)
     tokens_per_minute: float | None = None  # estimated prompt + max_tokens, all replicas
-    timeout_s: float = 300.0  # per attempt: a long generation on a busy server is slow
+    timeout_s: float = 300.0  # per attempt, whole: a long generation on a busy server is slow
     max_retries: int = 6  # attempts after the first, for 429, 5xx, timeouts, all replicas down
     backoff_s: float = 0.5  # first backoff; doubles each retry
     max_backoff_s: float = 30.0
@@ -217,7 +217,10 @@ class ReplicaPool:
                 await self._tpm.take(tokens, interactive)
             replica, alone = await self._acquire(interactive)
             try:
-                response = await replica.client.post(path, json=body)
+                # The whole exchange, not only each read (httpx's timeout): an answer that
+                # trickles in never timed out.
+                async with asyncio.timeout(self.limits.timeout_s):
+                    response = await replica.client.post(path, json=body)
             except _UNREACHABLE as e:
                 last = f"{replica.url} is unreachable ({type(e).__name__}: {e})"
                 replica.unreachable += 1
@@ -225,8 +228,9 @@ class ReplicaPool:
                 if not alone:  # others are up: resubmit there at once, no retry spent
                     continue
                 response = None
-            except httpx.TimeoutException as e:
-                last = f"{replica.url} did not answer in time ({type(e).__name__})"
+            except (httpx.TimeoutException, TimeoutError) as e:
+                last = f"{replica.url} did not answer in {self.limits.timeout_s:g} s " \
+                       f"({type(e).__name__})"
                 response = None
                 replica.failures += 1
             except httpx.HTTPError as e:  # (an answer the client cannot read, a bad header)
