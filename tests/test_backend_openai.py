@@ -7,6 +7,7 @@ backend against real `llmdb serve` processes."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import math
 import threading
@@ -553,3 +554,26 @@ def test_an_answer_trickling_in_past_timeout_s_is_timed_out(backends):
     assert result.error == f"http://127.0.0.1:{stub.port} did not answer in 0.5 s " \
         "(TimeoutError) (gave up after 1 attempts)"
     assert time.monotonic() - t0 < 2
+
+
+def test_an_answer_over_the_size_limit_is_the_rows_error(backends, monkeypatch):
+    """A broken server's endless answer is cut off (it filled memory, and 200 MB of text to
+    a max_tokens=4 request became the row's answer); a gzipped answer is measured and read
+    decoded, as hosted APIs send it."""
+    from starlette.responses import Response
+
+    from llmdb.backends import replicas
+
+    monkeypatch.setattr(replicas, "MAX_ANSWER_BYTES", 100_000)
+    answer = json.dumps(chat_answer("x" * 60_000)).encode()
+
+    async def handler(path, body):
+        return 200, {}, Response(gzip.compress(answer), media_type="application/json",
+                                 headers={"Content-Encoding": "gzip"})
+
+    with StubEndpoint(handler) as stub:
+        backend = backends([stub.url])
+        assert _run(backend).text == "x" * 60_000
+        answer = json.dumps(chat_answer("x" * 120_000)).encode()  # 1 kB gzipped
+        assert _run(backend).error == (f"http://127.0.0.1:{stub.port}/v1/chat/completions "
+                                       "answered with more than 100,000 bytes")

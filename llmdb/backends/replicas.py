@@ -43,6 +43,10 @@ _UNREACHABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolEr
 # rotation as an unreachable one does: a server whose engine died answers 500 to everything,
 # and each row sent there paid a backoff before going elsewhere.
 FAILURES_OUT = 3
+# The most of an answer read (decoded): far above any answer's size (prompt_logprobs of a
+# 100k-token prompt are about 10 MB), so that a broken server's endless body fails its
+# row instead of filling memory, or becoming the row's answer.
+MAX_ANSWER_BYTES = 64 << 20
 
 
 class EndpointError(Exception):
@@ -145,6 +149,30 @@ class _Limiter:
             amount -= part
 
 
+class _TooLong(Exception):
+    """An answer longer than MAX_ANSWER_BYTES."""
+
+
+async def _exchange(client: httpx.AsyncClient, path: str, body: dict[str, Any]
+                    ) -> httpx.Response:
+    """POST body to path; the answer read whole, up to MAX_ANSWER_BYTES."""
+    request = client.build_request("POST", path, json=body)
+    response = await client.send(request, stream=True)
+    chunks, size = [], 0
+    try:
+        async for chunk in response.aiter_bytes():
+            size += len(chunk)
+            if size > MAX_ANSWER_BYTES:
+                raise _TooLong
+            chunks.append(chunk)
+    finally:
+        await response.aclose()
+    # The body is decoded already: the copy must not decode it again.
+    headers = [(k, v) for k, v in response.headers.multi_items() if k != "content-encoding"]
+    return httpx.Response(response.status_code, headers=headers, content=b"".join(chunks),
+                          request=request)
+
+
 def retry_after(response: httpx.Response) -> float | None:
     """Seconds the server asked us to wait (Retry-After as seconds or a date, or OpenAI's
     retry-after-ms), or None."""
@@ -220,7 +248,7 @@ class ReplicaPool:
                 # The whole exchange, not only each read (httpx's timeout): an answer that
                 # trickles in never timed out.
                 async with asyncio.timeout(self.limits.timeout_s):
-                    response = await replica.client.post(path, json=body)
+                    response = await _exchange(replica.client, path, body)
             except _UNREACHABLE as e:
                 last = f"{replica.url} is unreachable ({type(e).__name__}: {e})"
                 replica.unreachable += 1
@@ -236,6 +264,9 @@ class ReplicaPool:
             except httpx.HTTPError as e:  # (an answer the client cannot read, a bad header)
                 raise EndpointError(self._redact(
                     f"{replica.url}{path} failed: {type(e).__name__}: {e}")) from None
+            except _TooLong:
+                raise EndpointError(f"{replica.url}{path} answered with more than "
+                                    f"{MAX_ANSWER_BYTES:,} bytes") from None
             finally:
                 await self._release(replica)
             if response is not None:
