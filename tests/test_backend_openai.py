@@ -10,6 +10,7 @@ import asyncio
 import gzip
 import json
 import math
+import shutil
 import threading
 import time
 import traceback
@@ -25,7 +26,12 @@ from llmdb.backends.openai import OpenAIBackend  # noqa: E402
 from llmdb.backends.replicas import retry_after  # noqa: E402
 from llmdb.engine.params import SamplingParams  # noqa: E402
 
-from .openai_stub import StubEndpoint, chat_answer, free_port  # noqa: E402
+from .openai_stub import (  # noqa: E402
+    StubEndpoint,
+    chat_answer,
+    free_port,
+    self_signed_certificate,
+)
 
 FAST = {"backoff_s": 0.05, "max_backoff_s": 0.2}
 
@@ -577,3 +583,22 @@ def test_an_answer_over_the_size_limit_is_the_rows_error(backends, monkeypatch):
         answer = json.dumps(chat_answer("x" * 120_000)).encode()  # 1 kB gzipped
         assert _run(backend).error == (f"http://127.0.0.1:{stub.port}/v1/chat/completions "
                                        "answered with more than 100,000 bytes")
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make a certificate")
+def test_a_certificate_that_fails_verification_is_not_retried(backends, tmp_path, monkeypatch):
+    """No retry mends a certificate signed by an unknown CA: each row tried 7 times over
+    16 s (20 rows: 19 s, 140 TLS handshakes) before failing. SSL_CERT_FILE trusts it."""
+    cert, key = self_signed_certificate(tmp_path)
+    with StubEndpoint(_script((200, {}, chat_answer("over TLS"))), tls=(cert, key)) as stub:
+        t0 = time.monotonic()
+        result = _run(backends([stub.url]))
+        assert time.monotonic() - t0 < 5
+        assert result.error.startswith(f"https://127.0.0.1:{stub.port} is unreachable "
+                                       "(ConnectError: [SSL: CERTIFICATE_VERIFY_FAILED]")
+        assert result.error.endswith("(its certificate failed verification: for a private "
+                                     "CA, set SSL_CERT_FILE to its certificate)")
+        monkeypatch.setenv("SSL_CERT_FILE", cert)
+        trusting = backends([stub.url])
+        assert _run(trusting).text == "over TLS"
+        trusting.close()  # (its idle TLS connection held the stub's shutdown for 10 s)

@@ -21,6 +21,7 @@ import asyncio
 import email.utils
 import logging
 import random
+import ssl
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -149,6 +150,16 @@ class _Limiter:
             amount -= part
 
 
+def _certificate_refused(e: BaseException | None) -> bool:
+    """Whether a connection failed on the server's certificate (httpx's ConnectError is
+    raised from httpcore's, raised from ssl's)."""
+    while e is not None:
+        if isinstance(e, ssl.SSLCertVerificationError):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 class _TooLong(Exception):
     """An answer longer than MAX_ANSWER_BYTES."""
 
@@ -255,6 +266,10 @@ class ReplicaPool:
                 await self._take_out(replica, last)
                 if not alone:  # others are up: resubmit there at once, no retry spent
                     continue
+                if _certificate_refused(e):  # (no retry mends that)
+                    raise EndpointError(f"{last} (its certificate failed verification: for a "
+                                        "private CA, set SSL_CERT_FILE to its certificate)"
+                                        ) from None
                 response = None
             except (httpx.TimeoutException, TimeoutError) as e:
                 last = f"{replica.url} did not answer in {self.limits.timeout_s:g} s " \
