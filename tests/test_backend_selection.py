@@ -193,5 +193,9 @@ def test_base_urls_are_roots_given_once(config_dir):
     with pytest.raises(ValueError, match="is an API path"):  # at connect, not per row
         llmdb.connect(endpoints="http://h:1/v1/chat/completions")
     assert llmdb.connect(endpoints="http://h:1/v1").session.options.endpoints == ["http://h:1/v1"]
+    # One server, however its URL is written: one backend, one max_concurrency for it.
+    backends = {id(llmdb.connect(endpoints=[url]).session.backend())
+                for url in ("http://h:1/v1", "http://h:1/", " http://h:1")}
+    assert len(backends) == 1
     assert cli.main(["models", "add", "m", "--endpoint", "http://h:1/",
                      "--endpoint", "http://h:1"]) == 2

@@ -375,6 +375,7 @@ def openai_backend(name: str, **config: Any) -> OpenAIBackend:
     """This process's backend for `name` on these endpoints and options: connections share
     it, and with it each replica's concurrency and the rate limits (a key's quota is the
     key's, whichever connection spends it)."""
+    config["endpoints"] = base_urls(config["endpoints"])  # (http://h/v1, http://h/: one server)
     key = json.dumps([name, config], sort_keys=True, default=str)
     with _backends_lock:
         if key not in _backends:
