@@ -602,3 +602,17 @@ def test_a_certificate_that_fails_verification_is_not_retried(backends, tmp_path
         trusting = backends([stub.url])
         assert _run(trusting).text == "over TLS"
         trusting.close()  # (its idle TLS connection held the stub's shutdown for 10 s)
+
+
+def test_a_spent_quota_is_not_retried(backends):
+    # OpenAI's 429 once credits or the monthly budget are spent: each row was retried six
+    # times over about 30 s (max_backoff_s), the quota as spent at the end as at the start.
+    spent = {"error": {"message": "You exceeded your current quota, please check your plan "
+                                  "and billing details.", "type": "insufficient_quota",
+                       "code": "insufficient_quota"}}
+    with StubEndpoint(_script((429, {}, spent))) as stub:
+        result = _run(backends([stub.url]))
+    assert result.error == (f"http://127.0.0.1:{stub.port}/v1/chat/completions answered 429: "
+                            "You exceeded your current quota, please check your plan and "
+                            "billing details.")
+    assert len(stub.seen) == 1

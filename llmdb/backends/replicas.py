@@ -223,6 +223,19 @@ def _message(response: httpx.Response) -> str:
     return response.text[:200] or response.reason_phrase
 
 
+def _retried(response: httpx.Response) -> bool:
+    """Whether an error answer may go otherwise when asked again: 408, 429 and 5xx, except
+    OpenAI's 429 for a spent quota or budget (insufficient_quota), which no wait mends."""
+    if response.status_code == 429:
+        try:
+            err = response.json().get("error")
+            return not (isinstance(err, dict) and "insufficient_quota" in
+                        (err.get("code"), err.get("type")))
+        except (ValueError, AttributeError):
+            return True
+    return response.status_code == 408 or response.status_code >= 500
+
+
 class ReplicaPool:
     def __init__(self, urls: list[str], limits: ReplicaLimits, api_key: str | None = None):
         """api_key: sent as `Authorization: Bearer KEY`, and cut out of every error text (a
@@ -303,7 +316,7 @@ class ReplicaPool:
                             f"{replica.url}{path} answered {e}: {str(data)[:200]}")) from None
                 last = self._redact(f"{replica.url}{path} answered {response.status_code}: "
                                     f"{_message(response)}")
-                if response.status_code not in (408, 429) and response.status_code < 500:
+                if not _retried(response):
                     raise EndpointError(last)
             if replica.failures >= FAILURES_OUT:
                 await self._take_out(replica, f"{replica.failures} requests failed in a row, "
