@@ -479,17 +479,25 @@ def test_what_an_answer_may_leave_out(backends):
     assert (result.text, result.finish_reason, result.error) == ("", "length", None)
 
 
-def test_malformed_logprobs_are_the_rows_error_naming_the_replica(backends):
-    bad = chat_answer("Yes", [{"token": "Yes", "logprob": "high"}])
-    with StubEndpoint(_script((200, {}, bad))) as stub:
+@pytest.mark.parametrize(("logprobs", "error"), [
+    ({"content": [{"token": "Yes", "logprob": -1,
+                   "top_logprobs": [{"token": "Yes", "logprob": "high"}]}]},
+     "a top_logprobs entry that is not a token and its logprob"),
+    ({"content": [{"token": "Yes", "logprob": -1,
+                   "top_logprobs": [{"token": "Yes", "logprob": 1000.0}]}]},  # (exp overflowed)
+     "a top_logprobs entry that is not a token and its logprob"),
+    ({"content": {"Yes": -1}}, "logprobs whose content is not a list of tokens"),
+])
+def test_malformed_logprobs_are_the_rows_error_naming_the_replica(backends, logprobs, error):
+    with StubEndpoint(_script((200, {}, _answer_with(logprobs=logprobs)))) as stub:
         backend = backends([stub.url])
         done = threading.Event()
         handle = backend.submit(ChoiceRequest([{"role": "user", "content": "q"}], ("yes",)),
                                 done.set)
         assert done.wait(30)
-        error = backend.collect(handle).error
-    assert error.startswith(f"http://127.0.0.1:{stub.port}/v1/chat/completions answered a "
-                            "top_logprobs entry that is not a token and its logprob")
+        result = backend.collect(handle)
+    assert result.error.startswith(
+        f"http://127.0.0.1:{stub.port}/v1/chat/completions answered {error}")
 
 
 def test_an_answer_the_client_cannot_decode_names_the_replica(backends):

@@ -60,7 +60,9 @@ def first_token_top_logprobs(choice: dict[str, Any]) -> dict[str, float] | None:
     content = logprobs.get("content") if isinstance(logprobs, dict) else None
     if not content:
         return None
-    top = content[0].get("top_logprobs") if isinstance(content[0], dict) else None
+    if not isinstance(content, list) or not isinstance(content[0], dict):
+        raise MalformedAnswer("logprobs whose content is not a list of tokens")
+    top = content[0].get("top_logprobs")
     if not top:
         return None
     if not isinstance(top, list):
@@ -71,7 +73,7 @@ def first_token_top_logprobs(choice: dict[str, Any]) -> dict[str, float] | None:
                 and _is_logprob(t.get("logprob"))):
             raise MalformedAnswer(f"a top_logprobs entry that is not a token and its "
                                   f"logprob: {str(t)[:80]}")
-        probs[t["token"]] = math.exp(t["logprob"])
+        probs[t["token"]] = math.exp(min(t["logprob"], 0.0))
     return probs
 
 
@@ -105,5 +107,6 @@ def tokens(data: Any) -> list[int]:
 
 
 def _is_logprob(value: Any) -> bool:
+    """A number <= 0, or a rounding error above it (exp() of a large one overflowed)."""
     return isinstance(value, int | float) and not isinstance(value, bool) and \
-        not math.isnan(value)
+        not math.isnan(value) and value <= 1e-3

@@ -5,10 +5,10 @@ Everything here runs on one asyncio loop (the openai backend's thread). A reques
 the rate limits, then for a free slot on a replica that is in rotation (the least busy one).
 A replica that cannot be reached (connection refused, reset, dropped mid-answer) leaves the
 rotation for a while and the request goes straight to another replica: a killed server loses
-no row, and since a request counts once it is answered, none is counted twice. So does one
-that fails FAILURES_OUT requests in a row (5xx, 408, timeouts). 429, 408 and 5xx answers are
-retried after the server's Retry-After, else after an exponential backoff
-with jitter; any other 4xx is the request's own error, never retried.
+no row, and since a request counts once it is answered, none is counted twice. A replica
+that fails FAILURES_OUT requests in a row (5xx, 408, timeouts) leaves the rotation too.
+429, 408 and 5xx answers are retried after the server's Retry-After, else after an
+exponential backoff with jitter; any other 4xx is the request's own error, never retried.
 
 httpx rather than the openai client: the openai client retries inside each call (on the same
 endpoint, with its own backoff), which would hide a dead replica from the failover above, and
