@@ -331,9 +331,9 @@ def connect(database: str = ":memory:", model: str = "smollm2-135m", **options: 
     requests_per_minute, tokens_per_minute, timeout_s, max_retries, send_priority (vLLM's
     priority field on bulk rows; interactive rows take free slots first either way).
     backend may also be a
-    Backend object (for `model`). Connections of a process with the same endpoints share
-    their HTTP clients, concurrency and rate limits. Without backend=, a model registered with
-    `llmdb models add NAME --endpoint URL` runs on its endpoints.
+    Backend object (for `model`). Connections of a process with the same model, endpoints
+    and options share their HTTP clients, concurrency and rate limits. Without backend=, a
+    model registered with `llmdb models add NAME --endpoint URL` runs on its endpoints.
     planner=False runs queries as written (no minimal-calls rewrite, no EXPLAIN LLM)."""
     return Connection(database, model, **options)
 

@@ -460,9 +460,18 @@ def llm_classify(session: Session, *columns: Sequence,
 # ---- llm_count_tokens ----------------------------------------------------------------------
 
 def llm_count_tokens(session: Session, text: Sequence, model: Sequence) -> list[int | None]:
-    """Tokens of the text itself, without the chat template; no model call."""
-    return [None if t is None else session.backend(m).count_tokens(t)
-            for t, m in zip(text, model, strict=True)]
+    """Tokens of the text itself, without the chat template; no model call. Each model's
+    texts are counted together (a remote one's in one go, not a round trip per row)."""
+    rows: dict[str, list[int]] = {}
+    for i, (t, m) in enumerate(zip(text, model, strict=True)):
+        if t is not None:
+            rows.setdefault(m, []).append(i)
+    out: list[int | None] = [None] * len(text)
+    for m, where in rows.items():
+        counts = session.backend(m).count_tokens([text[i] for i in where])
+        for i, n in zip(where, counts, strict=True):
+            out[i] = n
+    return out
 
 
 # ---- registration --------------------------------------------------------------------------

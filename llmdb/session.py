@@ -23,6 +23,7 @@ from typing import Any
 from tqdm import tqdm
 
 from .backends import Backend
+from .backends.endpoints import base_urls
 from .backends.standin import STANDIN_MODEL, standin_backend
 from .result_cache import DEFAULT_MAX_BYTES, ResultCache, open_cache
 
@@ -76,6 +77,10 @@ class Options:
             opts.backend = "openai"
         if opts.backend == "openai" and not opts.endpoints:
             raise ValueError("backend='openai' needs endpoints=[URL, ...]")
+        if isinstance(opts.endpoints, str):
+            opts.endpoints = [opts.endpoints]
+        if opts.endpoints:
+            base_urls(opts.endpoints)  # checked here, not by the first query's rows
         if isinstance(opts.backend, str) and opts.backend not in ("local", "openai"):
             raise ValueError(f"backend must be 'local', 'openai' or a Backend object, got "
                              f"{opts.backend!r}")

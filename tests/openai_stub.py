@@ -1,23 +1,26 @@
 """A scripted OpenAI-compatible endpoint for the openai backend's tests: what a real server
 cannot be made to do on demand (answer 429 or 503, drop logprobs, stall) it does here.
 
-A test gives an async handler(path, body) -> (status, headers, json body); the stub serves it
-under uvicorn on a free loopback port and records every request it got.
+A test gives an async handler(path, body) -> (status, headers, json body, or a starlette
+Response of its own); the stub serves it under uvicorn on a free loopback port and records
+every request it got.
 """
 
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 Handler = Callable[[str, dict], Awaitable[tuple[int, dict[str, str], Any]]]
@@ -49,13 +52,16 @@ class Seen:
 
 
 class StubEndpoint:
-    def __init__(self, handler: Handler):
+    def __init__(self, handler: Handler, tokenize: bool = False,
+                 tls: tuple[str, str] | None = None):
+        """tokenize: the handler also answers vLLM's /tokenize (else a 404, as hosted APIs
+        answer). tls: (certificate file, key file) to serve HTTPS with."""
         self.handler = handler
         self.seen: list[Seen] = []
         self.active = 0
         self.most_active = 0  # the most requests it held at once
 
-        async def endpoint(request: Request) -> JSONResponse:
+        async def endpoint(request: Request) -> Response:
             body = await request.json()
             self.seen.append(Seen(request.url.path, body, time.monotonic(),
                                   dict(request.headers)))
@@ -65,14 +71,18 @@ class StubEndpoint:
                 status, headers, payload = await self.handler(request.url.path, body)
             finally:
                 self.active -= 1
+            if isinstance(payload, Response):  # (one the test made: a stream, say)
+                return payload
             return JSONResponse(payload, status_code=status, headers=headers)
 
-        app = Starlette(routes=[Route(p, endpoint, methods=["POST"]) for p in (
-            "/v1/chat/completions", "/v1/completions")])
+        paths = ["/v1/chat/completions", "/v1/completions"] + ["/tokenize"] * tokenize
+        app = Starlette(routes=[Route(p, endpoint, methods=["POST"]) for p in paths])
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}/v1"
+        cert, key = tls or (None, None)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
+                                                    log_level="warning", ssl_certfile=cert,
+                                                    ssl_keyfile=key))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20
@@ -89,3 +99,12 @@ class StubEndpoint:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def self_signed_certificate(directory: Path) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 signed by itself, and its key (made by openssl)."""
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    return str(cert), str(key)

@@ -7,9 +7,13 @@ backend against real `llmdb serve` processes."""
 from __future__ import annotations
 
 import asyncio
+import gzip
+import json
 import math
+import shutil
 import threading
 import time
+import traceback
 
 import httpx
 import pytest
@@ -22,7 +26,12 @@ from llmdb.backends.openai import OpenAIBackend  # noqa: E402
 from llmdb.backends.replicas import retry_after  # noqa: E402
 from llmdb.engine.params import SamplingParams  # noqa: E402
 
-from .openai_stub import StubEndpoint, chat_answer, free_port  # noqa: E402
+from .openai_stub import (  # noqa: E402
+    StubEndpoint,
+    chat_answer,
+    free_port,
+    self_signed_certificate,
+)
 
 FAST = {"backoff_s": 0.05, "max_backoff_s": 0.2}
 
@@ -124,6 +133,36 @@ def test_an_unreachable_replica_leaves_the_rotation(backends):
         down, up = backend.pool.replicas
         assert not down.answered and down.down_until > time.monotonic()
         assert up.answered == {"/v1/chat/completions": 6}
+
+
+@pytest.mark.parametrize("failing", ["500", "stall"])
+def test_a_replica_that_keeps_failing_leaves_the_rotation(backends, failing):
+    """A server whose engine died (500 to everything) or that hangs: before, it stayed in
+    rotation, each row sent there paid a backoff or a timeout, and the least-dispatched
+    tie-break sent retries back to it: 30 rows took 5 s and one failed after 7 attempts on
+    the hung replica."""
+    from llmdb.backends.replicas import FAILURES_OUT
+
+    async def good(path, body):
+        await asyncio.sleep(0.05)
+        return 200, {}, chat_answer("ok " + body["messages"][-1]["content"])
+
+    async def bad(path, body):
+        if failing == "stall":
+            await asyncio.sleep(5)
+        return 500, {}, {"error": {"message": "EngineDeadError"}}
+
+    with StubEndpoint(good) as a, StubEndpoint(bad) as b:
+        backend = backends([a.url, b.url], max_concurrency=2, timeout_s=0.3)
+        done = threading.Semaphore(0)
+        handles = [backend.submit(GenerationRequest([{"role": "user", "content": f"r{i}"}],
+                                                    SamplingParams(max_tokens=1)), done.release)
+                   for i in range(30)]
+        for _ in handles:
+            assert done.acquire(timeout=30)
+        assert [backend.collect(h).text for h in handles] == [f"ok r{i}" for i in range(30)]
+        assert len(b.seen) <= FAILURES_OUT + 2, "the failing replica kept getting rows"
+        assert backend.pool.replicas[1].down_until > time.monotonic()
 
 
 def test_all_replicas_unreachable_is_a_clear_row_error(backends):
@@ -308,7 +347,7 @@ def test_timeout_is_retried_then_the_rows_error(backends):
 
     with StubEndpoint(stall) as stub:
         result = _run(backends([stub.url], timeout_s=0.3, max_retries=1))
-    assert result.finish_reason == "error" and "did not answer in time" in result.error
+    assert result.finish_reason == "error" and "did not answer in 0.3 s" in result.error
     assert len(stub.seen) == 2
 
 
@@ -364,3 +403,224 @@ def test_top_logprobs_make_the_word_probabilities(backends):
                                                math.exp(-1.5)))
     sent = stub.seen[0].body
     assert sent["logprobs"] is True and sent["top_logprobs"] == 20 and sent["max_tokens"] == 1
+
+
+def test_a_key_read_with_a_line_break_is_sent_without_it(backends, monkeypatch):
+    # A key read from a file keeps its newline; the HTTP client refused the header with an
+    # error quoting it, which became every row's error.
+    monkeypatch.setenv("STUB_KEY", "sk-stub-4711\n")
+    with StubEndpoint(_script((200, {}, chat_answer("ok")))) as stub:
+        assert _run(backends([stub.url], api_key_env="STUB_KEY")).text == "ok"
+    assert stub.seen[0].headers["authorization"] == "Bearer sk-stub-4711"
+    monkeypatch.setenv("STUB_KEY", "sk-stub\n4711")
+    with pytest.raises(ValueError, match="STUB_KEY holds characters") as e:
+        OpenAIBackend("stub-model", ["http://127.0.0.1:9/v1"], api_key_env="STUB_KEY")
+    assert "4711" not in str(e.value)
+
+
+def test_a_key_quoted_by_the_server_is_cut_from_errors(backends, monkeypatch):
+    key = "sk-stub-quoted-0815"
+    monkeypatch.setenv("STUB_KEY", key)
+    quoting = {"error": {"message": f"key {key} is over its quota"}}
+    with StubEndpoint(_script((401, {}, quoting))) as stub:
+        backend = backends([stub.url], api_key_env="STUB_KEY")
+        assert _run(backend).error.endswith("answered 401: key *** is over its quota")
+        stub.handler = _script((500, {}, quoting))
+        assert "key *** is over its quota" in _run(backends(
+            [stub.url], api_key_env="STUB_KEY", max_retries=0)).error
+        stub.handler = _script((200, {}, {"choices": f"not a list but {key}"}))
+        assert _run(backend).error.endswith("answered without choices: "
+                                            "{'choices': 'not a list but ***'}")
+        con = llmdb.connect(backend=backend, cache=False)
+        with pytest.raises(llmdb.LLMError) as e:
+            con.sql("SELECT llm_complete('hi')").fetchall()
+        assert key not in "".join(traceback.format_exception(e.value))
+
+
+def _answer_with(**fields) -> dict:
+    """chat_answer("x") with fields of its first choice (or, as usage=, its usage) set."""
+    answer = chat_answer("x")
+    if "usage" in fields:
+        answer["usage"] = fields.pop("usage")
+    answer["choices"][0].update(fields)
+    return answer
+
+
+@pytest.mark.parametrize(("answer", "error"), [
+    ({"choices": []}, "answered without choices"),
+    ([1, 2], "answered without choices"),
+    ({"choices": [None]}, "answered with a choice that is not an object"),
+    # /v1/completions' shape: it was read as an empty answer
+    ({"choices": [{"index": 0, "text": "hello", "finish_reason": "stop"}]},
+     "answered a choice without a message"),
+    (_answer_with(message={"role": "assistant", "content": ["a", "b"]}),
+     "answered a message whose content is a list, not text"),
+])
+def test_a_malformed_answer_is_the_rows_error_naming_the_replica(backends, answer, error):
+    with StubEndpoint(_script((200, {}, answer))) as stub:
+        result = _run(backends([stub.url]))
+    assert result.finish_reason == "error"
+    assert result.error.startswith(f"http://127.0.0.1:{stub.port}/v1/chat/completions {error}")
+
+
+def test_what_an_answer_may_leave_out(backends):
+    """Usage counts that are not numbers count 0 (they failed the whole query, under
+    on_error='null' too); a message with null content (a reasoning model that spent
+    max_tokens thinking) is an empty answer."""
+    odd_usage = _answer_with(usage={"prompt_tokens": None, "completion_tokens": "2",
+                                    "prompt_tokens_details": None})
+    with StubEndpoint(_script((200, {}, odd_usage))) as stub:
+        backend = backends([stub.url])
+        con = llmdb.connect(backend=backend, cache=False, on_error="null")
+        assert con.sql("SELECT llm_complete('hi', max_tokens := 4)").fetchall() == [("x",)]
+        stub.handler = _script((200, {}, _answer_with(
+            message={"role": "assistant", "content": None}, finish_reason="length")))
+        result = _run(backend)
+    assert (result.text, result.finish_reason, result.error) == ("", "length", None)
+
+
+@pytest.mark.parametrize(("logprobs", "error"), [
+    ({"content": [{"token": "Yes", "logprob": -1,
+                   "top_logprobs": [{"token": "Yes", "logprob": "high"}]}]},
+     "a top_logprobs entry that is not a token and its logprob"),
+    ({"content": [{"token": "Yes", "logprob": -1,
+                   "top_logprobs": [{"token": "Yes", "logprob": 1000.0}]}]},  # (exp overflowed)
+     "a top_logprobs entry that is not a token and its logprob"),
+    ({"content": {"Yes": -1}}, "logprobs whose content is not a list of tokens"),
+])
+def test_malformed_logprobs_are_the_rows_error_naming_the_replica(backends, logprobs, error):
+    with StubEndpoint(_script((200, {}, _answer_with(logprobs=logprobs)))) as stub:
+        backend = backends([stub.url])
+        done = threading.Event()
+        handle = backend.submit(ChoiceRequest([{"role": "user", "content": "q"}], ("yes",)),
+                                done.set)
+        assert done.wait(30)
+        result = backend.collect(handle)
+    assert result.error.startswith(
+        f"http://127.0.0.1:{stub.port}/v1/chat/completions answered {error}")
+
+
+def test_an_answer_the_client_cannot_decode_names_the_replica(backends):
+    # A body that says it is gzip and is not: httpx's DecodingError escaped as a bare
+    # exception, naming no endpoint.
+    with StubEndpoint(_script((200, {"Content-Encoding": "gzip"}, chat_answer("x")))) as stub:
+        result = _run(backends([stub.url]))
+    assert result.error.startswith(f"http://127.0.0.1:{stub.port}/v1/chat/completions failed: "
+                                   "DecodingError")
+
+
+def test_a_redirect_names_where_it_leads(backends):
+    # (An http -> https proxy; not followed: the key would go on to wherever it points.)
+    moved = (308, {"Location": "https://example.com/v1/chat/completions"}, {})
+    with StubEndpoint(_script(moved)) as stub:
+        result = _run(backends([stub.url]))
+    assert result.error == (f"http://127.0.0.1:{stub.port}/v1/chat/completions answered 308: "
+                            "a redirect to https://example.com/v1/chat/completions; give the "
+                            "URL it redirects to as the endpoint")
+
+
+def test_answers_and_texts_are_tokenized_at_once(backends):
+    """/tokenize is one round trip per text: the planner counts every llm_complete answer's
+    tokens after its query (for EXPLAIN's output lengths), and llm_count_tokens every row's.
+    They were asked one after another, a round trip per row (to a server 50 ms away, 50 s
+    per 1,000 rows); now they go out together, as the rows' own requests do."""
+    busy = {"now": 0, "most": 0}
+
+    async def handler(path, body):
+        if path != "/tokenize":
+            return 200, {}, chat_answer(f"answer to {body['messages'][-1]['content']}")
+        busy["now"] += 1
+        busy["most"] = max(busy["most"], busy["now"])
+        await asyncio.sleep(0.1)
+        busy["now"] -= 1
+        return 200, {}, {"count": 0, "tokens": list(range(len(body["prompt"].split())))}
+
+    with StubEndpoint(handler, tokenize=True) as stub:
+        con = llmdb.connect(backend=backends([stub.url], max_concurrency=8), cache=False)
+        con.execute("CREATE TABLE t AS SELECT repeat('w ', i::INT) AS x FROM range(1, 13) r(i)")
+        assert con.sql("SELECT llm_count_tokens(x) FROM t ORDER BY x").fetchall() == \
+            [(i,) for i in range(1, 13)]
+        assert busy["most"] == 8, "llm_count_tokens asked its rows one by one"
+        busy["most"] = 0
+        assert len(con.sql("SELECT llm_complete(x) FROM t").fetchall()) == 12
+        counted = [s.body["prompt"] for s in stub.seen if s.path == "/tokenize"]
+        assert sorted(counted[12:]) == sorted(f"answer to {'w ' * i}" for i in range(1, 13))
+        assert busy["most"] == 8, "the answers' tokens were counted one by one"
+
+
+def test_an_answer_trickling_in_past_timeout_s_is_timed_out(backends):
+    """timeout_s bounds the whole request: httpx's own timeout is per read, so an answer
+    sent a byte at a time (a proxy's keep-alive padding, a wedged server) never ran out."""
+    from starlette.responses import StreamingResponse
+
+    async def trickle():
+        for _ in range(30):
+            yield b" "
+            await asyncio.sleep(0.1)
+        yield json.dumps(chat_answer("late")).encode()
+
+    async def handler(path, body):
+        return 200, {}, StreamingResponse(trickle(), media_type="application/json")
+
+    with StubEndpoint(handler) as stub:
+        t0 = time.monotonic()
+        result = _run(backends([stub.url], timeout_s=0.5, max_retries=0))
+    assert result.error == f"http://127.0.0.1:{stub.port} did not answer in 0.5 s " \
+        "(TimeoutError) (gave up after 1 attempts)"
+    assert time.monotonic() - t0 < 2
+
+
+def test_an_answer_over_the_size_limit_is_the_rows_error(backends, monkeypatch):
+    """A broken server's endless answer is cut off (it filled memory, and 200 MB of text to
+    a max_tokens=4 request became the row's answer); a gzipped answer is measured and read
+    decoded, as hosted APIs send it."""
+    from starlette.responses import Response
+
+    from llmdb.backends import replicas
+
+    monkeypatch.setattr(replicas, "MAX_ANSWER_BYTES", 100_000)
+    answer = json.dumps(chat_answer("x" * 60_000)).encode()
+
+    async def handler(path, body):
+        return 200, {}, Response(gzip.compress(answer), media_type="application/json",
+                                 headers={"Content-Encoding": "gzip"})
+
+    with StubEndpoint(handler) as stub:
+        backend = backends([stub.url])
+        assert _run(backend).text == "x" * 60_000
+        answer = json.dumps(chat_answer("x" * 120_000)).encode()  # 1 kB gzipped
+        assert _run(backend).error == (f"http://127.0.0.1:{stub.port}/v1/chat/completions "
+                                       "answered with more than 100,000 bytes")
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make a certificate")
+def test_a_certificate_that_fails_verification_is_not_retried(backends, tmp_path, monkeypatch):
+    """No retry mends a certificate signed by an unknown CA: each row tried 7 times over
+    16 s (20 rows: 19 s, 140 TLS handshakes) before failing. SSL_CERT_FILE trusts it."""
+    cert, key = self_signed_certificate(tmp_path)
+    with StubEndpoint(_script((200, {}, chat_answer("over TLS"))), tls=(cert, key)) as stub:
+        t0 = time.monotonic()
+        result = _run(backends([stub.url]))
+        assert time.monotonic() - t0 < 5
+        assert result.error.startswith(f"https://127.0.0.1:{stub.port} is unreachable "
+                                       "(ConnectError: [SSL: CERTIFICATE_VERIFY_FAILED]")
+        assert result.error.endswith("(its certificate failed verification: for a private "
+                                     "CA, set SSL_CERT_FILE to its certificate)")
+        monkeypatch.setenv("SSL_CERT_FILE", cert)
+        trusting = backends([stub.url])
+        assert _run(trusting).text == "over TLS"
+        trusting.close()  # (its idle TLS connection held the stub's shutdown for 10 s)
+
+
+def test_a_spent_quota_is_not_retried(backends):
+    # OpenAI's 429 once credits or the monthly budget are spent: each row was retried six
+    # times over about 30 s (max_backoff_s), the quota as spent at the end as at the start.
+    spent = {"error": {"message": "You exceeded your current quota, please check your plan "
+                                  "and billing details.", "type": "insufficient_quota",
+                       "code": "insufficient_quota"}}
+    with StubEndpoint(_script((429, {}, spent))) as stub:
+        result = _run(backends([stub.url]))
+    assert result.error == (f"http://127.0.0.1:{stub.port}/v1/chat/completions answered 429: "
+                            "You exceeded your current quota, please check your plan and "
+                            "billing details.")
+    assert len(stub.seen) == 1

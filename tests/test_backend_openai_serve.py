@@ -162,7 +162,7 @@ def test_sql_through_two_servers_equals_the_local_engine(servers, remote, local_
         assert q == q_ref and got == pytest.approx(want, abs=0.01)
         assert (got >= 0.5) == (want >= 0.5)
     # /tokenize: the engine's own count, not an estimate.
-    assert backend.count_tokens("Hello, world") == len(eng.tokenizer.encode("Hello, world"))
+    assert backend.count_tokens(["Hello, world"]) == [len(eng.tokenizer.encode("Hello, world"))]
 
 
 def test_a_server_killed_mid_query_loses_no_row(servers, remote, local_answers, questions):

@@ -103,11 +103,13 @@ def test_registry_entry_runs_on_its_endpoints_and_never_stores_the_key(
         keyed_stub, monkeypatch, config_dir, capsys, caplog):
     caplog.set_level(logging.DEBUG)  # httpx and httpcore log every request at this level
     monkeypatch.setenv(KEY_VAR, SECRET)
+    # Two names of the one stub, a base URL and a root: two replicas.
+    other = keyed_stub.url.removesuffix("/v1").replace("127.0.0.1", "localhost")
     assert cli.main(["models", "add", "far-model", "--endpoint", keyed_stub.url,
-                     "--endpoint", keyed_stub.url.removesuffix("/v1"), "--api-key-env", KEY_VAR,
+                     "--endpoint", other, "--api-key-env", KEY_VAR,
                      "--served-model-name", "served-name"]) == 0
     entry = remote_models()["far-model"]
-    assert entry == {"endpoints": [keyed_stub.url, keyed_stub.url.removesuffix("/v1")],
+    assert entry == {"endpoints": [keyed_stub.url, other],
                      "api_key_env": KEY_VAR, "served_model": "served-name"}
     assert cli.main(["models", "list"]) == 0
     listed = capsys.readouterr().out
@@ -163,3 +165,37 @@ def test_registry_refuses_keys_credentials_and_name_clashes(config_dir, tmp_path
     assert not (config_dir / "config" / "models.json").exists()
     assert json.loads((config_dir / "config" / "remote_models.json").read_text())["m"][
         "api_key_env"] is None
+
+
+@pytest.mark.parametrize(("url", "error"), [
+    ("http://h:8000/v1/chat/completions", "is an API path; give the base URL"),
+    ("http://h:8000/v1/completions/", "is an API path; give the base URL"),
+    ("http://h:8000/v1?api_key=x", "without a ?query"),
+    ("http://h:8000/v1#models", "without a ?query"),
+    ("http://h:99999/v1", "Port out of range"),
+    ("http://:8000/v1", "is not an http(s) URL"),
+])
+def test_registry_refuses_what_is_not_a_base_url(config_dir, capsys, url, error):
+    # Each was registered, then failed every row (404s, a port httpx refused at connect).
+    assert cli.main(["models", "add", "m", "--endpoint", url]) == 2
+    assert error in capsys.readouterr().err
+    assert not remote_models()
+
+
+def test_base_urls_are_roots_given_once(config_dir):
+    from llmdb.backends.endpoints import base_url
+
+    assert base_url(" https://h/api/v1/ ") == "https://h/api"  # a path prefix stays
+    assert base_url("http://[::1]:8000") == "http://[::1]:8000"
+    # One server twice would be two replicas, each sent max_concurrency requests.
+    with pytest.raises(ValueError, match=r"'http://h:1/v1' is given twice \(as http://h:1\)"):
+        llmdb.connect(backend="openai", endpoints=["http://h:1", "http://h:1/v1"])
+    with pytest.raises(ValueError, match="is an API path"):  # at connect, not per row
+        llmdb.connect(endpoints="http://h:1/v1/chat/completions")
+    assert llmdb.connect(endpoints="http://h:1/v1").session.options.endpoints == ["http://h:1/v1"]
+    # One server, however its URL is written: one backend, one max_concurrency for it.
+    backends = {id(llmdb.connect(endpoints=[url]).session.backend())
+                for url in ("http://h:1/v1", "http://h:1/", " http://h:1")}
+    assert len(backends) == 1
+    assert cli.main(["models", "add", "m", "--endpoint", "http://h:1/",
+                     "--endpoint", "http://h:1"]) == 2

@@ -58,7 +58,7 @@ import pytest
 import llmdb
 from llmdb import functions
 from llmdb.backends.base import BackendResult
-from llmdb.backends.standin import StandinBackend
+from llmdb.backends.standin import StandinBackend, words
 from llmdb.session import Options, Session
 
 CTX = 96  # the fuzz model's context, in words (the stand-in's tokens)
@@ -93,7 +93,7 @@ class FuzzBackend(StandinBackend):
         return {"model": "fuzz-standin", "context": CTX, "version": 1}
 
     def submit(self, request, on_finish):
-        n = self.count_tokens(request.prompt)
+        n = words(request.prompt)
         if n > CTX:  # the engine's words
             raise ValueError(f"prompt is {n:,} tokens, longer than the model's context of "
                              f"{CTX:,}")

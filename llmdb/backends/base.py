@@ -117,7 +117,9 @@ class Backend(Protocol):
     def render_chat(self, user: str, system: str | None,
                     before: Sequence[Exchange] = ()) -> Prompt: ...
 
-    def count_tokens(self, text: str) -> int: ...
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        """Each text's tokens, without a chat template. Many at once: a remote backend asks
+        for them together, not a round trip per text."""
 
     def submit(self, request: ModelRequest, on_finish: Callable[[], None]) -> str:
         """Queue a request; raises ValueError when it cannot run (too long, empty)."""

@@ -60,8 +60,8 @@ class LocalBackend:
         """The chat messages; the engine encodes them with the template, row text as text."""
         return chat_messages(user, system, before)
 
-    def count_tokens(self, text: str) -> int:
-        return len(self.engine.tokenizer.encode_plain(text))
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        return [len(self.engine.tokenizer.encode_plain(t)) for t in texts]
 
     def _continuation(self, text: str) -> list[int]:
         """A scored continuation's tokens: the text, then end of turn."""

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from . import openai_answers as answers
 from .base import (
     BackendResult,
     ChoiceRequest,
@@ -42,7 +43,7 @@ from .base import (
     ScoreRequest,
     chat_messages,
 )
-from .endpoints import base_url
+from .endpoints import base_urls
 from .replicas import EndpointError, ReplicaLimits, ReplicaPool
 
 TOKENIZED_KEPT = 10_000  # /tokenize answers kept (prompts scored against several labels)
@@ -61,6 +62,21 @@ def _needs_logprobs(url: str, what: str) -> EndpointError:
         f"OpenAI-compatible server that returns them (vLLM, llmdb serve)")
 
 
+def _api_key(variable: str, endpoints: list[str]) -> str:
+    """The key in the environment variable, without the surrounding whitespace a key read
+    from a file brings: a line break in a header is refused by the HTTP client with an error
+    that quotes the header, key and all."""
+    key = os.environ.get(variable, "").strip()
+    if not key:
+        raise ValueError(f"the environment variable {variable} (the API key for "
+                         f"{', '.join(endpoints)}) is not set")
+    if not (key.isascii() and key.isprintable()):
+        raise ValueError(f"the environment variable {variable} holds characters that an HTTP "
+                         "header cannot carry (a line break or a non-ASCII character inside "
+                         "the key?)")
+    return key
+
+
 class OpenAIBackend:
     def __init__(self, name: str, endpoints: Sequence[str], *, api_key_env: str | None = None,
                  served_model: str | None = None, send_priority: bool = False, **limits: Any):
@@ -75,21 +91,15 @@ class OpenAIBackend:
         self.name = name
         self.served_model = served_model or name
         self.send_priority = send_priority
-        self.endpoints = [base_url(u) for u in endpoints]
-        headers = {}
-        if api_key_env:
-            key = os.environ.get(api_key_env)
-            if not key:
-                raise ValueError(f"the environment variable {api_key_env} (the API key for "
-                                 f"{', '.join(self.endpoints)}) is not set")
-            headers["Authorization"] = f"Bearer {key}"
+        self.endpoints = base_urls(endpoints)
+        key = _api_key(api_key_env, self.endpoints) if api_key_env else None
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._futures: dict[str, Future] = {}
         self._results: dict[str, BackendResult] = {}
         self._tokenized: dict[str, asyncio.Future] = {}  # JSON of a /tokenize body -> ids
         self._has_tokenize: bool | None = None
-        self.pool = ReplicaPool(self.endpoints, headers, ReplicaLimits(**limits))
+        self.pool = ReplicaPool(self.endpoints, ReplicaLimits(**limits), api_key=key)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name=f"llmdb-openai-{name}")
@@ -110,18 +120,23 @@ class OpenAIBackend:
                     before: Sequence[Exchange] = ()) -> list[dict[str, str]]:
         return chat_messages(user, system, before)
 
-    def count_tokens(self, text: str) -> int:
-        """Exact where the endpoints have /tokenize (vLLM, llmdb serve); else, or while they
-        cannot be reached, an estimate of one token per four characters."""
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        """Exact where the endpoints have /tokenize (vLLM, llmdb serve), all texts asked at
+        once; else, or while they cannot be reached, an estimate of one token per four
+        characters."""
         if self._has_tokenize is not False:
             try:
-                return len(self._run(self._tokenize({"prompt": text,
-                                                     "add_special_tokens": False})))
+                return self._run(self._count_tokens(texts))
             except _NoTokenize:
                 self._has_tokenize = False
             except EndpointError:
                 pass
-        return math.ceil(len(text) / CHARS_PER_TOKEN)
+        return [math.ceil(len(t) / CHARS_PER_TOKEN) for t in texts]
+
+    async def _count_tokens(self, texts: Sequence[str]) -> list[int]:
+        ids = await asyncio.gather(*(self._tokenize({"prompt": t, "add_special_tokens": False})
+                                     for t in texts))
+        return [len(i) for i in ids]
 
     def submit(self, request: ModelRequest, on_finish: Callable[[], None]) -> str:
         if not isinstance(request, GenerationRequest | ScoreRequest | ChoiceRequest):
@@ -211,23 +226,18 @@ class OpenAIBackend:
     def _estimate(self, prompt: Prompt, max_tokens: int) -> int:
         return math.ceil(len(json.dumps(prompt)) / CHARS_PER_TOKEN) + max_tokens
 
-    async def _post(self, path: str, body: dict[str, Any], tokens: int, priority: str
-                    ) -> dict[str, Any]:
+    async def _post(self, path: str, body: dict[str, Any], tokens: int, priority: str,
+                    read: Callable[[Any], Any]) -> Any:
         if self.send_priority and priority == "BE":
             body = {**body, "priority": 1}
-        return await self.pool.post(path, body, tokens, priority)
+        return await self.pool.post(path, body, tokens, priority, read)
 
     async def _chat(self, prompt: Prompt, fields: dict[str, Any], max_tokens: int,
-                    priority: str) -> tuple[dict[str, Any], dict[str, Any]]:
+                    priority: str, read: Callable[[Any], Any]) -> Any:
         body = {"model": self.served_model, "messages": prompt, "max_tokens": max_tokens,
                 **fields}
-        data = await self._post("/v1/chat/completions", body,
-                                self._estimate(prompt, max_tokens), priority)
-        try:
-            return data["choices"][0], data.get("usage") or {}
-        except (KeyError, IndexError, TypeError) as e:
-            raise EndpointError(f"a chat completion without choices from "
-                                f"{', '.join(self.endpoints)}: {str(data)[:200]}") from e
+        return await self._post("/v1/chat/completions", body,
+                                self._estimate(prompt, max_tokens), priority, read)
 
     async def _generate(self, request: GenerationRequest) -> BackendResult:
         p = request.params
@@ -238,23 +248,15 @@ class OpenAIBackend:
                     "stop": bool(p.stop), "stop_token_ids": bool(p.stop_token_ids),
                     "ignore_eos": p.ignore_eos}
         fields.update({k: getattr(p, k) for k, on in optional.items() if on})
-        choice, usage = await self._chat(request.prompt, fields, p.max_tokens,
-                                         request.priority)
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        return BackendResult(
-            text=(choice.get("message") or {}).get("content") or "",
-            finish_reason=_FINISH.get(choice.get("finish_reason"), "stop"),
-            prompt_tokens=usage.get("prompt_tokens", 0),
-            generated_tokens=usage.get("completion_tokens", 0), cached_tokens=cached)
+        return await self._chat(request.prompt, fields, p.max_tokens, request.priority,
+                                _generation_result)
 
     async def _choose(self, request: ChoiceRequest) -> BackendResult:
-        choice, usage = await self._chat(
+        top, prompt_tokens = await self._chat(
             request.prompt, {"temperature": 0, "logprobs": True, "top_logprobs": TOP_LOGPROBS},
-            max_tokens=1, priority=request.priority)
-        content = (choice.get("logprobs") or {}).get("content")
-        if not content or not content[0].get("top_logprobs"):
+            max_tokens=1, priority=request.priority, read=_top_logprobs)
+        if top is None:
             raise _needs_logprobs(", ".join(self.endpoints), "logprobs (top_logprobs)")
-        top = {t["token"]: math.exp(t["logprob"]) for t in content[0]["top_logprobs"]}
         probs = []
         for word in request.words:
             forms = {p + f for f in (word, word.lower(), word.capitalize(), word.upper())
@@ -264,8 +266,7 @@ class OpenAIBackend:
                 p = await self._probability_of(request.prompt, sorted(forms),
                                                request.priority)
             probs.append(p)
-        return BackendResult(word_probs=tuple(probs),
-                             prompt_tokens=usage.get("prompt_tokens", 0))
+        return BackendResult(word_probs=tuple(probs), prompt_tokens=prompt_tokens)
 
     async def _probability_of(self, prompt: Prompt, spellings: list[str], priority: str
                               ) -> float:
@@ -299,12 +300,11 @@ class OpenAIBackend:
         /v1/completions' prompt_logprobs (vLLM's, and llmdb serve's)."""
         body = {"model": self.served_model, "prompt": ids, "max_tokens": 1, "temperature": 0,
                 "prompt_logprobs": 0}
-        data = await self._post("/v1/completions", body, len(ids) + 1, priority)
-        try:
-            rows = data["choices"][0]["prompt_logprobs"]
-            return [0.0] + [rows[i][str(ids[i])]["logprob"] for i in range(1, len(ids))]
-        except (KeyError, IndexError, TypeError) as e:
-            raise _needs_logprobs(", ".join(self.endpoints), "prompt_logprobs") from e
+        logprobs = await self._post("/v1/completions", body, len(ids) + 1, priority,
+                                    lambda data: answers.prompt_logprobs(data, ids))
+        if logprobs is None:
+            raise _needs_logprobs(", ".join(self.endpoints), "prompt_logprobs")
+        return logprobs
 
     async def _tokenize(self, body: dict[str, Any]) -> list[int]:
         """Token ids from the endpoints' /tokenize (vLLM's shape), each body asked once."""
@@ -327,18 +327,14 @@ class OpenAIBackend:
         try:
             # No model runs for it, and its answer is shared: it never queues behind
             # bulk generations (and carries no priority field, which /tokenize lacks).
-            data = await self.pool.post("/tokenize", {"model": self.served_model, **body},
-                                        priority="RT")
+            tokens = await self.pool.post("/tokenize", {"model": self.served_model, **body},
+                                          priority="RT", read=answers.tokens)
         except EndpointError as e:
             if " answered 404" in str(e) or " answered 405" in str(e):
                 raise _NoTokenize(f"{e}; scoring needs vLLM's /tokenize, which "
                                     f"{', '.join(self.endpoints)} does not offer") from e
             raise
         self._has_tokenize = True
-        tokens = data.get("tokens") if isinstance(data, dict) else None
-        if not isinstance(tokens, list):
-            raise EndpointError(f"/tokenize of {', '.join(self.endpoints)} answered without "
-                                f"tokens: {str(data)[:200]}")
         return tokens
 
     async def _end_of_turn(self) -> int:
@@ -356,6 +352,21 @@ class OpenAIBackend:
         return full[n]
 
 
+def _generation_result(data: Any) -> BackendResult:
+    choice = answers.first_choice(data)
+    prompt_tokens, generated, cached = answers.usage(data)
+    return BackendResult(text=answers.chat_text(choice),
+                         finish_reason=_FINISH.get(choice.get("finish_reason"), "stop"),
+                         prompt_tokens=prompt_tokens, generated_tokens=generated,
+                         cached_tokens=cached)
+
+
+def _top_logprobs(data: Any) -> tuple[dict[str, float] | None, int]:
+    """The first token's top_logprobs as probabilities (None: none sent), and the prompt's
+    tokens."""
+    return answers.first_token_top_logprobs(answers.first_choice(data)), answers.usage(data)[0]
+
+
 _backends: dict[str, OpenAIBackend] = {}
 _backends_lock = threading.Lock()
 
@@ -364,6 +375,7 @@ def openai_backend(name: str, **config: Any) -> OpenAIBackend:
     """This process's backend for `name` on these endpoints and options: connections share
     it, and with it each replica's concurrency and the rate limits (a key's quota is the
     key's, whichever connection spends it)."""
+    config["endpoints"] = base_urls(config["endpoints"])  # (http://h/v1, http://h/: one server)
     key = json.dumps([name, config], sort_keys=True, default=str)
     with _backends_lock:
         if key not in _backends:

@@ -16,7 +16,7 @@ from typing import Any
 
 from llmdb.engine.registry import DEFAULT_MODEL, config_file, registered_models
 
-from .endpoints import base_url
+from .endpoints import base_urls
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -42,12 +42,11 @@ def add_remote_model(name: str, endpoints: list[str], api_key_env: str | None = 
         raise ValueError(f"{name!r} is already registered as a model file")
     if not endpoints:
         raise ValueError("give at least one --endpoint URL")
-    for url in endpoints:
-        base_url(url)  # refuses what is not an http(s) URL, or holds credentials
+    base_urls(endpoints)  # refuses what is not an http(s) base URL, or holds credentials
     if api_key_env is not None and not _ENV_NAME.match(api_key_env):
         raise ValueError("--api-key-env takes the NAME of an environment variable (letters, "
                          "digits, _), not the key itself")
-    entry = {"endpoints": list(endpoints), "api_key_env": api_key_env,
+    entry = {"endpoints": [u.strip() for u in endpoints], "api_key_env": api_key_env,
              "served_model": served_model or name}
     models = remote_models()
     models[name] = entry

@@ -5,9 +5,10 @@ Everything here runs on one asyncio loop (the openai backend's thread). A reques
 the rate limits, then for a free slot on a replica that is in rotation (the least busy one).
 A replica that cannot be reached (connection refused, reset, dropped mid-answer) leaves the
 rotation for a while and the request goes straight to another replica: a killed server loses
-no row, and since a request counts once it is answered, none is counted twice. 429, 408 and
-5xx answers are retried after the server's Retry-After, else after an exponential backoff
-with jitter; any other 4xx is the request's own error, never retried.
+no row, and since a request counts once it is answered, none is counted twice. A replica
+that fails FAILURES_OUT requests in a row (5xx, 408, timeouts) leaves the rotation too.
+429, 408 and 5xx answers are retried after the server's Retry-After, else after an
+exponential backoff with jitter; any other 4xx is the request's own error, never retried.
 
 httpx rather than the openai client: the openai client retries inside each call (on the same
 endpoint, with its own backoff), which would hide a dead replica from the failover above, and
@@ -20,21 +21,33 @@ import asyncio
 import email.utils
 import logging
 import random
+import ssl
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from aiolimiter import AsyncLimiter
 
 from .endpoints import base_url
+from .openai_answers import MalformedAnswer
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # A connection that fails like this means the replica is gone, not that the request is bad.
 _UNREACHABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
                 httpx.ReadError, httpx.WriteError)
+# A replica that fails this many requests in a row (5xx, 408, no answer in time) leaves the
+# rotation as an unreachable one does: a server whose engine died answers 500 to everything,
+# and each row sent there paid a backoff before going elsewhere.
+FAILURES_OUT = 3
+# The most of an answer read (decoded): far above any answer's size (prompt_logprobs of a
+# 100k-token prompt are about 10 MB), so that a broken server's endless body fails its
+# row instead of filling memory, or becoming the row's answer.
+MAX_ANSWER_BYTES = 64 << 20
 
 
 class EndpointError(Exception):
@@ -46,7 +59,7 @@ class ReplicaLimits:
     max_concurrency: int = 16  # requests in flight per replica
     requests_per_minute: float | None = None  # for all replicas together (a key's quota)
     tokens_per_minute: float | None = None  # estimated prompt + max_tokens, all replicas
-    timeout_s: float = 300.0  # per attempt: a long generation on a busy server is slow
+    timeout_s: float = 300.0  # per attempt, whole: a long generation on a busy server is slow
     max_retries: int = 6  # attempts after the first, for 429, 5xx, timeouts, all replicas down
     backoff_s: float = 0.5  # first backoff; doubles each retry
     max_backoff_s: float = 30.0
@@ -74,6 +87,7 @@ class Replica:
         self.answered: Counter[str] = Counter()  # path -> requests it answered with 200
         self.dispatched = 0
         self.unreachable = 0  # requests lost here with the connection (and sent elsewhere)
+        self.failures = 0  # requests failed in a row (5xx, 408, timeouts)
 
     def up(self, now: float) -> bool:
         return self.down_until <= now
@@ -136,6 +150,40 @@ class _Limiter:
             amount -= part
 
 
+def _certificate_refused(e: BaseException | None) -> bool:
+    """Whether a connection failed on the server's certificate (httpx's ConnectError is
+    raised from httpcore's, raised from ssl's)."""
+    while e is not None:
+        if isinstance(e, ssl.SSLCertVerificationError):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+class _TooLong(Exception):
+    """An answer longer than MAX_ANSWER_BYTES."""
+
+
+async def _exchange(client: httpx.AsyncClient, path: str, body: dict[str, Any]
+                    ) -> httpx.Response:
+    """POST body to path; the answer read whole, up to MAX_ANSWER_BYTES."""
+    request = client.build_request("POST", path, json=body)
+    response = await client.send(request, stream=True)
+    chunks, size = [], 0
+    try:
+        async for chunk in response.aiter_bytes():
+            size += len(chunk)
+            if size > MAX_ANSWER_BYTES:
+                raise _TooLong
+            chunks.append(chunk)
+    finally:
+        await response.aclose()
+    # The body is decoded already: the copy must not decode it again.
+    headers = [(k, v) for k, v in response.headers.multi_items() if k != "content-encoding"]
+    return httpx.Response(response.status_code, headers=headers, content=b"".join(chunks),
+                          request=request)
+
+
 def retry_after(response: httpx.Response) -> float | None:
     """Seconds the server asked us to wait (Retry-After as seconds or a date, or OpenAI's
     retry-after-ms), or None."""
@@ -161,6 +209,9 @@ def retry_after(response: httpx.Response) -> float | None:
 
 def _message(response: httpx.Response) -> str:
     """The error text of an answer in OpenAI's shape, else the start of the body."""
+    if response.is_redirect:  # (not followed: a POST's body and key would go on elsewhere)
+        return (f"a redirect to {response.headers.get('location')}; give the URL it "
+                "redirects to as the endpoint")
     try:
         err = response.json().get("error")
         if isinstance(err, dict) and err.get("message"):
@@ -172,11 +223,28 @@ def _message(response: httpx.Response) -> str:
     return response.text[:200] or response.reason_phrase
 
 
+def _retried(response: httpx.Response) -> bool:
+    """Whether an error answer may go otherwise when asked again: 408, 429 and 5xx, except
+    OpenAI's 429 for a spent quota or budget (insufficient_quota), which no wait mends."""
+    if response.status_code == 429:
+        try:
+            err = response.json().get("error")
+            return not (isinstance(err, dict) and "insufficient_quota" in
+                        (err.get("code"), err.get("type")))
+        except (ValueError, AttributeError):
+            return True
+    return response.status_code == 408 or response.status_code >= 500
+
+
 class ReplicaPool:
-    def __init__(self, urls: list[str], headers: dict[str, str], limits: ReplicaLimits):
+    def __init__(self, urls: list[str], limits: ReplicaLimits, api_key: str | None = None):
+        """api_key: sent as `Authorization: Bearer KEY`, and cut out of every error text (a
+        server may quote what it was sent)."""
         if not urls:
             raise ValueError("the openai backend needs at least one endpoint URL")
         self.limits = limits
+        self._api_key = api_key
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.replicas = [Replica(u, headers, limits) for u in urls]
         self._changed = asyncio.Condition()
         self._rpm = _Limiter(limits.requests_per_minute) if limits.requests_per_minute else None
@@ -184,8 +252,10 @@ class ReplicaPool:
         self._rt_waiting = 0  # interactive requests waiting for a slot: bulk ones let them by
 
     async def post(self, path: str, body: dict[str, Any], tokens: int = 0,
-                   priority: str = "BE") -> dict[str, Any]:
-        """The JSON answer of the first replica that gives one; EndpointError otherwise.
+                   priority: str = "BE", read: Callable[[Any], T] = lambda data: data) -> T:
+        """What `read` makes of the JSON answer of the first replica that gives one (a
+        MalformedAnswer from it is the request's error, naming that replica); EndpointError
+        otherwise.
         An RT (interactive) request takes the rate limits' next turn and the next free slot
         before any waiting BE (bulk) one, so a query beside a bulk job does not queue behind
         its rows."""
@@ -199,30 +269,58 @@ class ReplicaPool:
                 await self._tpm.take(tokens, interactive)
             replica, alone = await self._acquire(interactive)
             try:
-                response = await replica.client.post(path, json=body)
+                # The whole exchange, not only each read (httpx's timeout): an answer that
+                # trickles in never timed out.
+                async with asyncio.timeout(self.limits.timeout_s):
+                    response = await _exchange(replica.client, path, body)
             except _UNREACHABLE as e:
                 last = f"{replica.url} is unreachable ({type(e).__name__}: {e})"
                 replica.unreachable += 1
                 await self._take_out(replica, last)
                 if not alone:  # others are up: resubmit there at once, no retry spent
                     continue
+                if _certificate_refused(e):  # (no retry mends that)
+                    raise EndpointError(f"{last} (its certificate failed verification: for a "
+                                        "private CA, set SSL_CERT_FILE to its certificate)"
+                                        ) from None
                 response = None
-            except httpx.TimeoutException as e:
-                last = f"{replica.url} did not answer in time ({type(e).__name__})"
+            except (httpx.TimeoutException, TimeoutError) as e:
+                last = f"{replica.url} did not answer in {self.limits.timeout_s:g} s " \
+                       f"({type(e).__name__})"
                 response = None
+                replica.failures += 1
+            except httpx.HTTPError as e:  # (an answer the client cannot read, a bad header)
+                raise EndpointError(self._redact(
+                    f"{replica.url}{path} failed: {type(e).__name__}: {e}")) from None
+            except _TooLong:
+                raise EndpointError(f"{replica.url}{path} answered with more than "
+                                    f"{MAX_ANSWER_BYTES:,} bytes") from None
             finally:
                 await self._release(replica)
             if response is not None:
+                if response.status_code != 429:  # (rate limited: the replica works)
+                    failed = response.status_code == 408 or response.status_code >= 500
+                    replica.failures = replica.failures + 1 if failed else 0
                 if response.status_code == 200:
                     replica.answered[path] += 1
                     try:
-                        return response.json()
-                    except ValueError as e:
-                        raise EndpointError(f"{replica.url}{path} answered with invalid JSON: "
-                                            f"{response.text[:100]!r}") from e
-                last = f"{replica.url}{path} answered {response.status_code}: {_message(response)}"
-                if response.status_code not in (408, 429) and response.status_code < 500:
+                        data = response.json()
+                    except ValueError:
+                        raise EndpointError(self._redact(
+                            f"{replica.url}{path} answered with invalid JSON: "
+                            f"{response.text[:100]!r}")) from None
+                    try:
+                        return read(data)
+                    except MalformedAnswer as e:
+                        raise EndpointError(self._redact(
+                            f"{replica.url}{path} answered {e}: {str(data)[:200]}")) from None
+                last = self._redact(f"{replica.url}{path} answered {response.status_code}: "
+                                    f"{_message(response)}")
+                if not _retried(response):
                     raise EndpointError(last)
+            if replica.failures >= FAILURES_OUT:
+                await self._take_out(replica, f"{replica.failures} requests failed in a row, "
+                                              f"the last: {last}")
             if retries >= self.limits.max_retries:
                 raise EndpointError(f"{last} (gave up after {retries + 1} attempts)")
             wait = retry_after(response) if response is not None else None
@@ -231,6 +329,9 @@ class ReplicaPool:
                 wait *= random.uniform(0.5, 1.0)  # spread out the retries of many rows
             retries += 1
             await asyncio.sleep(min(wait, self.limits.max_retry_after_s))
+
+    def _redact(self, text: str) -> str:
+        return text.replace(self._api_key, "***") if self._api_key else text
 
     async def _acquire(self, interactive: bool) -> tuple[Replica, bool]:
         """The least busy replica in rotation with a free slot (waiting for one; a bulk

@@ -32,6 +32,11 @@ def _unit(text: str) -> float:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") / 2**64
 
 
+def words(text: str) -> int:
+    """The stand-in's tokens: whitespace-separated words."""
+    return len(text.split())
+
+
 class StandinBackend:
     name = STANDIN_MODEL
 
@@ -48,8 +53,8 @@ class StandinBackend:
         turns = "".join(f"{asked} || {answered} || " for asked, answered in before)
         return turns + user if system is None else f"[{system}] {turns}{user}"
 
-    def count_tokens(self, text: str) -> int:
-        return len(text.split())
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        return [words(t) for t in texts]
 
     def submit(self, request: ModelRequest, on_finish: Callable[[], None]) -> str:
         if isinstance(request, GenerationRequest):
@@ -94,9 +99,9 @@ class StandinBackend:
         return f"{STANDIN_MODEL} (answers are hashes: no model)"
 
     def tokenize(self, request: ModelRequest) -> RequestTokens:
-        n = self.count_tokens(request.prompt)
+        n = words(request.prompt)
         if isinstance(request, ScoreRequest):  # the continuation, then end of turn
-            return RequestTokens(None, n + self.count_tokens(request.continuation) + 1, n - 1)
+            return RequestTokens(None, n + words(request.continuation) + 1, n - 1)
         return RequestTokens(None, n, n - 1)
 
     def cached_prefix(self, ids: Sequence[int]) -> int:

@@ -88,8 +88,8 @@ class VLLMBackend:
                     before: Sequence[Exchange] = ()) -> list[dict[str, str]]:
         return chat_messages(user, system, before)
 
-    def count_tokens(self, text: str) -> int:
-        return len(self.tokenizer.encode_plain(text))
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        return [len(self.tokenizer.encode_plain(t)) for t in texts]
 
     def submit(self, request: ModelRequest, on_finish: Callable[[], None]) -> str:
         sp = self._vllm.SamplingParams

@@ -304,7 +304,7 @@ class QueryRun:
         if not texts:
             return
         backend = self.session.backend(key.split("\x1f", 1)[0])
-        lengths = [backend.count_tokens(t) for t in texts]
+        lengths = backend.count_tokens(texts)
         generated = (after["generated_tokens"] - before["generated_tokens"]
                      + after["resumed_tokens"] - before["resumed_tokens"])
         served = (after["cache_hits"] - before["cache_hits"]) + (after["dedup_hits"]
