@@ -181,7 +181,7 @@ def _complete_call(backend: Backend, a: Mapping[str, Any], priority: str) -> Cal
         stop=[s for s in (a["stop"] or []) if s],
     )
     params.validate()
-    rendered = backend.render_chat(a["prompt"], a["system"])
+    rendered = backend.render_completion(a["prompt"], a["system"])
     # Unseeded sampling is a fresh draw per row: never shared, never cached.
     key = None if not params.greedy and params.seed is None else _key(
         backend, "complete", [rendered, params.__dict__])

@@ -64,6 +64,16 @@ class ModelTokenizer:
         """Token ids of `text` as data: a marker string in it (<|im_end|>) stays text."""
         return self._plain.encode(text, add_special_tokens=False).ids
 
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    def encode_plain_prompt(self, text: str) -> list[int]:
+        """A prompt of data alone, for a base model (no chat template) to continue: its BOS
+        token where it starts with one, then the text as data (encode_plain)."""
+        bos = self.tokenizer.token_to_id(self.bos_token) if self.bos_token is not None else None
+        return [*([bos] if self.add_bos and bos is not None else []), *self.encode_plain(text)]
+
     @cached_property
     def marker_ids(self) -> frozenset[int]:
         """Tokens that structure a chat: every special added token but the unknown token,
@@ -223,7 +233,8 @@ class ModelTokenizer:
         """The rendered chat. template_kwargs: more template variables, or enable_thinking."""
         template_kwargs = template_kwargs or {}
         if self._template is None:
-            # (llmdb's functions send chat messages: a base model cannot serve them)
+            # (llm_filter and llm_classify send chat messages; llm_complete sends a base
+            # model its prompt's own tokens: llmdb/backends/local.py)
             raise ValueError("this model has no chat template (a base model?), so chat "
                              "messages cannot be encoded: use an instruction-tuned model, or "
                              "give the engine a plain prompt (text or token ids)")

@@ -22,9 +22,9 @@ if TYPE_CHECKING:  # the simulator's types; loading them is the engine's busines
     from llmdb.engine.costmodel import CostModel
     from llmdb.engine.research.sim import SimConfig
 
-# Chat messages ({"role": ..., "content": ...}) or, for a backend without a chat template,
-# final text.
-Prompt = list[dict[str, str]] | str
+# Chat messages ({"role": ..., "content": ...}); for a backend without a chat template, final
+# text; for a base model's llm_complete, its token ids (the text encoded as data).
+Prompt = list[dict[str, str]] | str | list[int]
 
 
 # An earlier exchange of a conversation, before the row's question: (user text, assistant text).
@@ -116,6 +116,10 @@ class Backend(Protocol):
 
     def render_chat(self, user: str, system: str | None,
                     before: Sequence[Exchange] = ()) -> Prompt: ...
+
+    def render_completion(self, prompt: str, system: str | None) -> Prompt:
+        """llm_complete's prompt: the chat (render_chat), or for a base model the text to
+        continue."""
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         """Each text's tokens, without a chat template. Many at once: a remote backend asks

@@ -120,6 +120,9 @@ class OpenAIBackend:
                     before: Sequence[Exchange] = ()) -> list[dict[str, str]]:
         return chat_messages(user, system, before)
 
+    def render_completion(self, prompt: str, system: str | None) -> list[dict[str, str]]:
+        return chat_messages(prompt, system)
+
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         """Exact where the endpoints have /tokenize (vLLM, llmdb serve), all texts asked at
         once; else, or while they cannot be reached, an estimate of one token per four

@@ -53,6 +53,9 @@ class StandinBackend:
         turns = "".join(f"{asked} || {answered} || " for asked, answered in before)
         return turns + user if system is None else f"[{system}] {turns}{user}"
 
+    def render_completion(self, prompt: str, system: str | None) -> str:
+        return self.render_chat(prompt, system)
+
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         return [words(t) for t in texts]
 

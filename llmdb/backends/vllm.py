@@ -88,6 +88,9 @@ class VLLMBackend:
                     before: Sequence[Exchange] = ()) -> list[dict[str, str]]:
         return chat_messages(user, system, before)
 
+    def render_completion(self, prompt: str, system: str | None) -> list[dict[str, str]]:
+        return chat_messages(prompt, system)
+
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         return [len(self.tokenizer.encode_plain(t)) for t in texts]
 
