@@ -93,3 +93,15 @@ def test_no_kernel_spills_its_tile(compiled, arch):
                f"{r['local']}" for r in compiled[arch]
                if r["stack"] + r["local"] > SPILL_LIMIT[arch]]
     assert not spilled, "\n".join(spilled)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_attention_is_not_specialized_on_values_that_change_per_step(compiled, arch):
+    """Triton makes a constexpr of an int argument equal to 1 (and specializes multiples of
+    16), so such an argument compiles variants mid-run, a second or so each. The hidden
+    cache's scratch block tables are as wide as the step's longest hidden context: their
+    row stride was 1 for contexts of one block."""
+    per_step = {"num_seqs", "num_tokens", "num_splits", "window", "stride_bt"}
+    for r in compiled[arch]:
+        if r["kernel"] == "_attention_kernel":
+            assert not per_step & r["constexprs"].keys(), (r["shape"], r["constexprs"])
