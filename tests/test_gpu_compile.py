@@ -78,3 +78,30 @@ def test_the_engine_reached_every_kernel_variant(compiled, arch):
     assert {g["GELU"] for g in gated} == {False, True}
     assert {r["signature"]["q_ptr"] for r in compiled[arch]
             if r["kernel"] == "_attention_kernel"} == {"*bf16"}
+
+
+# Bytes a thread may spill to local memory (cuobjdump's STACK and LOCAL): none on sm_90; on
+# sm_89 the 64-row prefill attention tile spills 24-80 bytes at heads of 96 to 256.
+SPILL_LIMIT = {90: 0, 89: 128}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_no_kernel_spills_its_tile(compiled, arch):
+    """The hidden-cache copy kernel held a whole row of OPT-13B's hidden states (5,120
+    columns padded to 8,192) in one tile and spilled 4.9 KB a thread on sm_90."""
+    spilled = [f"{r['shape']} {r['kernel']} {r['constexprs']}: stack {r['stack']}, local "
+               f"{r['local']}" for r in compiled[arch]
+               if r["stack"] + r["local"] > SPILL_LIMIT[arch]]
+    assert not spilled, "\n".join(spilled)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_attention_is_not_specialized_on_values_that_change_per_step(compiled, arch):
+    """Triton makes a constexpr of an int argument equal to 1 (and specializes multiples of
+    16), so such an argument compiles variants mid-run, a second or so each. The hidden
+    cache's scratch block tables are as wide as the step's longest hidden context: their
+    row stride was 1 for contexts of one block."""
+    per_step = {"num_seqs", "num_tokens", "num_splits", "window", "stride_bt"}
+    for r in compiled[arch]:
+        if r["kernel"] == "_attention_kernel":
+            assert not per_step & r["constexprs"].keys(), (r["shape"], r["constexprs"])

@@ -118,15 +118,17 @@ def _store_and_tables(hidden: int, slot_width: int, seed: int):
 
 
 @pytest.mark.parametrize("triton", [False, True] if TRITON else [False])
-@pytest.mark.parametrize("slot_width", [32, 48])  # hidden = a slot, hidden < a slot
-def test_write_then_gather_reads_the_block_layout(triton, slot_width):
+# hidden = a slot, hidden < a slot; rows wider than the Triton kernel's column tile (two
+# tiles, the second ragged)
+@pytest.mark.parametrize(("hidden", "slot_width"), [(32, 32), (32, 48), (296, 320)])
+def test_write_then_gather_reads_the_block_layout(triton, hidden, slot_width):
     if triton:
         from llmdb.kernels.gpu.hidden_cache import gather_hidden as gather
         from llmdb.kernels.gpu.hidden_cache import write_hidden as write
     else:
         gather, write = gather_hidden, write_hidden
-    store, tables, ctx = _store_and_tables(32, slot_width, seed=1)
-    states = [torch.randn(c, 32) for c in ctx]
+    store, tables, ctx = _store_and_tables(hidden, slot_width, seed=1)
+    states = [torch.randn(c, hidden) for c in ctx]
     # Written in two steps (a prefill chunk, then the rest), as a request grows.
     for s, table, c in zip(states, tables, ctx, strict=True):
         for lo, hi in ((0, c // 2), (c // 2, c)):

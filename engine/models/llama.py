@@ -44,9 +44,10 @@ def cpu_attention(kernels: str):
 
 @dataclass(frozen=True)
 class RopeTable:
-    """cos and sin of one RoPE's angles at every position: [P, R/2] each for the CPU path,
-    or for the Triton kernel one [P, R] table, cos half then sin half (cos_sin); R is the
-    rotated width of a head (config.rotary_dim, else all of it)."""
+    """cos and sin of one RoPE's angles at every position, on the model's device: [P, R/2]
+    each for the torch path ("cpu" and "reference" kernels, the latter on GPUs too), or for
+    the Triton kernel one [P, R] table, cos half then sin half (cos_sin); R is the rotated
+    width of a head (config.rotary_dim, else all of it)."""
 
     cos: torch.Tensor | None
     sin: torch.Tensor | None
@@ -62,7 +63,7 @@ class RopeTable:
         cos, sin = angles.cos() * scale, angles.sin() * scale
         if triton:
             return cls(None, None, torch.cat([cos, sin], -1).float().to(device))
-        return cls(cos.float(), sin.float(), None)
+        return cls(cos.float().to(device), sin.float().to(device), None)
 
     def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [T, 1, R/2] of the CPU path at `positions`, to rotate [T, heads, D]."""

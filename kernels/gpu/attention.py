@@ -57,8 +57,9 @@ def _find_sequence(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
 
 
 # Step sizes change every step: specializing on them (Triton compiles a variant for values
-# divisible by 16 and for 1) would compile new variants mid-run, a second or so each.
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits", "window"])
+# divisible by 16 and for 1) would compile new variants mid-run, a second or so each. So does
+# the block tables' row stride of the hidden cache's scratch batch (its longest context).
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits", "window", "stride_bt"])
 def _attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
