@@ -190,8 +190,11 @@ class StepGraphs:
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             # thread_local: a capture made while serving is not spoiled by another thread's
-            # CUDA call (the server's threads make none, but a user's may).
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            # CUDA call (the server's threads make none, but a user's may). stream: torch's
+            # default capture stream is one per process, made on the device current at the
+            # first capture, so a second engine on another GPU would capture on the first's.
+            with torch.cuda.graph(graph, pool=self.pool, stream=side,
+                                  capture_error_mode="thread_local"):
                 run()
         self.pool = graph.pool()
         return graph.replay

@@ -320,3 +320,20 @@ def test_sql_on_cuda(model_dirs, tmp_path, monkeypatch):
     from llmdb.engine.process_engines import shared_engine
 
     _all_free(shared_engine("tiny-gpu"))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_engines_on_two_gpus_capture_their_own_graphs(model_dirs):
+    """An engine on cuda:1 beside one on cuda:0 in the same process: each captures its
+    graphs on a stream of its own device (torch's default capture stream is the first
+    device's) and answers as the CPU does."""
+    path = model_dirs["llama-gqa"]
+    cpu = _engine(path, "cpu")
+    prompts = _prompts(16, seed=11, vocab=cpu.config.vocab_size)
+    for device in ("cuda:0", "cuda:1"):
+        engine = _engine(path, device)
+        engine.step_log = []
+        _check(cpu, prompts, engine.generate(prompts, GEN))
+        assert "graph" in {k for k, _, _ in engine.step_log}
+        engine.step_log = None
+        _all_free(engine)
