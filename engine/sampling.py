@@ -76,6 +76,11 @@ G_MAX = float(-torch.log(-torch.log(torch.tensor(_U_MAX))))
 # Slack for the rounding of the scores compared with that bound: a token kept for nothing
 # costs nothing, one left out could have won.
 _BOUND_SLACK = 1e-3
+# The torch path holds ~50 bytes per logit of the rows it draws at once (fp32 copies, the
+# sort, the noise): on a GPU, where every row is sorted whole, 512 rows of a 262k vocabulary
+# would take ~7 GB beside the KV pool. So it draws at most this many logits at a time (a
+# row's draw does not depend on the rows beside it).
+_DRAW_CHUNK = 1 << 24
 # Past this share of the vocabulary in reach of winning (a high temperature, flat logits),
 # the rows are sorted whole.
 _WHOLE_SORT_SHARE = 0.25
@@ -186,11 +191,15 @@ def sample(logits: torch.Tensor, drawn: list[int], params: list[SamplingParams],
                                [keys[j] for j in rest])
         if not drawn:
             return tokens
-    idx = to_device(drawn, logits.device)
-    picked = _sample_rows(logits.index_select(0, idx).float(), top.index_select(0, idx).float(),
-                          tokens.index_select(0, idx), params,
-                          to_device(keys, logits.device, torch.int64))
-    return tokens.index_copy(0, idx, picked)
+    chunk = max(1, _DRAW_CHUNK // logits.shape[-1])
+    for s in range(0, len(drawn), chunk):
+        idx = to_device(drawn[s : s + chunk], logits.device)
+        picked = _sample_rows(logits.index_select(0, idx).float(),
+                              top.index_select(0, idx).float(), tokens.index_select(0, idx),
+                              params[s : s + chunk],
+                              to_device(keys[s : s + chunk], logits.device, torch.int64))
+        tokens.index_copy_(0, idx, picked)
+    return tokens
 
 
 def _drawn_in_cpp(logits: torch.Tensor) -> bool:

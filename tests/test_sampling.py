@@ -177,3 +177,20 @@ def test_vanishing_temperature_and_top_p(cpp, monkeypatch):
     p = SamplingParams(temperature=1.0, top_p=1e-46)
     p.validate()
     assert {_draw(row, [p], [row_key(1, i)])[0] for i in range(60)} == {5, 900, 2000}
+
+
+def test_rows_are_drawn_in_chunks_of_bounded_memory(monkeypatch):
+    """The torch path draws at most _DRAW_CHUNK logits at a time, with the same tokens."""
+    monkeypatch.setattr(sampling, "load_library", lambda: None)  # every row through torch
+    logits = _logits(40, 4096, 2.5, seed=21)
+    drawn = [i for i in range(40) if i % 4]
+    params = [PARAMS[i % len(PARAMS)] for i in drawn]
+    keys = [row_key(5, i) for i in drawn]
+    whole = sample(logits, drawn, params, keys).tolist()
+    sizes = []
+    real = sampling._sample_rows
+    monkeypatch.setattr(sampling, "_sample_rows",
+                        lambda lg, *a: sizes.append(len(lg)) or real(lg, *a))
+    monkeypatch.setattr(sampling, "_DRAW_CHUNK", 7 * 4096 + 100)
+    assert sample(logits, drawn, params, keys).tolist() == whole
+    assert sizes == [7, 7, 7, 7, 2]
