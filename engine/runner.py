@@ -193,7 +193,7 @@ class ModelRunner:
                     sum(qlens[:num_kv]), hidden_qlens,
                     [a + q for a, q in zip(starts[num_kv:], hidden_qlens, strict=True)],
                     tables[num_kv:], self.block_size, self.device)
-            if self.graphs is not None and inputs.batch.max_query_len == 1:
+            if self.device.type == "cuda" and inputs.batch.max_query_len == 1:
                 inputs.batch.num_splits = attention_splits(
                     len(scheduled), self.model.config.num_kv_heads, self.device,
                     inputs.batch.max_seq_len)
