@@ -80,6 +80,25 @@ def test_the_engine_reached_every_kernel_variant(compiled, arch):
             if r["kernel"] == "_attention_kernel"} == {"*bf16"}
 
 
+def test_fp32_tiles_fit_an_l4():
+    """fp32 on sm_89 (L4, A10, RTX 4090: 99 KiB of shared memory a block): with bf16's tiles
+    its attention needed 115 KiB at head dim 128 and 140 KiB at 256, so every fp32 step of
+    such a model failed to launch there. gpu_compile.py marks a kernel over the limit as an
+    error."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--arch", "89", "--dtype", "fp32",
+                           "--shape", "qwen3-0.6b", "--shape", "gemma3-1b"],
+                          env=env, capture_output=True, text=True, timeout=900)
+    records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    failed = [f"{r['shape']} {r.get('kernel')}: {r['error']}" for r in records if "error" in r]
+    assert not failed, "\n".join(failed)
+    assert done.returncode == 0, done.stderr[-3000:]
+    attention = [r["constexprs"] for r in records if r["kernel"] == "_attention_kernel"]
+    assert {a["HEAD_DIM"] for a in attention} == {128, 256}
+    assert {a["BLOCK_M"] for a in attention} == {16, 32}  # decode and prefill tiles
+
+
 # Bytes a thread may spill to local memory (cuobjdump's STACK and LOCAL): none on sm_90; on
 # sm_89 the 64-row prefill attention tile spills 24-80 bytes at heads of 96 to 256.
 SPILL_LIMIT = {90: 0, 89: 128}

@@ -226,7 +226,7 @@ def test_split_kv_with_window(num_splits):
         # Poison the keys of every tile before the one where a sequence's first query's
         # window starts (for the decode over 200 keys: 192 of them with the window of 6).
         q, kc, vc = _qkv_cache(batch, heads, kv_heads, dim, torch.float32, seed=6)
-        tile = gpu_attention._launch_config(heads // kv_heads, batch.max_query_len, dim)[1]
+        tile = gpu_attention._launch_config(heads // kv_heads, batch.max_query_len, dim, 4)[1]
         _, qlens, ctxs = batch.host()
         for i, (qlen, ctx) in enumerate(zip(qlens, ctxs, strict=True)):
             first_key = max(0, ctx - qlen - window + 1)

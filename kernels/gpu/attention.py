@@ -232,7 +232,8 @@ def choose_num_splits(num_seqs: int, kv_heads: int, max_seq_len: int, num_sms: i
     return max(1, min(by_occupancy, by_length, max_splits))
 
 
-def _launch_config(group: int, max_query_len: int, head_dim: int) -> tuple[int, int, int]:
+def _launch_config(group: int, max_query_len: int, head_dim: int, elem_bytes: int = 2
+                   ) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps): a tiling hint only, any choice is correct.
 
     tl.dot needs M >= 16; decode-only steps use the smallest tile that holds a group so no
@@ -241,11 +242,16 @@ def _launch_config(group: int, max_query_len: int, head_dim: int) -> tuple[int, 
     128 while slowing mixed steps. Heads wider than 128 (Gemma's 256) take 32-key tiles, the
     bytes of a 64-key tile at 128: with 64 keys a 64-row tile's pipelined K/V loads need
     104 KiB of shared memory on sm_80/sm_89 and 160 KiB on sm_90 (tests/gpu_compile.py), more
-    than an L4, A10 or RTX 4090 has (99 KiB); with 32, 68 and 96 KiB."""
+    than an L4, A10 or RTX 4090 has (99 KiB); with 32, 68 and 96 KiB. So the key tile is
+    sized by a head's bytes, not its width (fp32's 256-wide heads take 16 keys), and fp32
+    (elem_bytes 4) prefills take 32-row tiles: compiled for sm_89, fp32 needed 115 KiB at
+    head dim 128 and 140 KiB at 256 with the bf16 tiles, and its 64-row tiles spilled 1-9 KB
+    a thread at every head dim; now at most 74 KiB and 72 bytes."""
+    row_bytes = triton.next_power_of_2(head_dim) * elem_bytes
     rows = triton.next_power_of_2(max(group, 16))
     if group * max(1, max_query_len) > rows:
-        rows = max(rows, 64)
-    return rows, 64 if head_dim <= 128 else 32, 4
+        rows = max(rows, 64 if elem_bytes <= 2 else 32)
+    return rows, 64 if row_bytes <= 256 else 32 if row_bytes <= 512 else 16, 4
 
 
 def paged_attention(
@@ -273,7 +279,8 @@ def paged_attention(
     if num_tokens == 0:
         return out
     num_seqs = batch.seq_lens.shape[0]
-    block_m, block_n, num_warps = _launch_config(group, batch.max_query_len, head_dim)
+    block_m, block_n, num_warps = _launch_config(group, batch.max_query_len, head_dim,
+                                                 q.element_size())
     block_q = block_m // group
     num_splits = max(1, int(num_splits))
     if num_splits > 1:
