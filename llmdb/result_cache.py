@@ -5,6 +5,14 @@ values under a hash key (see request_key); each is written as soon as its reques
 so a killed job resumes where it stopped (and rows cut short keep their tokens so far under
 batch.partial_key). The file is kept under a size limit by evicting the least recently used
 entries.
+
+The limit is on disk, WAL file included. An entry's own bytes (its key and JSON value) are
+a fraction of what it takes there: the key is stored twice (the table and its primary-key
+index), the LRU index adds a row, pages are partly filled. Short answers under 64-character
+keys took 2.8x their bytes, so a cache held to 1 GiB of entries grew to 2.8 GiB of file. So
+trimming scales the entries' bytes by the pages they actually fill, the WAL is checkpointed
+at a sixteenth of the limit (at most SQLite's default 4 MiB) and truncated to that, and a file
+created here gives its freed pages back to the file system (auto_vacuum=INCREMENTAL).
 """
 
 from __future__ import annotations
@@ -21,6 +29,12 @@ from typing import Any
 from llmdb.kernels.host import cache_dir
 
 DEFAULT_MAX_BYTES = 1 << 30
+MAX_WAL_BYTES = 4 << 20  # SQLite's default checkpoint point (1,000 pages of 4 KiB)
+TRIM_EVERY = 256  # writes between size checks
+TRIM_TO = 0.9  # of the limit, so that a trim is followed by many writes before the next
+# Pages of a file with no entries: its schema, the table and the table's two indexes (and,
+# with auto_vacuum, a pointer map).
+_EMPTY_PAGES = 4
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS results (
     key TEXT PRIMARY KEY,
@@ -52,10 +66,19 @@ class ResultCache:
         # other processes coordinate through SQLite's own locking (busy_timeout).
         self._db = sqlite3.connect(self.path, timeout=30, check_same_thread=False,
                                    isolation_level=None)
+        self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")  # (takes effect in a new file)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
+        self._wal_bytes = min(MAX_WAL_BYTES, max_bytes // 16)
+        pages = max(1, self._wal_bytes // self._pragma("page_size"))
+        self._db.execute(f"PRAGMA wal_autocheckpoint={pages}")
+        self._db.execute(f"PRAGMA journal_size_limit={self._wal_bytes}")
         self._db.executescript(_SCHEMA)
+        self._empty_pages = _EMPTY_PAGES + (self._pragma("auto_vacuum") != 0)
         self._writes_since_trim = 0
+
+    def _pragma(self, name: str) -> int:
+        return self._db.execute(f"PRAGMA {name}").fetchone()[0]
 
     def get_many(self, keys: list[str]) -> dict[str, Any]:
         """The cached values among `keys`; their entries become most recently used."""
@@ -95,21 +118,39 @@ class ResultCache:
                 raise
             self._db.execute("COMMIT")
             self._writes_since_trim += len(rows)
-            if self._writes_since_trim >= 256:
+            if self._writes_since_trim >= TRIM_EVERY:
                 self._trim()
 
     def _trim(self) -> None:
-        """Evict least recently used entries until the total is under 90% of the limit."""
+        """Evict least recently used entries when the files, with room for the writes until
+        the next check, would pass the limit: down to 90% of it (less the WAL's share). The
+        freed pages go back to the file system."""
         self._writes_since_trim = 0
-        total = self._db.execute("SELECT COALESCE(SUM(size), 0) FROM results").fetchone()[0]
-        if total <= self.max_bytes:
+        total, entries = self._db.execute(
+            "SELECT COALESCE(SUM(size), 0), COUNT(*) FROM results").fetchone()
+        if not entries:
             return
-        target = total - int(self.max_bytes * 0.9)
+        # Disk bytes per entry byte; 1 in a file of a few pages, where pages are mostly empty.
+        # (Free pages are left out: a file made before auto_vacuum keeps them, and counted
+        # they would make every trim evict nearly everything.)
+        used = self._pragma("page_count") - self._pragma("freelist_count") - self._empty_pages
+        scale = max(1.0, used * self._pragma("page_size") / total)
+        limit = (self.max_bytes - self._wal_bytes) / scale  # in entry bytes
+        if total + TRIM_EVERY * total / entries <= limit:
+            return
+        target = total - int(limit * TRIM_TO)
         # The shortest least-recently-used prefix whose sizes add up to `target`.
         self._db.execute(
             "DELETE FROM results WHERE key IN (SELECT key FROM (SELECT key, SUM(size) OVER "
             "(ORDER BY last_used, key ROWS UNBOUNDED PRECEDING) - size AS before "
             "FROM results) WHERE before < ?)", (target,))
+        self._give_back()
+
+    def _give_back(self) -> None:
+        """Return the free pages to the file system: moved to the end and cut off (at the
+        checkpoint, in WAL mode). A file made before auto_vacuum keeps them for reuse."""
+        # (executescript: execute steps the pragma once, which frees one page)
+        self._db.executescript("PRAGMA incremental_vacuum; PRAGMA wal_checkpoint(PASSIVE);")
 
     def trim(self) -> None:
         with self._lock:
@@ -117,7 +158,9 @@ class ResultCache:
 
     def clear(self) -> int:
         with self._lock:
-            return self._db.execute("DELETE FROM results").rowcount
+            n = self._db.execute("DELETE FROM results").rowcount
+            self._give_back()
+            return n
 
     def stats(self) -> dict[str, int]:
         with self._lock:

@@ -4,12 +4,13 @@ or unseeded samples."""
 
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
 
 import llmdb
-from llmdb.result_cache import ResultCache
+from llmdb.result_cache import ResultCache, request_key
 
 from .sql_support import (
     cache_entries,
@@ -107,6 +108,29 @@ def test_size_limit_is_kept_while_writing(tmp_path):
     survivors = _keys(cache)
     assert len(survivors) < 300
     assert keys[0] not in survivors and keys[-1] in survivors
+    cache.close()
+
+
+def test_size_limit_holds_on_disk_wal_included(tmp_path):
+    """The limit is on the files, not on the entries' own bytes: short answers under real
+    keys took 3x their bytes on disk (both indexes, page overhead) and the WAL came on top.
+    Rows are written one transaction each, as a query's rows complete."""
+    limit = 1 << 20
+    path = tmp_path / "disk.sqlite"
+    files = [path, tmp_path / "disk.sqlite-wal"]
+    cache = ResultCache(path, max_bytes=limit)
+    rng = random.Random(0)
+    keys = [request_key("row", i) for i in range(12_000)]
+    peak = 0
+    for i, key in enumerate(keys):
+        cache.put(key, rng.choice([True, False, "Paris", "The answer is 42."]))
+        if i % 32 == 0:
+            peak = max(peak, sum(f.stat().st_size for f in files if f.exists()))
+    assert peak <= limit * 1.01  # (a trim's own pages pass through the WAL)
+    assert len(cache.get_many(keys[-500:])) == 500
+    assert cache.stats()["entries"] > 2500  # evicted to 90%, not to almost nothing
+    cache.clear()  # the pages go back to the file system
+    assert sum(f.stat().st_size for f in files if f.exists()) < limit / 4
     cache.close()
 
 
