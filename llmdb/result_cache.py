@@ -5,6 +5,16 @@ values under a hash key (see request_key); each is written as soon as its reques
 so a killed job resumes where it stopped (and rows cut short keep their tokens so far under
 batch.partial_key). The file is kept under a size limit by evicting the least recently used
 entries.
+
+The limit is on disk, WAL file included. An entry's own bytes (its key and JSON value) are
+a fraction of what it takes there: the key is stored twice (the table and its primary-key
+index), the LRU index adds a row, pages are partly filled. Short answers under 64-character
+keys took 2.8x their bytes, so a cache held to 1 GiB of entries grew to 2.8 GiB of file. So
+each write checks the pages in use (the file's header, whoever wrote before), a trim scales
+the entries' bytes by the pages they fill, the WAL is checkpointed at a sixteenth of the limit
+(at most SQLite's default 4 MiB) and truncated to that, a trim deletes and gives pages back
+in steps that each fit the WAL, and a file created here returns its freed pages to the file
+system (auto_vacuum=INCREMENTAL).
 """
 
 from __future__ import annotations
@@ -21,6 +31,11 @@ from typing import Any
 from llmdb.kernels.host import cache_dir
 
 DEFAULT_MAX_BYTES = 1 << 30
+MAX_WAL_BYTES = 4 << 20  # SQLite's default checkpoint point (1,000 pages of 4 KiB)
+TRIM_TO = 0.9  # of the limit, so that a trim is followed by many writes before the next
+# Pages of a file with no entries: its schema, the table and the table's two indexes (and,
+# with auto_vacuum, a pointer map).
+_EMPTY_PAGES = 4
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS results (
     key TEXT PRIMARY KEY,
@@ -52,10 +67,25 @@ class ResultCache:
         # other processes coordinate through SQLite's own locking (busy_timeout).
         self._db = sqlite3.connect(self.path, timeout=30, check_same_thread=False,
                                    isolation_level=None)
+        self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")  # (takes effect in a new file)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
+        wal_bytes = min(MAX_WAL_BYTES, max_bytes // 16)
+        self._wal_pages = max(1, wal_bytes // self._pragma("page_size"))
+        self._db.execute(f"PRAGMA wal_autocheckpoint={self._wal_pages}")
+        self._db.execute(f"PRAGMA journal_size_limit={wal_bytes}")
+        self._step = max(1, self._wal_pages // 4)  # entries or pages a trim's transaction
         self._db.executescript(_SCHEMA)
-        self._writes_since_trim = 0
+        self._vacuums = self._pragma("auto_vacuum") != 0
+        self._empty_pages = _EMPTY_PAGES + self._vacuums
+        # The entries' share of the limit, in bytes of pages: less the file's fixed pages
+        # and the WAL, which passes its checkpoint point by the transaction that reaches it
+        # (trims write in quarters of a WAL), so it takes two.
+        self._budget = (max_bytes - 2 * wal_bytes
+                        - self._empty_pages * self._pragma("page_size"))
+
+    def _pragma(self, name: str) -> int:
+        return self._db.execute(f"PRAGMA {name}").fetchone()[0]
 
     def get_many(self, keys: list[str]) -> dict[str, Any]:
         """The cached values among `keys`; their entries become most recently used."""
@@ -94,22 +124,56 @@ class ResultCache:
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
-            self._writes_since_trim += len(rows)
-            if self._writes_since_trim >= 256:
+            # Checked at every write, from the file (two reads of its header), not counted
+            # by this object: processes that each wrote fewer rows than a count's period (a
+            # job of 200 rows per `llmdb sql`) never trimmed a shared file at all.
+            if self._used_bytes() > self._budget:
                 self._trim()
 
+    def _used_bytes(self) -> int:
+        """Bytes of the pages holding entries. (Free pages are left out: a file made before
+        auto_vacuum keeps them, and counted they would make every trim evict nearly
+        everything.)"""
+        used = self._pragma("page_count") - self._pragma("freelist_count") - self._empty_pages
+        return used * self._pragma("page_size")
+
     def _trim(self) -> None:
-        """Evict least recently used entries until the total is under 90% of the limit."""
-        self._writes_since_trim = 0
+        """Over the limit: evict least recently used entries until the files hold 90% of it
+        (less the WAL's share), and give the freed pages back."""
         total = self._db.execute("SELECT COALESCE(SUM(size), 0) FROM results").fetchone()[0]
-        if total <= self.max_bytes:
+        # Disk bytes per entry byte; 1 in a file of a few pages, where pages are mostly empty.
+        scale = max(1.0, self._used_bytes() / total) if total else 1.0
+        limit = self._budget / scale  # in entry bytes
+        if total <= limit:
             return
-        target = total - int(self.max_bytes * 0.9)
+        target = total - int(limit * TRIM_TO)
         # The shortest least-recently-used prefix whose sizes add up to `target`.
-        self._db.execute(
-            "DELETE FROM results WHERE key IN (SELECT key FROM (SELECT key, SUM(size) OVER "
-            "(ORDER BY last_used, key ROWS UNBOUNDED PRECEDING) - size AS before "
-            "FROM results) WHERE before < ?)", (target,))
+        keys = [k for k, in self._db.execute(
+            "SELECT key FROM (SELECT key, SUM(size) OVER (ORDER BY last_used, key ROWS "
+            "UNBOUNDED PRECEDING) - size AS before FROM results) WHERE before < ?", (target,))]
+        # Deleted a few at a time: a transaction's pages pass through the WAL, and one
+        # deleting 10% of the entries touched most pages of the key index (random keys),
+        # which took the files to 1.3x the limit until the checkpoint. An entry's deletion
+        # changes a page or two of the table and of each index.
+        for i in range(0, len(keys), self._step):
+            self._db.execute("BEGIN")
+            self._db.executemany("DELETE FROM results WHERE key = ?",
+                                 [(k,) for k in keys[i : i + self._step]])
+            self._db.execute("COMMIT")
+        self._give_back()
+
+    def _give_back(self) -> None:
+        """Return the free pages to the file system: moved to the end and cut off, a step
+        at a time (the file shrinks at the checkpoint, in WAL mode). A file made before
+        auto_vacuum keeps them for reuse."""
+        free = self._pragma("freelist_count")
+        while self._vacuums and free:
+            # (executescript: execute steps the pragma once, which frees one page)
+            self._db.executescript(f"PRAGMA incremental_vacuum({self._step})")
+            free, before = self._pragma("freelist_count"), free
+            if free >= before:  # (no progress: never loop for ever)
+                break
+        self._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
 
     def trim(self) -> None:
         with self._lock:
@@ -117,7 +181,9 @@ class ResultCache:
 
     def clear(self) -> int:
         with self._lock:
-            return self._db.execute("DELETE FROM results").rowcount
+            n = self._db.execute("DELETE FROM results").rowcount
+            self._give_back()
+            return n
 
     def stats(self) -> dict[str, int]:
         with self._lock:

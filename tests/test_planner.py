@@ -312,3 +312,34 @@ def test_learned_selectivity_orders_predicates(env):
     con.execute(sql).fetchall()
     again = {s.key: s.order for s in con.planner.plan(sql).sites}
     assert again[keys[1]] < again[keys[0]]
+
+
+def test_learned_keeps_the_call_sites_used_last(env, monkeypatch):
+    """A long-running process whose queries write literals into their calls (a notebook's
+    f-strings) meets new call sites and predicates in every query: what the planner learns
+    keeps the ones used last, not every one it ever saw."""
+    from llmdb.planner import learned as learned_module
+
+    con = env[0]
+    monkeypatch.setattr(learned_module, "KEPT_KEYS", 4)
+    store = learned_module.Learned()
+    monkeypatch.setattr(con.planner, "learned", store)
+    model = con.session.options.model
+
+    def run(k: int) -> None:
+        con.execute(f"SELECT llm_complete('say {k} ' || x, max_tokens := 2) FROM t "
+                    f"WHERE id < 20 AND llm_filter('ask {k} ' || x) AND llm_filter('{k}' || y)"
+                    ).fetchall()
+
+    def known(k: int) -> bool:
+        return store.pass_rate(f"{model}\x1fLLM_FILTER('ask {k} ' || x)") is not None
+
+    for k in range(12):
+        run(k)
+    for table in (store._passes, store._values, store._lengths):
+        assert len(table) == 4
+    assert store.output_lengths(f"{model}\x1fLLM_COMPLETE('say 11 ' || x, max_tokens := 2)")
+    assert known(10) and not known(9)  # two predicates a query: the last two queries'
+    store.pass_rate(f"{model}\x1fLLM_FILTER('ask 10 ' || x)")  # read: now the newest
+    run(12)
+    assert known(10) and not known(11)

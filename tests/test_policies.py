@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from llmdb.engine.cache.block_pool import BlockPool
@@ -118,6 +120,26 @@ def test_infermax_reserves_from_observed_output_lengths():
     expected = sorted(10 * n for n in range(1, MIN_OBSERVATIONS + 1))[
         int(0.9 * MIN_OBSERVATIONS)]
     assert policy.reserve_tokens(sched, req) == 40 + expected
+
+
+def test_infermax_keeps_a_histogram_of_output_lengths_not_every_one():
+    """A server runs for days: the lengths it reserves from take memory bounded by the
+    lengths there are, not by the requests served, and the reserve stays the quantile of
+    every length observed."""
+    policy = InferMaxPolicy()
+    sched = Scheduler(BlockPool(100, 16, False), 512, 64, policy)
+    req = Request("r", list(range(40)), SamplingParams(max_tokens=500))
+    rng = random.Random(0)
+    lengths = []
+    for n in range(1, 5001):
+        done = Request(f"d{n}", [1], SamplingParams(max_tokens=100))
+        done.output_ids, done.finish_reason = [0] * rng.randint(1, 60), "length"
+        lengths.append(len(done.output_ids))
+        policy.observe_finished(done)
+        if n in (MIN_OBSERVATIONS, 17, 100, 101, 5000):
+            expected = sorted(lengths)[int(0.9 * n)]
+            assert policy.reserve_tokens(sched, req) == 40 + expected
+    assert len(policy.observed) <= 60
 
 
 def test_bros_batch_size_doubles_when_calm_and_resets_on_danger():

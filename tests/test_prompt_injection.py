@@ -9,6 +9,7 @@ directories (a byte-level BPE trained here, ChatML and Llama-3 style templates).
 from __future__ import annotations
 
 import json
+import re
 
 import pandas as pd
 import pytest
@@ -58,6 +59,18 @@ def test_a_marker_split_across_two_messages_is_not_joined(eng):
     ids = tok.encode_chat([{"role": "system", "content": "x<|im_"},
                            {"role": "user", "content": "start|>system"}])
     assert ids.count(start) == 3
+
+
+@pytest.mark.skipif(not isinstance(getattr(re, "_cache", None), dict),
+                    reason="reads CPython 3.11's regex cache (re._cache)")
+def test_chat_encoding_leaves_the_process_regex_cache_alone(eng):
+    """A process encodes chats for days: each one compiled a regex of its own (a random
+    nonce in it) into re's process-wide cache of 512 patterns, pushing out every other
+    library's."""
+    re.purge()
+    for i in range(600):
+        eng.tokenizer.encode_chat(chat(f"Review {i}: fine.", "Be brief." if i % 2 else None))
+    assert len(re._cache) < 16
 
 
 def test_plain_encoding_keeps_marker_strings_as_text(eng):

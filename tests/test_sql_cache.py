@@ -4,12 +4,14 @@ or unseeded samples."""
 
 from __future__ import annotations
 
+import random
+import threading
 import time
 
 import pytest
 
 import llmdb
-from llmdb.result_cache import ResultCache
+from llmdb.result_cache import ResultCache, request_key
 
 from .sql_support import (
     cache_entries,
@@ -77,9 +79,9 @@ def test_hit_after_a_process_restart(two_processes):
 
 # ---- size limit ----------------------------------------------------------------------------
 
-def _put_in_order(cache: ResultCache, keys: list[str]) -> None:
+def _put_in_order(cache: ResultCache, keys: list[str], value: str = "x" * 97) -> None:
     for key in keys:
-        cache.put(key, "x" * 97)  # 99 bytes of JSON + a 3-byte key = 102 bytes an entry
+        cache.put(key, value)
         time.sleep(0.002)  # distinct last-used times
 
 
@@ -88,26 +90,85 @@ def _keys(cache: ResultCache) -> set[str]:
 
 
 def test_size_limit_evicts_the_least_recently_used(tmp_path):
-    cache = ResultCache(tmp_path / "lru.sqlite", max_bytes=1000)
-    keys = [f"k{i:02d}" for i in range(20)]
-    _put_in_order(cache, keys)
-    assert cache.get_many(keys[:5]) == {k: "x" * 97 for k in keys[:5]}  # used again: now newest
-    cache.trim()
-    stats = cache.stats()
-    assert stats["bytes"] <= 1000 and stats["entries"] == 8  # trimmed to 90% of the limit
-    assert _keys(cache) == set(keys[:5]) | set(keys[-3:])
+    cache = ResultCache(tmp_path / "lru.sqlite", max_bytes=256 << 10)
+    keys = [f"k{i:03d}" for i in range(200)]
+    value = "x" * 1000
+    _put_in_order(cache, keys[:100], value)  # about 100 KB: within the limit
+    assert len(_keys(cache)) == 100
+    assert len(cache.get_many(keys[:5])) == 5  # used again: now the newest
+    _put_in_order(cache, keys[100:], value)
+    survivors = _keys(cache)
+    assert 100 < len(survivors) < 200
+    # Evicted: the least recently used, in order (a prefix of keys[5:]); the five used
+    # again and the newest stayed.
+    evicted = [k for k in keys if k not in survivors]
+    assert evicted == keys[5 : 5 + len(evicted)]
     cache.close()
 
 
 def test_size_limit_is_kept_while_writing(tmp_path):
-    cache = ResultCache(tmp_path / "lru.sqlite", max_bytes=10_000)
-    keys = [f"{i:03d}" for i in range(300)]
+    cache = ResultCache(tmp_path / "lru.sqlite", max_bytes=64 << 10)
+    keys = [f"{i:03d}" for i in range(600)]
     for key in keys:
         cache.put(key, "x" * 97)
     survivors = _keys(cache)
-    assert len(survivors) < 300
+    assert len(survivors) < 600
     assert keys[0] not in survivors and keys[-1] in survivors
     cache.close()
+
+
+def test_size_limit_holds_on_disk_wal_included(tmp_path):
+    """The limit is on the files, not on the entries' own bytes: short answers under real
+    keys took 3x their bytes on disk (both indexes, page overhead) and the WAL came on top,
+    and a trim's deletions went through the WAL at once (1.4x the limit until the
+    checkpoint). Rows are written one transaction each, as a query's rows complete, while
+    another thread watches the files."""
+    limit = 1 << 20
+    path = tmp_path / "disk.sqlite"
+    files = [path, tmp_path / "disk.sqlite-wal"]
+
+    def on_disk() -> int:
+        return sum(f.stat().st_size for f in files if f.exists())
+
+    peak, done = [0], threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], on_disk())
+            time.sleep(0.0005)
+
+    cache = ResultCache(path, max_bytes=limit)
+    rng = random.Random(0)
+    keys = [request_key("row", i) for i in range(12_000)]
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        for key in keys:
+            cache.put(key, rng.choice([True, False, "Paris", "The answer is 42."]))
+    finally:
+        done.set()
+        watcher.join()
+    assert peak[0] <= limit
+    assert len(cache.get_many(keys[-500:])) == 500
+    assert cache.stats()["entries"] > 2500  # evicted to 90%, not to almost nothing
+    cache.clear()  # the pages go back to the file system
+    assert on_disk() < limit / 4
+    cache.close()
+
+
+def test_size_limit_holds_for_many_short_writers(tmp_path):
+    """Jobs of a few hundred rows each, one process (here: one cache object) after another,
+    on one file: each checks the file, where a count of its own writes never reached the
+    period of a check."""
+    limit = 200_000
+    path = tmp_path / "jobs.sqlite"
+    for job in range(20):
+        cache = ResultCache(path, max_bytes=limit)
+        for i in range(200):
+            cache.put(request_key(job, i), "answer " * 5)
+        cache.close()
+    assert sum(f.stat().st_size for f in tmp_path.iterdir() if f.name != "jobs.sqlite-shm") \
+        <= limit
 
 
 # ---- what the key covers -------------------------------------------------------------------

@@ -8,7 +8,6 @@ special tokens; the same strings inside a message's content are encoded as plain
 from __future__ import annotations
 
 import json
-import re
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -167,12 +166,18 @@ class ModelTokenizer:
 
         The template is rendered once with unguessable placeholders for the contents, which
         shows where it puts each one, and once with the contents themselves."""
-        nonce = secrets.token_hex(8)
-        masked = [{**m, "content": f"\ue000{nonce}:{i}\ue001"}
+        opening = f"\ue000{secrets.token_hex(8)}:"
+        masked = [{**m, "content": f"{opening}{i}\ue001"}
                   if isinstance(m.get("content"), str) else m for i, m in enumerate(messages)]
-        pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001",
-                          self.apply_chat_template(masked, add_generation_prompt,
-                                                   template_kwargs))
+        # [text, index, text, index, ..., text]. (Not re.split on a pattern holding the
+        # nonce: each call compiled one into the process-wide regex cache, 512 entries that
+        # every library's re calls share, and pushed theirs out.)
+        first, *rest = self.apply_chat_template(masked, add_generation_prompt,
+                                                template_kwargs).split(opening)
+        pieces = [first]
+        for part in rest:
+            index, _, after = part.partition("\ue001")
+            pieces += [index, after]
         text = self.apply_chat_template(messages, add_generation_prompt, template_kwargs)
         # Templates write a content as is or trimmed (Llama 3's `| trim`).
         for transform in _CONTENT_TRANSFORMS:

@@ -6,7 +6,10 @@ tokens it generated per call (the output-length histogram). Keys carry the model
 since another model answers differently.
 Per model: how the model time of finished batches compares with the cost model's simulation
 of the same batches (the machine's load, or a stale calibration, scales every step alike).
-One store per process, shared by its connections.
+One store per process, shared by its connections. Each table keeps the KEPT_KEYS keys used
+last: a query text holds literals (a notebook's f-strings, a service's prompts written into
+the SQL), so a long-running process meets new keys without end (500 such queries kept 1,000
+samples, which grew with every query).
 """
 
 from __future__ import annotations
@@ -14,14 +17,17 @@ from __future__ import annotations
 import hashlib
 import random
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 SAMPLE_SIZE = 256
 DEFAULT_PASS_RATE = 0.5
 PRIOR_WEIGHT = 10  # a sample of n values speaks for n / (n + PRIOR_WEIGHT) of the answers
 TIME_WINDOW = 20  # batches whose model time the time scale averages over
+KEPT_KEYS = 1024  # predicates, call sites or models per table (the least recently used go)
+
+V = TypeVar("V")
 
 
 def stable_hash(value: Any) -> int:
@@ -38,28 +44,47 @@ class _Values:
 class Learned:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._passes: dict[str, tuple[int, int]] = {}
-        self._values: dict[str, _Values] = {}
-        self._lengths: dict[str, _Values] = {}
-        self._times: dict[str, deque[tuple[float, float]]] = {}
+        self._passes: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        self._values: OrderedDict[str, _Values] = OrderedDict()
+        self._lengths: OrderedDict[str, _Values] = OrderedDict()
+        self._times: OrderedDict[str, deque[tuple[float, float]]] = OrderedDict()
         self._rng = random.Random(0)
+
+    @staticmethod
+    def _get(table: OrderedDict[str, V], key: str) -> V | None:
+        """The key's entry, now the most recently used. The lock is held."""
+        entry = table.get(key)
+        if entry is not None:
+            table.move_to_end(key)
+        return entry
+
+    @staticmethod
+    def _put(table: OrderedDict[str, V], key: str, entry: V) -> V:
+        """Store the key's entry as the most recently used, within KEPT_KEYS. The lock is
+        held."""
+        table[key] = entry
+        table.move_to_end(key)
+        while len(table) > KEPT_KEYS:
+            table.popitem(last=False)
+        return entry
 
     def pass_rate(self, key: str) -> float | None:
         with self._lock:
-            passed, seen = self._passes.get(key, (0, 0))
+            passed, seen = self._get(self._passes, key) or (0, 0)
         return passed / seen if seen else None
 
     def observe_passes(self, key: str, passed: int, seen: int) -> None:
         if seen <= 0:
             return
         with self._lock:
-            p, s = self._passes.get(key, (0, 0))
-            self._passes[key] = (p + passed, s + seen)
+            p, s = self._get(self._passes, key) or (0, 0)
+            self._put(self._passes, key, (p + passed, s + seen))
 
     def observe_values(self, key: str, values: list[Any]) -> None:
         """Reservoir sampling: every value returned so far is equally likely to be kept."""
         with self._lock:
-            self._reservoir(self._values.setdefault(key, _Values()), values)
+            v = self._get(self._values, key) or self._put(self._values, key, _Values())
+            self._reservoir(v, values)
 
     def _reservoir(self, v: _Values, values: list[Any]) -> None:
         for x in values:
@@ -73,17 +98,17 @@ class Learned:
 
     def value_sample(self, key: str) -> list[Any]:
         with self._lock:
-            v = self._values.get(key)
+            v = self._get(self._values, key)
             return list(v.sample) if v else []
 
     def observe_output_lengths(self, key: str, lengths: list[int]) -> None:
         with self._lock:
-            v = self._lengths.setdefault(key, _Values())
+            v = self._get(self._lengths, key) or self._put(self._lengths, key, _Values())
             self._reservoir(v, lengths)
 
     def output_lengths(self, key: str) -> list[int]:
         with self._lock:
-            v = self._lengths.get(key)
+            v = self._get(self._lengths, key)
             return list(v.sample) if v else []
 
     def observe_time(self, model: str, simulated_s: float, actual_s: float) -> None:
@@ -93,15 +118,16 @@ class Learned:
         if simulated_s <= 0 or actual_s <= 0:
             return
         with self._lock:
-            if model not in self._times:
-                self._times[model] = deque(maxlen=TIME_WINDOW)
+            times = self._get(self._times, model)
+            if times is None:
+                self._put(self._times, model, deque(maxlen=TIME_WINDOW))
                 return
-            self._times[model].append((simulated_s, actual_s))
+            times.append((simulated_s, actual_s))
 
     def time_scale(self, model: str) -> tuple[float, int]:
         """Actual over simulated model time of recent batches, and how many there were."""
         with self._lock:
-            pairs = list(self._times.get(model, ()))
+            pairs = list(self._get(self._times, model) or ())
         if not pairs:
             return 1.0, 0
         return sum(a for _, a in pairs) / sum(s for s, _ in pairs), len(pairs)

@@ -4,12 +4,15 @@ refill), and memory reserved for each request's estimated output length.
 
 The estimate is the 90th percentile of the output lengths observed so far (capped by the
 request's max_tokens); until 16 requests have finished there are no observations worth a
-quantile, and only the prompt is reserved, as Sarathi does.
+quantile, and only the prompt is reserved, as Sarathi does. The lengths are kept as an
+online histogram (a count per length): its size is bounded by the context, where a sorted
+list of every length grew by one entry, and one O(n) insertion, per finished request for
+the life of a server.
 """
 
 from __future__ import annotations
 
-import bisect
+from collections import Counter
 
 from ..request import Request
 from ..scheduler import Scheduler
@@ -26,7 +29,9 @@ class InferMaxPolicy(SarathiPolicy):
     reserves_memory = True
 
     def __init__(self) -> None:
-        self.observed: list[int] = []  # sorted output lengths of finished requests
+        self.observed: Counter[int] = Counter()  # output length -> finished requests
+        self._count = 0
+        self._quantile: int | None = None  # of `observed`, until the next observation
 
     def decode_order(self, s: Scheduler, decodes: list[Request]) -> list[Request]:
         return sorted(decodes, key=lambda r: -r.num_tokens)
@@ -36,14 +41,26 @@ class InferMaxPolicy(SarathiPolicy):
         return min(others, key=lambda r: r.num_tokens, default=None)
 
     def estimated_output(self, req: Request) -> int:
-        if len(self.observed) < MIN_OBSERVATIONS:
+        if self._count < MIN_OBSERVATIONS:
             return 0
-        q = self.observed[min(len(self.observed) - 1, int(QUANTILE * len(self.observed)))]
-        return min(q, req.params.max_tokens)
+        if self._quantile is None:
+            self._quantile = self._length_at(int(QUANTILE * self._count))
+        return min(self._quantile, req.params.max_tokens)
+
+    def _length_at(self, rank: int) -> int:
+        """The rank-th smallest length observed (from 0)."""
+        seen = 0
+        for length, count in sorted(self.observed.items()):
+            seen += count
+            if seen > rank:
+                return length
+        raise ValueError(f"rank {rank} of {seen} observations")
 
     def reserve_tokens(self, s: Scheduler, req: Request) -> int:
         return len(req.prompt_ids) + max(self.estimated_output(req), len(req.output_ids))
 
     def observe_finished(self, req: Request) -> None:
         if req.finish_reason in ("stop", "length") and req.generate:
-            bisect.insort(self.observed, len(req.output_ids))
+            self.observed[len(req.output_ids)] += 1
+            self._count += 1
+            self._quantile = None
