@@ -24,6 +24,7 @@ import json
 import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -195,17 +196,29 @@ class ResultCache:
         with self._lock:
             self._db.close()
 
+    def __del__(self) -> None:
+        # Dropped by its last user: closed now. (sqlite3's connection is in a reference
+        # cycle with its statement cache, so it closed at some later garbage collection.)
+        db = getattr(self, "_db", None)
+        if db is not None:
+            db.close()
 
-_caches: dict[tuple[Path, int], ResultCache] = {}
+
+# Held by the sessions using them (Session.cache): a file no session uses any more is closed.
+# Held here, every cache_path a process ever used kept its database, WAL and shared-memory
+# files open for good (a service with a cache per job: three descriptors a job, and the
+# disk of its deleted files never freed).
+_caches: weakref.WeakValueDictionary[tuple[Path, int], ResultCache] = \
+    weakref.WeakValueDictionary()
 _caches_lock = threading.Lock()
 
 
 def open_cache(path: str | Path | None = None,
                max_bytes: int = DEFAULT_MAX_BYTES) -> ResultCache:
-    """One ResultCache per file per process."""
+    """One ResultCache per file per process, while someone holds it."""
     resolved = (Path(path) if path is not None else default_cache_path()).resolve()
     with _caches_lock:
-        key = (resolved, max_bytes)
-        if key not in _caches:
-            _caches[key] = ResultCache(resolved, max_bytes)
-        return _caches[key]
+        cache = _caches.get((resolved, max_bytes))
+        if cache is None:
+            cache = _caches[resolved, max_bytes] = ResultCache(resolved, max_bytes)
+        return cache
