@@ -71,8 +71,9 @@ class ResultCache:
         self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")  # (takes effect in a new file)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
+        self._page_size = self._pragma("page_size")
         wal_bytes = min(MAX_WAL_BYTES, max_bytes // 16)
-        self._wal_pages = max(1, wal_bytes // self._pragma("page_size"))
+        self._wal_pages = max(1, wal_bytes // self._page_size)
         self._db.execute(f"PRAGMA wal_autocheckpoint={self._wal_pages}")
         self._db.execute(f"PRAGMA journal_size_limit={wal_bytes}")
         self._step = max(1, self._wal_pages // 4)  # entries or pages a trim's transaction
@@ -82,8 +83,7 @@ class ResultCache:
         # The entries' share of the limit, in bytes of pages: less the file's fixed pages
         # and the WAL, which passes its checkpoint point by the transaction that reaches it
         # (trims write in quarters of a WAL), so it takes two.
-        self._budget = (max_bytes - 2 * wal_bytes
-                        - self._empty_pages * self._pragma("page_size"))
+        self._budget = max_bytes - 2 * wal_bytes - self._empty_pages * self._page_size
 
     def _pragma(self, name: str) -> int:
         return self._db.execute(f"PRAGMA {name}").fetchone()[0]
@@ -125,9 +125,9 @@ class ResultCache:
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
-            # Checked at every write, from the file (two reads of its header), not counted
-            # by this object: processes that each wrote fewer rows than a count's period (a
-            # job of 200 rows per `llmdb sql`) never trimmed a shared file at all.
+            # Checked at every write, from the file (two pragmas that read its header), not
+            # counted by this object: processes that each wrote fewer rows than a count's
+            # period (a job of 200 rows per `llmdb sql`) never trimmed a shared file at all.
             if self._used_bytes() > self._budget:
                 self._trim()
 
@@ -136,7 +136,7 @@ class ResultCache:
         auto_vacuum keeps them, and counted they would make every trim evict nearly
         everything.)"""
         used = self._pragma("page_count") - self._pragma("freelist_count") - self._empty_pages
-        return used * self._pragma("page_size")
+        return used * self._page_size
 
     def _trim(self) -> None:
         """Over the limit: evict least recently used entries until the files hold 90% of it
@@ -175,10 +175,6 @@ class ResultCache:
             if free >= before:  # (no progress: never loop for ever)
                 break
         self._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-
-    def trim(self) -> None:
-        with self._lock:
-            self._trim()
 
     def clear(self) -> int:
         with self._lock:
