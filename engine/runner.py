@@ -253,6 +253,11 @@ class ModelRunner:
         values = step.values.tolist() if step.values is not None else []
         keep = {rid: rows.cpu() for rid, rows in step.keep}
         step.keep = []  # (the next launch still reads this step's sampled ids)
+        if step is self._last:
+            # Read, its samples become the requests' tokens: no launch takes one from the
+            # device any more. Kept, its plan held the step's requests and what their
+            # callbacks hold (a finished query's batch, rows, cache file) until the next.
+            self._last = LaunchedStep(_Plan())
         self.last_wait_s = time.perf_counter() - t_wait
         out = _unpack(values, step.plan)
         out.logit_rows = keep

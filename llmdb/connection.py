@@ -304,6 +304,7 @@ class Connection:
         except duckdb.ConnectionException:  # closed already
             pass
         self._con.close()
+        self.session.release_cache()
 
     def __enter__(self) -> Connection:
         return self

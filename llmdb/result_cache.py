@@ -24,6 +24,7 @@ import json
 import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -70,8 +71,9 @@ class ResultCache:
         self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")  # (takes effect in a new file)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
+        self._page_size = self._pragma("page_size")
         wal_bytes = min(MAX_WAL_BYTES, max_bytes // 16)
-        self._wal_pages = max(1, wal_bytes // self._pragma("page_size"))
+        self._wal_pages = max(1, wal_bytes // self._page_size)
         self._db.execute(f"PRAGMA wal_autocheckpoint={self._wal_pages}")
         self._db.execute(f"PRAGMA journal_size_limit={wal_bytes}")
         self._step = max(1, self._wal_pages // 4)  # entries or pages a trim's transaction
@@ -81,8 +83,7 @@ class ResultCache:
         # The entries' share of the limit, in bytes of pages: less the file's fixed pages
         # and the WAL, which passes its checkpoint point by the transaction that reaches it
         # (trims write in quarters of a WAL), so it takes two.
-        self._budget = (max_bytes - 2 * wal_bytes
-                        - self._empty_pages * self._pragma("page_size"))
+        self._budget = max_bytes - 2 * wal_bytes - self._empty_pages * self._page_size
 
     def _pragma(self, name: str) -> int:
         return self._db.execute(f"PRAGMA {name}").fetchone()[0]
@@ -124,9 +125,9 @@ class ResultCache:
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
-            # Checked at every write, from the file (two reads of its header), not counted
-            # by this object: processes that each wrote fewer rows than a count's period (a
-            # job of 200 rows per `llmdb sql`) never trimmed a shared file at all.
+            # Checked at every write, from the file (two pragmas that read its header), not
+            # counted by this object: processes that each wrote fewer rows than a count's
+            # period (a job of 200 rows per `llmdb sql`) never trimmed a shared file at all.
             if self._used_bytes() > self._budget:
                 self._trim()
 
@@ -135,7 +136,7 @@ class ResultCache:
         auto_vacuum keeps them, and counted they would make every trim evict nearly
         everything.)"""
         used = self._pragma("page_count") - self._pragma("freelist_count") - self._empty_pages
-        return used * self._pragma("page_size")
+        return used * self._page_size
 
     def _trim(self) -> None:
         """Over the limit: evict least recently used entries until the files hold 90% of it
@@ -175,10 +176,6 @@ class ResultCache:
                 break
         self._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
 
-    def trim(self) -> None:
-        with self._lock:
-            self._trim()
-
     def clear(self) -> int:
         with self._lock:
             n = self._db.execute("DELETE FROM results").rowcount
@@ -195,17 +192,29 @@ class ResultCache:
         with self._lock:
             self._db.close()
 
+    def __del__(self) -> None:
+        # Dropped by its last user: closed now. (sqlite3's connection is in a reference
+        # cycle with its statement cache, so it closed at some later garbage collection.)
+        db = getattr(self, "_db", None)
+        if db is not None:
+            db.close()
 
-_caches: dict[tuple[Path, int], ResultCache] = {}
+
+# Held by the sessions using them (Session.cache): a file no session uses any more is closed.
+# Held here, every cache_path a process ever used kept its database, WAL and shared-memory
+# files open for good (a service with a cache per job: three descriptors a job, and the
+# disk of its deleted files never freed).
+_caches: weakref.WeakValueDictionary[tuple[Path, int], ResultCache] = \
+    weakref.WeakValueDictionary()
 _caches_lock = threading.Lock()
 
 
 def open_cache(path: str | Path | None = None,
                max_bytes: int = DEFAULT_MAX_BYTES) -> ResultCache:
-    """One ResultCache per file per process."""
+    """One ResultCache per file per process, while someone holds it."""
     resolved = (Path(path) if path is not None else default_cache_path()).resolve()
     with _caches_lock:
-        key = (resolved, max_bytes)
-        if key not in _caches:
-            _caches[key] = ResultCache(resolved, max_bytes)
-        return _caches[key]
+        cache = _caches.get((resolved, max_bytes))
+        if cache is None:
+            cache = _caches[resolved, max_bytes] = ResultCache(resolved, max_bytes)
+        return cache

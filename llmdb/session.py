@@ -185,6 +185,7 @@ class Session:
         self._remembering = False
         self._duckdb_queries: OrderedDict[int, QueryMemory] = OrderedDict()
         self._lock = threading.Lock()
+        self._cache: ResultCache | None = None
         self._bar: tqdm | None = None
         self._bar_total = 0
         self._bar_done = 0
@@ -245,9 +246,17 @@ class Session:
         return openai_backend(name, **config)
 
     def cache(self) -> ResultCache | None:
+        """The result cache, held until release_cache (the process shares one per file)."""
         if not self.options.cache:
             return None
-        return open_cache(self.options.cache_path, self.options.cache_max_bytes)
+        if self._cache is None:
+            self._cache = open_cache(self.options.cache_path, self.options.cache_max_bytes)
+        return self._cache
+
+    def release_cache(self) -> None:
+        """The connection is closed: its cache file closes too unless another session
+        (or a batch under way) uses it."""
+        self._cache = None
 
     # ---- query scope ---------------------------------------------------------------------
 

@@ -4,8 +4,10 @@ serves the next request as before (the reference: that request's tokens before t
 
 from __future__ import annotations
 
+import gc
 import re
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -338,3 +340,27 @@ def test_a_refused_request_without_an_id_is_named_by_the_one_it_was_given(engine
                                          r"'taken'\)$"):
         engine.add_request("Hi", SHORT, request_id="taken")
     engine.wait(rid)
+
+
+@pytest.mark.parametrize("launch_ahead", [False, True])
+def test_the_engine_keeps_nothing_of_a_collected_request(engine, launch_ahead):
+    """Between queries the engine holds no finished request, nor what its callbacks hold (a
+    query's batch, its rows, its cache file): the runner kept the last launched step, its
+    requests and their callbacks, until the next query's first step."""
+    saved = engine.launch_ahead
+    engine.launch_ahead = launch_ahead
+
+    class Caller:  # stands for a batch: what a request's callback keeps alive
+        def done(self, request_id: str) -> None:
+            pass
+
+    callers = [Caller() for _ in range(3)]
+    ids = [engine.add_request(chat(f"Name {n} colours."), SamplingParams(max_tokens=4),
+                              on_finish=c.done) for n, c in enumerate(callers, 1)]
+    for rid in ids:
+        engine.wait(rid)
+    engine.launch_ahead = saved
+    alive = [weakref.ref(c) for c in callers]
+    del callers
+    gc.collect()
+    assert not [r for r in alive if r() is not None]

@@ -3,7 +3,9 @@ Python scope, cursor(), and several connections to one database file."""
 
 from __future__ import annotations
 
+import os
 import threading
+from pathlib import Path
 
 import duckdb
 import pandas as pd
@@ -127,6 +129,31 @@ def test_two_connections_to_one_file(tmp_path):
     assert not [n for n in names if n.startswith("__llmdb") and n.endswith(f"_{gone}")]
     assert any(n.endswith(f"_{first.session.id}") for n in names)
     first.close()
+
+
+def _open_files_under(folder) -> list[str]:
+    fds = Path("/proc/self/fd")
+    return [t for t in (os.readlink(f) if f.exists() else "" for f in fds.iterdir())
+            if t.startswith(str(folder))]
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="lists /proc/self/fd")
+def test_a_closed_connections_cache_file_is_closed(tmp_path):
+    """A service with a cache per job: every cache_path the process had used stayed open
+    (database, WAL and shared memory), the disk of a deleted job's files never freed. Open
+    while a connection uses it, shared, and closed after the last one."""
+    ask = "SELECT llm_complete('Name a colour.', max_tokens := 2)"
+    for job in range(5):
+        path = str(tmp_path / f"job{job}" / "cache.sqlite")
+        first, second = llmdb.connect(cache_path=path), llmdb.connect(cache_path=path)
+        assert first.session.cache() is second.session.cache()  # one per file
+        want = first.execute(ask).fetchall()
+        first.close()
+        assert second.execute(ask).fetchall() == want
+        assert second.stats()["last_query"]["cache_hits"] == 1  # the first one's answer
+        assert _open_files_under(tmp_path)
+        second.close()
+        assert not _open_files_under(tmp_path)
 
 
 def test_sql_refuses_while_a_result_is_unread_as_duckdb_does(con):

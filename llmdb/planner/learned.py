@@ -8,8 +8,8 @@ Per model: how the model time of finished batches compares with the cost model's
 of the same batches (the machine's load, or a stale calibration, scales every step alike).
 One store per process, shared by its connections. Each table keeps the KEPT_KEYS keys used
 last: a query text holds literals (a notebook's f-strings, a service's prompts written into
-the SQL), so a long-running process meets new keys without end (500 such queries kept 1,000
-samples, which grew with every query).
+the SQL), so a long-running process meets new keys without end (300 such queries left 301
+value samples and 301 output-length samples, one more of each per query).
 """
 
 from __future__ import annotations
