@@ -167,3 +167,16 @@ def test_token_slice_is_a_slice_of_prompt_and_output():
     for start in range(len(whole) + 2):
         for n in (1, 5, 16, 50):
             assert req.token_slice(start, n) == whole[start : start + n], (start, n)
+
+
+def test_a_free_block_without_a_prefix_is_taken_before_a_cached_one():
+    """A freed block that caches nothing is handed out before one that caches a prefix,
+    however they were freed: the prefix stays for the next request that shares it."""
+    pool = BlockPool(4, BS, enable_prefix_caching=True)
+    blocks = pool.allocate(4)
+    tokens = tuple(range(BS))
+    pool.register(blocks[0], 7, tokens)
+    pool.free([blocks[0]])  # cached prefix first,
+    pool.free([blocks[1]])  # then a partial tail block that caches nothing
+    assert pool.allocate(1) == [blocks[1]]
+    assert pool.lookup(7, tokens) == blocks[0]

@@ -88,11 +88,14 @@ class BlockPool:
 
     def free(self, blocks: list[int]) -> None:
         # Reversed: a sequence's tail blocks are the least likely to be shared, so they are
-        # the first to be evicted.
+        # the first to be evicted. A block that caches no prefix goes first of all: taking
+        # it evicts nothing (behind the cached ones, it let them be evicted while it waited).
         for b in reversed(blocks):
             self.ref_count[b] -= 1
             if self.ref_count[b] == 0:
                 self._free[b] = None
+                if b not in self._hash_of:
+                    self._free.move_to_end(b, last=False)
 
     def allocate_halves(self, n: int) -> list[int]:
         if n > self.num_free_halves:
