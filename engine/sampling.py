@@ -171,7 +171,7 @@ def sample(logits: torch.Tensor, drawn: list[int], params: list[SamplingParams],
     (row_key)."""
     cpp = _drawn_in_cpp(logits)
     # The rows' maxima and their first ids, as torch's max(-1) gives them (on the CPU 3x
-    # faster than argmax on bf16; row_max is 4x faster again).
+    # faster than argmax on bf16; row_max about 10x faster again: 1.8 vs 20.8 ms for 400 rows).
     top, tokens = row_max(logits) if cpp else logits.max(-1)
     if not drawn:
         return tokens
