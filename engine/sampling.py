@@ -8,12 +8,13 @@ ops (no per-row generator, no host round trip), and the CPU and the GPU draw the
 from the same logits (but for two scores within the last bit of each other, where their
 logarithms round differently). Top-k and top-p are masks on the sorted logits before the argmax.
 
-On the CPU only the tokens that can win are sorted and given noise: rows without top-k by
-kernels/csrc/sampling.cpp in one pass over the logits, the others in torch. The noise is
-bounded (G_MAX below), so a token whose scaled logit is more than G_MAX below the top
-token's score can never beat it; at T = 0.7 that leaves a median of about 3,000 of SmolLM2's
-49,152 tokens. Sorting and hashing the whole vocabulary for every drawn row made a sampled
-job a fifth as fast as a greedy one there (bench/RESULTS.md).
+On the CPU only the tokens that can win are sorted and given noise, by
+kernels/csrc/sampling.cpp in one pass over the logits (two with top-k), or in torch where no
+C++ compiler is at hand. The noise is bounded (G_MAX below), so a token whose scaled logit is
+more than G_MAX below the top token's score can never beat it; at T = 0.7 that leaves a
+median of about 3,000 of SmolLM2's 49,152 tokens. Sorting and hashing the whole vocabulary
+for every drawn row made a sampled job a fifth as fast as a greedy one there
+(bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -175,22 +176,15 @@ def sample(logits: torch.Tensor, drawn: list[int], params: list[SamplingParams],
     top, tokens = row_max(logits) if cpp else logits.max(-1)
     if not drawn:
         return tokens
-    plain = [j for j, p in enumerate(params) if not p.top_k] if cpp else []
-    if plain:
-        # No top-k: csrc/sampling.cpp draws the same token in one pass over the logits.
-        rows = [drawn[j] for j in plain]
-        sub = logits if rows == list(range(len(logits))) else logits[rows]
-        tokens[rows] = gumbel_argmax(
-            sub, top[rows].float(), tokens[rows],
-            torch.tensor([params[j].temperature for j in plain]),
-            torch.tensor([params[j].top_p for j in plain]),
-            torch.tensor([keys[j] for j in plain], dtype=torch.int64),
-            G_MAX + _BOUND_SLACK, _U_MAX)
-        rest = sorted(set(range(len(drawn))) - set(plain))
-        drawn, params, keys = ([drawn[j] for j in rest], [params[j] for j in rest],
-                               [keys[j] for j in rest])
-        if not drawn:
-            return tokens
+    if cpp:  # csrc/sampling.cpp draws the torch path's token in one or two passes a row
+        sub = logits if drawn == list(range(len(logits))) else logits[drawn]
+        tokens[drawn] = gumbel_argmax(
+            sub, top[drawn].float(), tokens[drawn],
+            torch.tensor([p.temperature for p in params]),
+            torch.tensor([p.top_p for p in params]),
+            torch.tensor([p.top_k for p in params], dtype=torch.int64),
+            torch.tensor(keys, dtype=torch.int64), G_MAX + _BOUND_SLACK, _U_MAX)
+        return tokens
     chunk = max(1, _DRAW_CHUNK // logits.shape[-1])
     for s in range(0, len(drawn), chunk):
         idx = to_device(drawn[s : s + chunk], logits.device)

@@ -75,7 +75,7 @@ def load_library() -> ctypes.CDLL | None:
         ctypes.c_int]
     for name in ("llmdb_gumbel_argmax_bf16", "llmdb_gumbel_argmax_f32"):
         getattr(lib, name).argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [
-            ctypes.c_void_p] * 5 + [ctypes.c_float] * 2 + [ctypes.c_void_p, ctypes.c_int]
+            ctypes.c_void_p] * 6 + [ctypes.c_float] * 2 + [ctypes.c_void_p, ctypes.c_int]
         getattr(lib, name).restype = None
     for name in ("llmdb_row_max_bf16", "llmdb_row_max_f32"):
         getattr(lib, name).argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [
@@ -145,13 +145,13 @@ def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def gumbel_argmax(logits: torch.Tensor, top: torch.Tensor, top_ids: torch.Tensor,
-                  temperature: torch.Tensor, top_p: torch.Tensor, keys: torch.Tensor,
-                  g_max: float, u_max: float) -> torch.Tensor:
+                  temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+                  keys: torch.Tensor, g_max: float, u_max: float) -> torch.Tensor:
     """Tokens [N] int64 drawn from bf16 or fp32 logits [N, V] (rows contiguous): per row the
     argmax of (logit - top) / temperature plus the noise of (key, token id) over the tokens
-    top-p keeps (top_p >= 1: all), where top and top_ids are the rows' maxima [N] fp32 and
-    their ids; see csrc/sampling.cpp."""
-    _check_cpu(logits, top, top_ids, temperature, top_p, keys)
+    top-k and then top-p keep (top_k 0 and top_p >= 1: all), where top and top_ids are the
+    rows' maxima [N] fp32 and their ids; see csrc/sampling.cpp."""
+    _check_cpu(logits, top, top_ids, temperature, top_p, top_k, keys)
     fn = {torch.float32: load_library().llmdb_gumbel_argmax_f32,
           torch.bfloat16: load_library().llmdb_gumbel_argmax_bf16}[logits.dtype]
     if logits.stride(-1) != 1:
@@ -159,10 +159,11 @@ def gumbel_argmax(logits: torch.Tensor, top: torch.Tensor, top_ids: torch.Tensor
     top, temperature = top.float().contiguous(), temperature.float().contiguous()
     top_p = top_p.float().contiguous()
     top_ids, keys = top_ids.long().contiguous(), keys.long().contiguous()
+    top_k = top_k.long().contiguous()
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     fn(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), top.data_ptr(),
-       top_ids.data_ptr(), temperature.data_ptr(), top_p.data_ptr(), keys.data_ptr(), g_max,
-       u_max, out.data_ptr(), torch.get_num_threads())
+       top_ids.data_ptr(), temperature.data_ptr(), top_p.data_ptr(), top_k.data_ptr(),
+       keys.data_ptr(), g_max, u_max, out.data_ptr(), torch.get_num_threads())
     return out
 
 

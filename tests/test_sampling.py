@@ -18,7 +18,8 @@ def reference_keep(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     top_p = 1)."""
     scaled = (logits - logits.max()) / p.temperature
     vocab = scaled.shape[-1]
-    above = (scaled[None, :] > scaled[:, None]).sum(-1)  # [i]: tokens strictly above token i
+    # [i]: the tokens strictly above token i
+    above = vocab - torch.searchsorted(scaled.sort().values, scaled, side="right")
     keep = above < (p.top_k or vocab)
     if p.top_p < 1:
         probs = scaled.masked_fill(~keep, float("-inf")).softmax(-1)
@@ -60,8 +61,19 @@ def _draw(logits: torch.Tensor, params: list[SamplingParams], keys: list[int]) -
     return sample(logits, list(range(len(params))), params, keys).tolist()
 
 
+@pytest.fixture(params=["cpp", "torch"])
+def path(request, monkeypatch):
+    """Each draw through csrc/sampling.cpp and through the torch path (a machine without a
+    C++ compiler, or a GPU's)."""
+    if request.param == "torch":
+        monkeypatch.setattr(sampling, "load_library", lambda: None)
+    elif sampling.load_library() is None:
+        pytest.skip("no C++ compiler: the torch path draws every row")
+    return request.param
+
+
 @pytest.mark.parametrize("spread", [1.0, 2.5, 6.0])
-def test_each_draw_is_the_whole_vocabularys(spread):
+def test_each_draw_is_the_whole_vocabularys(spread, path):
     rows = 96
     logits = _logits(rows, 4096, spread, seed=int(spread * 10))
     params = [PARAMS[i % len(PARAMS)] for i in range(rows)]
@@ -71,7 +83,7 @@ def test_each_draw_is_the_whole_vocabularys(spread):
     assert got == want
 
 
-def test_a_row_draws_the_same_alone_and_in_any_batch():
+def test_a_row_draws_the_same_alone_and_in_any_batch(path):
     """The width sorted is the batch's largest reach; a row's draw must not depend on it."""
     logits = torch.cat([_logits(40, 4096, 1.0, seed=1), _logits(40, 4096, 6.0, seed=2)])
     params = [PARAMS[i % len(PARAMS)] for i in range(80)]
@@ -82,7 +94,8 @@ def test_a_row_draws_the_same_alone_and_in_any_batch():
 
 
 def test_the_whole_sort_draws_the_same(monkeypatch):
-    """The path a GPU (or a flat row on the CPU) takes: every token sorted."""
+    """The path a GPU (or a flat row on the CPU without C++) takes: every token sorted."""
+    monkeypatch.setattr(sampling, "load_library", lambda: None)
     logits = _logits(64, 4096, 2.5, seed=5)
     params = [PARAMS[i % len(PARAMS)] for i in range(64)]
     keys = [row_key(11, i) for i in range(64)]
@@ -101,7 +114,7 @@ def test_the_noise_is_finite():
 
 
 @pytest.mark.parametrize("top_k", [0, 4000])
-def test_top_p_weighs_the_tokens_out_of_reach_too(top_k):
+def test_top_p_weighs_the_tokens_out_of_reach_too(top_k, path):
     """Tokens too far down to win still hold probability that top-p's sums must count: two
     near-even leaders and 4,000 tokens 14.5 below, whose mass (2e-3) decides whether the
     second leader is kept, with a top_p between the two ways of summing."""
@@ -118,10 +131,10 @@ def test_top_p_weighs_the_tokens_out_of_reach_too(top_k):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rows_without_top_k_are_drawn_in_cpp_as_in_torch(dtype, monkeypatch):
-    """Rows with no top-k are drawn by csrc/sampling.cpp on the CPU (one pass; few tokens
-    hashed, or with top-p those in reach sorted): the same tokens as the torch path, for
-    rows of a batch drawn or not, beside rows with top-k."""
+def test_rows_are_drawn_in_cpp_as_in_torch(dtype, monkeypatch):
+    """On the CPU csrc/sampling.cpp draws every sampled row (one pass; few tokens hashed, or
+    with top-p those in reach sorted; top-k a pass more): the same tokens as the torch path,
+    for rows of a batch drawn or not."""
     if sampling.load_library() is None:
         pytest.skip("no C++ compiler: the torch path draws every row")
     logits = torch.cat([_logits(48, 4096, 1.0, seed=8), _logits(48, 4096, 6.0, seed=9)])
@@ -129,18 +142,19 @@ def test_rows_without_top_k_are_drawn_in_cpp_as_in_torch(dtype, monkeypatch):
     temps = [1e-3, 0.3, 0.7, 1.0, 1.5, 20.0]
     drawn = [i for i in range(96) if i % 5]  # every fifth row greedy
     params = [SamplingParams(temperature=temps[i % 6], top_p=(0.9, 1.0, 0.5)[i % 3],
-                             top_k=40 if i % 7 == 0 else 0) for i in drawn]
+                             top_k=(0, 40, 1, 4095, 4096, 9000, 2)[i % 7]) for i in drawn]
     keys = [row_key(13, i) for i in drawn]
     calls = []
     cpp = sampling.gumbel_argmax
     monkeypatch.setattr(sampling, "gumbel_argmax",
                         lambda logits, *a: calls.append(len(logits)) or cpp(logits, *a))
     got = sample(logits, drawn, params, keys)
-    assert calls == [sum(not p.top_k for p in params)]  # the rows without top-k, in C++
+    assert calls == [len(drawn)]
     monkeypatch.setattr(sampling, "load_library", lambda: None)
     assert got.tolist() == sample(logits, drawn, params, keys).tolist()
     every = list(range(96))
-    params = [SamplingParams(temperature=temps[i % 6], top_p=(1.0, 0.8)[i % 2]) for i in every]
+    params = [SamplingParams(temperature=temps[i % 6], top_p=(1.0, 0.8)[i % 2],
+                             top_k=(0, 0, 50)[i % 3]) for i in every]
     keys = [row_key(17, i) for i in every]
     want = sample(logits, every, params, keys)
     monkeypatch.undo()
@@ -148,7 +162,7 @@ def test_rows_without_top_k_are_drawn_in_cpp_as_in_torch(dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (0, 0.65)])
-def test_equal_logits_at_the_cut_are_kept_together(top_k, top_p):
+def test_equal_logits_at_the_cut_are_kept_together(top_k, top_p, path):
     """A leader, then ten equal logits that top-k's (or top-p's) cut falls inside: all ten
     are kept, whatever order a sort puts them in (which changes with the batch's width)."""
     row = torch.full((4096,), -30.0)
