@@ -7,6 +7,7 @@ threads can submit and abort during a step.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import numbers
@@ -177,6 +178,10 @@ class LLMEngine:
         if kv_cache_bytes is None:
             kv_cache_bytes = DEFAULT_KV_CACHE_BYTES
             if self.device.type == "cuda":
+                # What loading freed (dequantized and transposed copies) stays in torch's
+                # allocator, counted as used, until it is given back.
+                gc.collect()
+                torch.cuda.empty_cache()
                 free, _ = torch.cuda.mem_get_info(self.device)
                 kv_cache_bytes = int(free * GPU_KV_SHARE) - GPU_ACTIVATION_RESERVE
         num_blocks = kv_cache_bytes // KVCache.bytes_per_block(self.config, block_size, self.dtype)

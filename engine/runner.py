@@ -92,6 +92,7 @@ class ModelRunner:
         # The GPU's idle time between steps: the host work no launch ahead covered.
         self.device_idle_s = 0.0
         self._last_done: torch.cuda.Event | None = None
+        self._copy_stream: torch.cuda.Stream | None = None  # (keep_logits rows, GPU only)
         self._last = LaunchedStep(_Plan())  # the last launch: pending tokens come from it
 
     def capture_graphs(self) -> None:
@@ -251,7 +252,7 @@ class ModelRunner:
                 self.device_idle_s += self._last_done.elapsed_time(step.started) / 1e3
             self._last_done = step.done
         values = step.values.tolist() if step.values is not None else []
-        keep = {rid: rows.cpu() for rid, rows in step.keep}
+        keep = {rid: self._read_rows(rows) for rid, rows in step.keep}
         step.keep = []  # (the next launch still reads this step's sampled ids)
         if step is self._last:
             # Read, its samples become the requests' tokens: no launch takes one from the
@@ -262,6 +263,18 @@ class ModelRunner:
         out = _unpack(values, step.plan)
         out.logit_rows = keep
         return out
+
+    def _read_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """keep_logits rows of a step already done, to the host. On a GPU through a stream
+        of their own: on the step's stream the copy would also wait for the step launched
+        after it. (Not copied at launch into pinned memory like `values`: a scoring
+        request's rows of a long prompt can be gigabytes.)"""
+        if rows.device.type != "cuda":
+            return rows
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(rows.device)
+        with torch.cuda.stream(self._copy_stream):
+            return rows.cpu()
 
     def _event(self) -> torch.cuda.Event | None:
         """A timed event on the device's stream (None on the CPU, where steps run inline)."""
