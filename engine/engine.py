@@ -62,8 +62,9 @@ class LLMEngine:
     kv_cache_bytes sizes the block pool (None: 2 GiB on the CPU, most of the free memory on a
     GPU); max_num_batched_tokens is the per-step token budget C (decodes plus prefill
     chunks), max_prefill_tokens the prefill budget P (<= C), max_num_seqs the most requests
-    running at once; policy is the scheduling policy, by name (sched/policies: sarathi, fcfs,
-    infermax, rr, ...) or as a Policy object. RT requests get the rt_slo_* targets. dtype
+    running at once; policy is the scheduling policy, by name (sched/policies: priority, the
+    default: sarathi with RT requests first; sarathi, fcfs, infermax, apt, bros, rr) or as a
+    Policy object. RT requests get the rt_slo_* targets. dtype
     None picks bf16 on GPUs (fp16 where bf16 is missing) and on CPUs with native bf16, fp32
     elsewhere. attention picks the kernel set: "auto" (C++ on the CPU, Triton on GPUs),
     "cpu", "triton" or "reference". cuda_graphs replays decode steps and small mixed steps
@@ -91,7 +92,7 @@ class LLMEngine:
         attention: str = "auto",
         threads: int | None = None,
         enable_prefix_caching: bool = True,
-        policy: str | Policy = "sarathi",
+        policy: str | Policy = "priority",
         max_prefill_tokens: int | None = None,
         rt_slo_ttft_s: float = 1.0,
         rt_slo_tbt_s: float = 0.25,

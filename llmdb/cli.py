@@ -409,7 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--port", type=_whole_number(0, 65535), default=8000,
                      help="the TCP port (0: any free one, which the log names)")
     srv.add_argument("--device", default="auto", help=DEVICE_HELP)
-    srv.add_argument("--policy", default="sarathi", help="the engine's scheduling policy")
+    srv.add_argument("--policy", default="priority",
+                     help="the engine's scheduling policy (priority: interactive RT requests "
+                          "before bulk BE ones)")
     srv.add_argument("--dtype", choices=DTYPES, default=None, help=DTYPE_HELP)
     srv.add_argument("--threads", type=_whole_number(1), default=None, help=THREADS_HELP)
     srv.add_argument("--max-context", type=_whole_number(1), default=None,

@@ -44,7 +44,7 @@ def reference(small_engine, prompts) -> list[list[int]]:
 def test_policy_on_the_engine_keeps_tokens_and_frees_blocks(small_engine, prompts, reference,
                                                              policy):
     eng = small_engine
-    eng.scheduler.policy = make_policy(policy)
+    default, eng.scheduler.policy = eng.scheduler.policy, make_policy(policy)
     try:
         ids = [eng.add_request(p, PARAMS, priority="RT" if i % 2 else "BE")
                for i, p in enumerate(prompts)]
@@ -53,7 +53,7 @@ def test_policy_on_the_engine_keeps_tokens_and_frees_blocks(small_engine, prompt
             assert eng.pool.num_free >= 0
         results = [eng.wait(i) for i in ids]
     finally:
-        eng.scheduler.policy = make_policy("sarathi")
+        eng.scheduler.policy = default
     for p, ref, r in zip(prompts, reference, results, strict=True):
         assert r.finish_reason == "length"
         assert_same_tokens(eng, p, ref, r.token_ids)

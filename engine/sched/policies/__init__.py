@@ -7,12 +7,13 @@ from .base import Group, Policy
 from .bros import BROSPolicy
 from .fcfs import FCFSPolicy
 from .infermax import InferMaxPolicy
+from .priority import PriorityPolicy
 from .rr import RoundRobinPolicy
 from .sarathi import SarathiPolicy
 
 POLICIES: dict[str, type[Policy]] = {
-    p.name: p for p in (FCFSPolicy, SarathiPolicy, InferMaxPolicy, AptPolicy, BROSPolicy,
-                        RoundRobinPolicy, FCFSHybridPolicy)
+    p.name: p for p in (FCFSPolicy, SarathiPolicy, PriorityPolicy, InferMaxPolicy, AptPolicy,
+                        BROSPolicy, RoundRobinPolicy, FCFSHybridPolicy)
 }
 
 

@@ -20,6 +20,9 @@ class Group:
     requests: Sequence[Request]
     evict: bool  # on a memory shortage: evict lower-priority running requests
     stop_on_short: bool = False  # a candidate that does not fit ends the group (FCFS order)
+    # A waiting candidate may take a running request's seat when every seat is taken, by
+    # preempting victim()s (a higher class, by rank(), displacing a lower one).
+    displace: bool = False
 
 
 class Policy:
@@ -38,6 +41,11 @@ class Policy:
             if r is not cand and r not in batch:
                 return r
         return None
+
+    def rank(self, req: Request) -> int:
+        """A request's class: a lower rank is served first and may displace a higher one
+        (one class unless a policy says otherwise)."""
+        return 0
 
     def reserve_tokens(self, s: Scheduler, req: Request) -> int:
         return 0
@@ -70,8 +78,15 @@ class Policy:
                 if cand in batch or cand.status is Status.FINISHED or cand in out.preempted:
                     continue
                 waiting = cand.status is Status.WAITING
-                if waiting and (len(s.running) >= s.max_num_seqs or out.preempted):
-                    continue  # full, or memory is short this step: admit nobody new
+                if waiting:
+                    while group.displace and len(s.running) >= s.max_num_seqs:
+                        victim = self.victim(s, cand, batch)
+                        if victim is None:
+                            break
+                        s.preempt(out, victim)
+                    if len(s.running) >= s.max_num_seqs or any(
+                            self.rank(r) <= self.rank(cand) for r in out.preempted):
+                        continue  # full, or memory is short this step: admit nobody new
                 if waiting and s.waits_for_prefix(cand):
                     continue  # its prefix is being computed: reuse it next step
                 prefill = s.is_prefill(cand)

@@ -1,0 +1,120 @@
+"""The default policy: interactive (RT) requests before bulk (BE) ones, on the real engine and
+in the scheduler alone."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from llmdb.engine.cache.block_pool import BlockPool
+from llmdb.engine.costmodel import preset
+from llmdb.engine.engine import LLMEngine
+from llmdb.engine.params import SamplingParams
+from llmdb.engine.research.sim import SimConfig, simulate
+from llmdb.engine.research.workloads import dataset
+from llmdb.engine.sched.policies import make_policy
+from llmdb.engine.sched.request import Request
+from llmdb.engine.sched.scheduler import Scheduler
+
+from .model_builders import save_tiny_llama
+
+PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")
+
+
+def _prompts(n: int, first: int = 0) -> list[list[int]]:
+    return [[1] + [(first + 7 * i + j) % 40 + 5 for j in range(5 + i % 9)] for i in range(n)]
+
+
+def test_the_engine_runs_priority_by_default(model_dir):
+    eng = LLMEngine(str(model_dir), dtype="fp32", threads=1)
+    assert eng.describe()["policy"] == "priority"
+
+
+@pytest.mark.parametrize("full", ["seats", "memory"])
+def test_an_rt_request_runs_at_once_behind_a_bulk_job(model_dir, full):
+    """40 BE requests fill the engine's seats (or its memory); an RT request added later
+    gets its first token on the next step, one BE request giving up its place, and every
+    request still gets the tokens it gets alone."""
+    limits = ({"max_num_seqs": 4, "kv_cache_bytes": 1 << 20} if full == "seats"
+              else {"max_num_seqs": 64, "kv_cache_bytes": 9 * 16 * 1024})  # 9 blocks
+    eng = LLMEngine(str(model_dir), dtype="fp32", threads=1, block_size=16, **limits)
+    bulk, interactive = _prompts(40), _prompts(1, first=3)[0]
+    alone = [r.token_ids for r in eng.generate(bulk + [interactive], PARAMS)]
+    preempted = []
+    eng.scheduler.observers.append(lambda out: preempted.extend(out.preempted))
+    ids = [eng.add_request(p, PARAMS, priority="BE") for p in bulk]
+    for _ in range(3):
+        eng.step()
+    rt = eng.add_request(interactive, PARAMS, priority="RT")
+    before = len(preempted)
+    eng.step()
+    assert len(eng._requests[rt].output_ids) == 1
+    assert len(preempted) > before and all(r.priority == "BE" for r in preempted)
+    steps = 1
+    while rt in eng._requests:
+        eng.step()
+        steps += 1
+    assert steps == PARAMS.max_tokens  # one token a step, never set aside
+    while eng.has_unfinished:
+        eng.step()
+    got = [eng.wait(i).token_ids for i in ids + [rt]]
+    assert got == alone
+    assert eng.pool.num_free == eng.pool.num_blocks, "blocks leaked"
+
+
+def _request(rid: str, n: int, priority: str) -> Request:
+    req = Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=64))
+    req.priority = priority
+    return req
+
+
+def test_victims_come_from_a_lower_class():
+    """Who gives up its place: the newest request of a lower class outside the batch; for a
+    running request short of memory, else the newest other one of its own class (sarathi's
+    rule); never an RT request for a BE one, nor a running one for a waiting one of its class."""
+    policy = make_policy("priority")
+    sched = Scheduler(BlockPool(64, 4, False), 64, 8, policy)
+    rt_old, be1, rt_new, be2 = (_request("rt_old", 4, "RT"), _request("be1", 4, "BE"),
+                                _request("rt_new", 4, "RT"), _request("be2", 4, "BE"))
+    for r in (rt_old, be1, be2):
+        sched.add(r)
+    sched.schedule(0.0)
+    sched.add(rt_new)
+    sched.schedule(0.0)
+    assert sched.running == [rt_old, be1, be2, rt_new]
+    rt_waiting, be_waiting = _request("rt_w", 4, "RT"), _request("be_w", 4, "BE")
+    sched.add(rt_waiting)
+    sched.add(be_waiting)
+
+    def victim(cand, *batch):
+        return policy.victim(sched, cand, dict.fromkeys(batch, 1))
+
+    assert victim(rt_old) is be2 and victim(rt_old, be2) is be1
+    assert victim(rt_old, be1, be2) is rt_new  # no BE left: the newest RT
+    assert victim(be2) is be1 and victim(be1) is be2  # never rt_new, the newest
+    assert victim(be1, be2) is None
+    assert victim(rt_waiting) is be2 and victim(rt_waiting, be1, be2) is None
+    assert victim(be_waiting) is None
+
+
+@pytest.mark.parametrize("priority", ["RT", "BE"])
+def test_with_one_class_the_schedule_is_sarathis(priority):
+    specs = [replace(s, priority=priority)
+             for s in dataset("sharegpt", 80, rate=6.0, context=2048, seed=4)]
+    cfg = SimConfig(num_blocks=250, max_num_batched_tokens=1024, max_prefill_tokens=512)
+    seen: dict[str, list] = {}
+    for policy in ("sarathi", "priority"):
+        log = seen[policy] = []
+        result = simulate(specs, policy, preset("llama2-7b-a100"), cfg,
+                          observe=lambda out, log=log: log.append(
+                              ([(r.request_id, n) for r, n in out.scheduled],
+                               [r.request_id for r in out.preempted])))
+        assert all(m.finished for m in result.requests)
+    assert seen["priority"] == seen["sarathi"]
+    assert any(pre for _, pre in seen["sarathi"])  # memory ran short: eviction was compared
