@@ -266,11 +266,14 @@ class LLMEngine:
             raise ValueError(
                 f"{what} is {num_tokens:,} tokens, longer than {self._context_served()}"
             )
-        capacity = self.pool.num_blocks * self.pool.block_size
+        # More than its K/V hold where the policy keeps hidden states (Apt-Serve).
+        capacity = self.scheduler.max_request_tokens()
         if num_tokens > capacity:
+            kv = capacity == self.pool.num_blocks * self.pool.block_size
+            form = "K/V" if kv else "hidden states"
             raise ValueError(
-                f"{what} needs {num_tokens:,} tokens of KV cache but the whole pool holds "
-                f"{capacity:,}; raise kv_cache_bytes"
+                f"{what} needs {num_tokens:,} tokens of cache but the whole pool holds "
+                f"{capacity:,} tokens as {form}; raise kv_cache_bytes"
             )
 
     def _context_served(self) -> str:

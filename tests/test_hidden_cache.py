@@ -346,3 +346,48 @@ def test_apt_at_a_tiny_step_budget_keeps_the_work_it_started(model_dirs, budget)
     assert got is not None, f"apt unfinished after {steps} steps (sarathi: {base})"
     assert preempted <= 3 * len(prompts), f"{preempted} preemptions in {steps} steps"
     assert got == want
+
+
+@pytest.mark.parametrize("policy", ["apt", "fcfs-hybrid"])
+@pytest.mark.parametrize("priority", ["BE", "RT"])
+def test_requests_only_hidden_states_fit_are_served(model_dirs, policy, priority):
+    """A pool of 30 blocks holds 120 tokens as K/V and 240 as hidden states. The policies that
+    keep hidden states serve a prompt longer than 120, and a prompt whose max_tokens run past
+    120, beside short requests: with the tokens of a pool large enough for K/V, also as RT
+    requests late for SLOs of a millisecond (apt's fallback values them near zero, and their
+    hidden form then had a negative value: they were never picked). They were refused."""
+    path = model_dirs["tiny-opt"]
+    rng = random.Random(8)
+    prompts = ([[rng.randrange(4, 280) for _ in range(n)] for n in (150, 100)]
+               + _prompts(4, 280, seed=8))
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (8, 40, 8, 8, 8, 8)]
+    big = _engine(path, hidden_cache=False)
+    want = [big.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params, strict=True)]
+    block_bytes = 2 * 3 * 64 * 4 * BLOCK  # K and V, 3 layers, hidden 64, fp32
+    eng = LLMEngine(str(path), device="cpu", dtype="float32", kv_cache_bytes=30 * block_bytes,
+                    block_size=BLOCK, policy=policy, max_num_batched_tokens=32,
+                    rt_slo_ttft_s=1e-3, rt_slo_tbt_s=1e-3)
+    with pytest.raises(ValueError, match="whole pool holds 240 tokens as hidden states"):
+        eng.add_request([5] * 241, SamplingParams(max_tokens=1))
+    ids = [eng.add_request(p, sp, priority=priority)
+           for p, sp in zip(prompts, params, strict=True)]
+    steps = 0
+    while eng.has_unfinished and steps < 1000:
+        eng.step()
+        steps += 1
+    assert not eng.has_unfinished, f"unfinished after {steps} steps"
+    assert [eng.wait(i).token_ids for i in ids] == want
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
+@pytest.mark.parametrize("options", [{"policy": "sarathi"},
+                                     {"policy": "apt", "hidden_cache": False}])
+def test_requests_only_hidden_states_fit_are_refused_without_them(model_dirs, options):
+    """Where no policy keeps hidden states, a request must fit the pool as K/V."""
+    block_bytes = 2 * 3 * 64 * 4 * BLOCK
+    eng = LLMEngine(str(model_dirs["tiny-opt"]), device="cpu", dtype="float32",
+                    kv_cache_bytes=30 * block_bytes, block_size=BLOCK, **options)
+    with pytest.raises(ValueError, match="whole pool holds 120 tokens as K/V"):
+        eng.add_request([5] * 121, SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="prompt plus max_tokens"):
+        eng.add_request([5] * 100, SamplingParams(max_tokens=21))

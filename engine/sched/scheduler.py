@@ -40,6 +40,7 @@ class SchedulingPolicy(Protocol):
 
     name: str
     reserves_memory: bool  # reserve_tokens() counts when checking that a request fits
+    keeps_hidden_states: bool  # it gives requests hidden caches where the executor has them
 
     def schedule(self, s: Scheduler, now: float) -> SchedulerOutput: ...
 
@@ -117,6 +118,14 @@ class Scheduler:
         """The request's memory in blocks (a hidden request's halves count half)."""
         held = len(req.block_ids)
         return held * self.hidden_ratio if req.cache_type == "hidden" else held
+
+    def max_request_tokens(self) -> int:
+        """The most tokens one request can ever hold in the pool: as hidden states where the
+        policy keeps them, else as K/V."""
+        tokens = self.pool.num_blocks * self.pool.block_size
+        if self.hidden_ratio and self.policy.keeps_hidden_states:
+            return int(tokens / self.hidden_ratio)
+        return tokens
 
     def _num_free(self, req: Request) -> int:
         """Free units of the request's cache type: KV blocks, or halves for a hidden request.

@@ -5,7 +5,8 @@ iteration), whichever has the larger total pending time p (since arrival before 
 token, since the last token after). Its requests are candidates for a knapsack over memory:
 a request is worth p in KV form (memory m) or p - N rho m in hidden form (memory h), with
 N = |W| + |R| and rho the cost model's re-projection time per unit of memory (here: seconds
-per KV block's worth of tokens). The repaired greedy of apt_knapsack picks. In a decode
+per KV block's worth of tokens); a request whose K/V exceed the whole pool has no KV form and
+is worth p in hidden form. The repaired greedy of apt_knapsack picks. In a decode
 iteration the budget is the whole pool; in a prefill iteration it is what the running
 requests leave, a started prefill counted whole. A request whose cache type changes is
 recomputed in the new type, except hidden -> KV, which projects the cached hidden states to
@@ -50,6 +51,7 @@ class AptPolicy(Policy):
     name = "apt"
     description = ("Apt-Serve: knapsack over pending time and memory (hybrid KV/hidden cache "
                    "where the model has one), SLO-aware fallback, C as a filter")
+    keeps_hidden_states = True
 
     def __init__(self, fallback: str = "zero") -> None:
         if fallback not in ("zero", "decay"):
@@ -103,7 +105,15 @@ class AptPolicy(Policy):
             h = [b + 1 for b in m]  # h > m: no hidden option
         rho = (s.cost_model.rho if s.cost_model is not None else 0.0) * bs
         n_queue = len(s.waiting) + len(s.running)
-        picked = select_columns(range(len(queue)), values, m, h, budget, n_queue, rho).choice
+        worth = values
+        if s.hidden_ratio:
+            # K/V larger than the whole pool: hidden states are the request's only form, worth
+            # its pending time. Valued p - N rho m, it was picked only once it had waited
+            # N rho m, and never once the SLO fallback had set p near zero.
+            nr = n_queue * rho
+            worth = [v + nr * b if b > pool.num_blocks else v
+                     for v, b in zip(values, m, strict=True)]
+        picked = select_columns(range(len(queue)), worth, m, h, budget, n_queue, rho).choice
         return queue, values, picked
 
     def iteration(self, s: Scheduler, now: float, prefill_iter: bool) -> SchedulerOutput:
@@ -213,6 +223,7 @@ class FCFSHybridPolicy(FCFSPolicy):
 
     name = "fcfs-hybrid"
     description = "vLLM's FCFS, a waiting request takes a hidden cache when its KV does not fit"
+    keeps_hidden_states = True
 
     def schedule(self, s: Scheduler, now: float) -> SchedulerOutput:
         if s.hidden_ratio:
