@@ -224,6 +224,28 @@ class Scheduler:
             self._hits[req.request_id] = self._cached_blocks(req)
         return self._hits[req.request_id]
 
+    def shared_prompt_blocks(self, reqs: Sequence[Request]) -> list[int]:
+        """For each of these waiting KV-cache requests, how many of its full prompt blocks it
+        would not add to the pool: prefix hits on blocks running requests hold, and blocks an
+        earlier one of `reqs` has too (the earlier one counts those)."""
+        ref, seen, out = self.pool.ref_count, set(), []
+        for r in reqs:
+            hits = self.prefix_hit(r)
+            n = self._prompt_blocks(r)
+            shared = 0
+            for i, h in enumerate(self._hashes(r, n)[:n]):
+                if h in seen or (i < len(hits) and ref[hits[i]]):
+                    shared += 1
+                seen.add(h)
+            out.append(shared)
+        return out
+
+    def set_cache_type(self, req: Request, kind: str) -> None:
+        """The cache type a waiting request is to be admitted with: its prefix hit is looked up
+        again (KV blocks; a hidden-cache request has none)."""
+        req.cache_type = kind
+        self._hits.pop(req.request_id, None)
+
     def _cached_blocks(self, req: Request) -> list[int]:
         hits: list[int] = []
         if self.pool.enable_prefix_caching and not req.num_computed and req.cache_type == "kv":

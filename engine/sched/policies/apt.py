@@ -85,10 +85,14 @@ class AptPolicy(Policy):
         """The candidates of this iteration, their values and the knapsack's picks."""
         pool = s.pool
         # Held requests (finishing, their last step not read yet) free their blocks soon.
-        budget = pool.num_blocks - sum(map(s.memory_held, s.held.values()))
+        # Every holder counts its blocks whole, so a block shared through the prefix cache
+        # counts once per holder: the pool holds that many more (shared_refs).
+        budget = pool.num_blocks + pool.shared_refs - sum(map(s.memory_held, s.held.values()))
         if prefill_iter:
             queue = list(s.waiting)[: s.max_num_seqs - len(s.running)]
             budget -= sum(_memory_claimed(s, r) for r in s.running)
+            for r in queue:  # (its type is chosen again below; its prefix hit is KV blocks)
+                s.set_cache_type(r, "kv")
         else:
             queue = list(s.running)
         bs = pool.block_size
@@ -98,9 +102,17 @@ class AptPolicy(Policy):
         slo = [r.slo_ttft_s if r.last_token_time is None else r.slo_tbt_s for r in queue]
         values = self.values(since, slo, now)
         tokens = [len(r.prompt_ids) + len(r.output_ids) for r in queue]
-        m = [(t + bs - 1) // bs for t in tokens]  # KV blocks, rounded up
+        full = [(t + bs - 1) // bs for t in tokens]  # KV blocks, rounded up
+        m = full
+        if prefill_iter and pool.enable_prefix_caching:
+            # In KV form a shared prompt prefix takes the pool's memory once (a hit on blocks
+            # in use adds to shared_refs). Counted whole, shared prompts looked too large for
+            # their K/V: apt kept them as hidden states, which have no prefix hits, and
+            # recomputed every prompt.
+            m = [b - shared for b, shared in zip(full, s.shared_prompt_blocks(queue),
+                                                  strict=True)]
         if s.hidden_ratio:
-            h = [b * s.hidden_ratio for b in m]  # the same count of half blocks
+            h = [b * s.hidden_ratio for b in full]  # the same count of half blocks
         else:
             h = [b + 1 for b in m]  # h > m: no hidden option
         rho = (s.cost_model.rho if s.cost_model is not None else 0.0) * bs
@@ -112,7 +124,7 @@ class AptPolicy(Policy):
             # N rho m, and never once the SLO fallback had set p near zero.
             nr = n_queue * rho
             worth = [v + nr * b if b > pool.num_blocks else v
-                     for v, b in zip(values, m, strict=True)]
+                     for v, b in zip(values, full, strict=True)]
         picked = select_columns(range(len(queue)), worth, m, h, budget, n_queue, rho).choice
         return queue, values, picked
 
@@ -121,7 +133,7 @@ class AptPolicy(Policy):
         queue, values, picked = self.decide(s, now, prefill_iter)
         if prefill_iter:
             for k, choice in picked.items():
-                queue[k].cache_type = choice
+                s.set_cache_type(queue[k], choice)
             victims: list[Request] = []  # the budget already leaves the running ones out
         else:
             victims = _victims(queue, values, picked)
