@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -224,12 +224,16 @@ class Scheduler:
             self._hits[req.request_id] = self._cached_blocks(req)
         return self._hits[req.request_id]
 
-    def shared_prompt_blocks(self, reqs: Sequence[Request]) -> list[int]:
-        """For each of these waiting KV-cache requests, how many of its full prompt blocks it
-        would not add to the pool: prefix hits on blocks running requests hold, and blocks an
-        earlier one of `reqs` has too (the earlier one counts those)."""
-        ref, seen, out = self.pool.ref_count, set(), []
+    def shared_prompt_blocks(self, reqs: Iterable[Request]) -> Iterator[int]:
+        """For each of these waiting KV-cache requests in turn, how many of its full prompt
+        blocks it would not add to the pool: prefix hits on blocks running requests hold, and
+        blocks an earlier one of `reqs` has too (the earlier one counts those). 0 where
+        prefix caching is off."""
+        ref, seen = self.pool.ref_count, set()
         for r in reqs:
+            if not self.pool.enable_prefix_caching:
+                yield 0
+                continue
             hits = self.prefix_hit(r)
             n = self._prompt_blocks(r)
             shared = 0
@@ -237,8 +241,7 @@ class Scheduler:
                 if h in seen or (i < len(hits) and ref[hits[i]]):
                     shared += 1
                 seen.add(h)
-            out.append(shared)
-        return out
+            yield shared
 
     def set_cache_type(self, req: Request, kind: str) -> None:
         """The cache type a waiting request is to be admitted with: its prefix hit is looked up

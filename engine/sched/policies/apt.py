@@ -245,19 +245,17 @@ class FCFSHybridPolicy(FCFSPolicy):
     @staticmethod
     def assign_cache_types(s: Scheduler) -> None:
         """KV for each waiting request, in order, while its KV cache fits what the ones
-        before it left free; hidden where only that fits; the rest wait in KV form."""
+        before it left free; hidden where only that fits; the rest wait in KV form. A prompt
+        prefix shared through the prefix cache takes KV blocks once (counted whole, a shared
+        prompt was given a hidden cache where its K/V fitted, and lost its prefix hit)."""
         free = s.pool.free_space()
-        blocked = False
-        for r in s.waiting:
-            if r.num_computed:  # already holds blocks (not the case for waiting ones)
-                continue
-            r.cache_type = "kv"
-            if blocked:
-                continue
+        waiting = [r for r in s.waiting if not r.num_computed]  # (none holds blocks)
+        for r in waiting:
+            s.set_cache_type(r, "kv")
+        for r, shared in zip(waiting, s.shared_prompt_blocks(waiting), strict=True):
             units = s.pool.blocks_for(r.num_tokens)  # KV blocks or as many hidden halves
-            if free.take_blocks(units):
+            if free.take_blocks(units - shared):
                 continue
-            if free.take_halves(units):
-                r.cache_type = "hidden"
-            else:
-                blocked = True
+            if not free.take_halves(units):
+                break
+            s.set_cache_type(r, "hidden")
