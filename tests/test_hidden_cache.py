@@ -288,6 +288,26 @@ def test_gqa_model_keeps_kv_only(model_dirs):
     assert not off["enabled"] and "turned off" in off["why"]
 
 
+def test_a_hidden_cache_turned_off_keeps_no_reprojection_weights(model_dirs):
+    """With hidden_cache=False the model keeps no K/V re-projection weights: in bf16 on the
+    CPU each layer's were a packed copy of 2/3 of its QKV weight (28 MB of OPT-125m's 250),
+    for requests that can no longer have a hidden cache. A request set to one fails with an
+    error that says so, and the engine serves the next."""
+    path = model_dirs["tiny-opt"]
+    assert _engine(path).model.kv_projs  # (the hidden cache on: one a layer)
+    eng = _engine(path, hidden_cache=False)
+    assert eng.model.kv_projs == [] and eng.kv_cache.hidden == []
+    assert eng.describe()["hidden_cache"]["why"] == "turned off (hidden_cache=False)"
+    rid = eng.add_request([5, 6, 7], GREEDY)
+    eng._requests[rid].cache_type = "hidden"
+    while eng.has_unfinished:
+        eng.step()
+    assert "without a hidden cache" in eng.wait(rid).error
+    want = _engine(path).generate([[5, 6, 7]], GREEDY)[0].token_ids
+    assert eng.generate([[5, 6, 7]], GREEDY)[0].token_ids == want
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
 def test_apt_serves_both_cache_types_at_saturation(model_dirs):
     """apt on a pool too small for the batch in KV form: its knapsack keeps some requests as
     hidden states, converts and evicts, and every request still gets the tokens it gets
