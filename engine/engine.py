@@ -7,6 +7,7 @@ threads can submit and abort during a step.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import logging
@@ -113,15 +114,12 @@ class LLMEngine:
             max_num_batched_tokens = 8192 if self.device.type == "cuda" else 1024
         # Weights and caches are made on the compute thread, where the steps will run.
         num_blocks = run_on_device(self.device, self._load, model, threads, kv_cache_bytes,
-                                   block_size, max_context)
+                                   block_size, max_context, hidden_cache)
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
         self._context, self._eos = self.config.max_context, self.config.eos_token_ids
-        supported, self.hidden_cache_reason = self.config.hidden_cache_support()
-        if hidden_cache and not supported:
+        self.hidden_cache, self.hidden_cache_reason = self.config.hidden_cache_support()
+        if hidden_cache and not self.hidden_cache:
             raise ValueError(f"no hidden cache for {model}: {self.hidden_cache_reason}")
-        self.hidden_cache = supported if hidden_cache is None else hidden_cache
-        if supported and not self.hidden_cache:
-            self.hidden_cache_reason = "turned off (hidden_cache=False)"
         # This model's, dtype's and device's calibration, or a labelled estimate.
         self.cost_model = engine_cost_model(self)
         self.scheduler = Scheduler(self.pool, max_num_batched_tokens, max_num_seqs,
@@ -162,10 +160,12 @@ class LLMEngine:
         self.step_log: list[tuple[str, float, float]] | None = None
 
     def _load(self, model: str, threads: int | None, kv_cache_bytes: int | None,
-              block_size: int, max_context: int | None) -> int:
+              block_size: int, max_context: int | None, hidden_cache: bool | None) -> int:
         torch.set_num_threads(threads or os.cpu_count() or 1)
         loaded = load_model(resolve_model(model))
         self.config, self.tokenizer = loaded.config.serving(max_context), loaded.tokenizer
+        if hidden_cache is False:  # (no re-projection weights: a copy of K/V's on the CPU)
+            self.config = dataclasses.replace(self.config, hidden_cache=False)
         self.model_context = loaded.config.max_context  # (what max_context may go up to)
         self.fingerprint = loaded.fingerprint
         model_cls = {"llama": LlamaModel, "opt": OPTModel, "gemma2": GemmaModel,
@@ -272,11 +272,14 @@ class LLMEngine:
             raise ValueError(
                 f"{what} is {num_tokens:,} tokens, longer than {self._context_served()}"
             )
-        capacity = self.pool.num_blocks * self.pool.block_size
+        # More than its K/V hold where the policy keeps hidden states (Apt-Serve).
+        capacity = self.scheduler.max_request_tokens()
         if num_tokens > capacity:
+            kv = capacity == self.pool.num_blocks * self.pool.block_size
+            form = "K/V" if kv else "hidden states"
             raise ValueError(
-                f"{what} needs {num_tokens:,} tokens of KV cache but the whole pool holds "
-                f"{capacity:,}; raise kv_cache_bytes"
+                f"{what} needs {num_tokens:,} tokens of cache but the whole pool holds "
+                f"{capacity:,} tokens as {form}; raise kv_cache_bytes"
             )
 
     def _context_served(self) -> str:

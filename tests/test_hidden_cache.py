@@ -288,6 +288,26 @@ def test_gqa_model_keeps_kv_only(model_dirs):
     assert not off["enabled"] and "turned off" in off["why"]
 
 
+def test_a_hidden_cache_turned_off_keeps_no_reprojection_weights(model_dirs):
+    """With hidden_cache=False the model keeps no K/V re-projection weights: in bf16 on the
+    CPU each layer's were a packed copy of 2/3 of its QKV weight (28 MB of OPT-125m's 250),
+    for requests that can no longer have a hidden cache. A request set to one fails with an
+    error that says so, and the engine serves the next."""
+    path = model_dirs["tiny-opt"]
+    assert _engine(path).model.kv_projs  # (the hidden cache on: one a layer)
+    eng = _engine(path, hidden_cache=False)
+    assert eng.model.kv_projs == [] and eng.kv_cache.hidden == []
+    assert eng.describe()["hidden_cache"]["why"] == "turned off (hidden_cache=False)"
+    rid = eng.add_request([5, 6, 7], GREEDY)
+    eng._requests[rid].cache_type = "hidden"
+    while eng.has_unfinished:
+        eng.step()
+    assert "without a hidden cache" in eng.wait(rid).error
+    want = _engine(path).generate([[5, 6, 7]], GREEDY)[0].token_ids
+    assert eng.generate([[5, 6, 7]], GREEDY)[0].token_ids == want
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
 def test_apt_serves_both_cache_types_at_saturation(model_dirs):
     """apt on a pool too small for the batch in KV form: its knapsack keeps some requests as
     hidden states, converts and evicts, and every request still gets the tokens it gets
@@ -346,3 +366,87 @@ def test_apt_at_a_tiny_step_budget_keeps_the_work_it_started(model_dirs, budget)
     assert got is not None, f"apt unfinished after {steps} steps (sarathi: {base})"
     assert preempted <= 3 * len(prompts), f"{preempted} preemptions in {steps} steps"
     assert got == want
+
+
+@pytest.mark.parametrize("policy", ["apt", "fcfs-hybrid"])
+@pytest.mark.parametrize("priority", ["BE", "RT"])
+def test_requests_only_hidden_states_fit_are_served(model_dirs, policy, priority):
+    """A pool of 30 blocks holds 120 tokens as K/V and 240 as hidden states. The policies that
+    keep hidden states serve a prompt longer than 120, and a prompt whose max_tokens run past
+    120, beside short requests: with the tokens of a pool large enough for K/V, also as RT
+    requests late for SLOs of a millisecond (apt's fallback values them near zero, and their
+    hidden form then had a negative value: they were never picked). They were refused."""
+    path = model_dirs["tiny-opt"]
+    rng = random.Random(8)
+    prompts = ([[rng.randrange(4, 280) for _ in range(n)] for n in (150, 100)]
+               + _prompts(4, 280, seed=8))
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (8, 40, 8, 8, 8, 8)]
+    big = _engine(path, hidden_cache=False)
+    want = [big.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params, strict=True)]
+    block_bytes = 2 * 3 * 64 * 4 * BLOCK  # K and V, 3 layers, hidden 64, fp32
+    eng = LLMEngine(str(path), device="cpu", dtype="float32", kv_cache_bytes=30 * block_bytes,
+                    block_size=BLOCK, policy=policy, max_num_batched_tokens=32,
+                    rt_slo_ttft_s=1e-3, rt_slo_tbt_s=1e-3)
+    with pytest.raises(ValueError, match="whole pool holds 240 tokens as hidden states"):
+        eng.add_request([5] * 241, SamplingParams(max_tokens=1))
+    ids = [eng.add_request(p, sp, priority=priority)
+           for p, sp in zip(prompts, params, strict=True)]
+    steps = 0
+    while eng.has_unfinished and steps < 1000:
+        eng.step()
+        steps += 1
+    assert not eng.has_unfinished, f"unfinished after {steps} steps"
+    assert [eng.wait(i).token_ids for i in ids] == want
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
+@pytest.mark.parametrize("options", [{"policy": "sarathi"},
+                                     {"policy": "apt", "hidden_cache": False}])
+def test_requests_only_hidden_states_fit_are_refused_without_them(model_dirs, options):
+    """Where no policy keeps hidden states, a request must fit the pool as K/V."""
+    block_bytes = 2 * 3 * 64 * 4 * BLOCK
+    eng = LLMEngine(str(model_dirs["tiny-opt"]), device="cpu", dtype="float32",
+                    kv_cache_bytes=30 * block_bytes, block_size=BLOCK, **options)
+    with pytest.raises(ValueError, match="whole pool holds 120 tokens as K/V"):
+        eng.add_request([5] * 121, SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="prompt plus max_tokens"):
+        eng.add_request([5] * 100, SamplingParams(max_tokens=21))
+
+
+def _computed_and_cached(path: Path, policy: str, prompts: list[list[int]]
+                         ) -> tuple[int, int, int, list[list[int]]]:
+    """Steps, tokens computed and prompt tokens served from the prefix cache when `prompts`
+    are served together under `policy` on a pool of 60 blocks, and their tokens."""
+    block_bytes = 2 * 3 * 64 * 4 * BLOCK  # K and V, 3 layers, hidden 64, fp32
+    eng = LLMEngine(str(path), device="cpu", dtype="float32", kv_cache_bytes=60 * block_bytes,
+                    block_size=BLOCK, policy=policy)
+    computed = []
+    eng.scheduler.observers.append(lambda out: computed.append(out.num_tokens))
+    results = eng.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert eng.pool.num_free == eng.pool.num_blocks and eng.pool.shared_refs == 0
+    return (len(computed), sum(computed), sum(r.usage.cached_tokens for r in results),
+            [r.token_ids for r in results])
+
+
+@pytest.mark.parametrize(("policy", "base"), [("apt", "sarathi"), ("fcfs-hybrid", "fcfs")])
+def test_shared_prompt_prefixes_stay_in_the_kv_cache(model_dirs, policy, base):
+    """24 prompts share 32 tokens (8 blocks): as K/V they take 8 blocks once and a few each,
+    which the 60-block pool holds. apt counted every prompt's blocks whole (288), chose
+    hidden states for 23 of them, which have no prefix hits, and computed 2,043 tokens in 41
+    steps with nothing served from the cache (sarathi: 327 tokens, 13 steps, 736 cached);
+    counting a running request's shared blocks whole it took 21 steps. fcfs-hybrid gave 2 a
+    hidden cache: 408 tokens computed (fcfs: 336). Each must reuse the prefix as the policy
+    without a hidden cache does, with the tokens of an engine without one."""
+    path = model_dirs["tiny-opt"]
+    rng = random.Random(5)
+    shared = [rng.randrange(4, 280) for _ in range(32)]
+    prompts = [shared + [rng.randrange(4, 280) for _ in range(rng.randrange(1, 7))]
+               for _ in range(24)]
+    want = [r.token_ids for r in _engine(path, hidden_cache=False).generate(
+        prompts, SamplingParams(max_tokens=8, ignore_eos=True))]
+    base_steps, base_computed, base_cached, _ = _computed_and_cached(path, base, prompts)
+    steps, computed, cached, got = _computed_and_cached(path, policy, prompts)
+    assert got == want
+    assert cached >= base_cached, (cached, base_cached)
+    assert computed <= 1.1 * base_computed, (computed, base_computed)
+    assert steps <= 1.25 * base_steps, (steps, base_steps)

@@ -44,6 +44,9 @@ class BlockPool:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks
+        # References beyond a block's first (prefix hits on blocks in use): the blocks the
+        # requests hold, each request's counted whole, exceed the blocks in use by this many.
+        self.shared_refs = 0
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._hash_of: dict[int, int] = {}  # block -> hash, for cached blocks
         self._tokens_of: dict[int, tuple[int, ...]] = {}
@@ -92,7 +95,9 @@ class BlockPool:
         # it evicts nothing (behind the cached ones, it let them be evicted while it waited).
         for b in reversed(blocks):
             self.ref_count[b] -= 1
-            if self.ref_count[b] == 0:
+            if self.ref_count[b]:
+                self.shared_refs -= 1
+            else:
                 self._free[b] = None
                 if b not in self._hash_of:
                     self._free.move_to_end(b, last=False)
@@ -141,6 +146,8 @@ class BlockPool:
         """Take a reference to a cached block (a prefix hit)."""
         if self.ref_count[b] == 0:
             del self._free[b]
+        else:
+            self.shared_refs += 1
         self.ref_count[b] += 1
 
     def register(self, b: int, h: int, tokens: tuple[int, ...]) -> None:

@@ -65,6 +65,9 @@ class ModelConfig:
     # Layers whose Q and K take no RoPE at all (SmolLM3's NoPE layers, every fourth one):
     # their attention sees no positions but the causal mask's. Empty: every layer rotates.
     nope_layers: tuple[int, ...] = ()
+    # Serving: False where the engine keeps no hidden states (LLMEngine(hidden_cache=False)),
+    # so the model builds no K/V re-projection and the cache no hidden-state views.
+    hidden_cache: bool = True
 
     def layer_window(self, layer: int) -> int:
         """The window of one layer (0: its whole context)."""
@@ -129,5 +132,7 @@ class ModelConfig:
                            f"({kv_dim})")
         if self.arch.startswith("gemma"):  # (every published Gemma is refused above)
             return False, "Gemma's K/V re-projection from hidden states is not implemented"
+        if not self.hidden_cache:
+            return False, "turned off (hidden_cache=False)"
         return True, (f"hidden states ({self.hidden_size} values a token and layer) take half "
                       f"the memory of K and V ({2 * kv_dim})")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -40,6 +40,7 @@ class SchedulingPolicy(Protocol):
 
     name: str
     reserves_memory: bool  # reserve_tokens() counts when checking that a request fits
+    keeps_hidden_states: bool  # it gives requests hidden caches where the executor has them
 
     def schedule(self, s: Scheduler, now: float) -> SchedulerOutput: ...
 
@@ -117,6 +118,14 @@ class Scheduler:
         """The request's memory in blocks (a hidden request's halves count half)."""
         held = len(req.block_ids)
         return held * self.hidden_ratio if req.cache_type == "hidden" else held
+
+    def max_request_tokens(self) -> int:
+        """The most tokens one request can ever hold in the pool: as hidden states where the
+        policy keeps them, else as K/V."""
+        tokens = self.pool.num_blocks * self.pool.block_size
+        if self.hidden_ratio and self.policy.keeps_hidden_states:
+            return int(tokens / self.hidden_ratio)
+        return tokens
 
     def _num_free(self, req: Request) -> int:
         """Free units of the request's cache type: KV blocks, or halves for a hidden request.
@@ -214,6 +223,31 @@ class Scheduler:
         if req.request_id not in self._hits:
             self._hits[req.request_id] = self._cached_blocks(req)
         return self._hits[req.request_id]
+
+    def shared_prompt_blocks(self, reqs: Iterable[Request]) -> Iterator[int]:
+        """For each of these waiting KV-cache requests in turn, how many of its full prompt
+        blocks it would not add to the pool: prefix hits on blocks running requests hold, and
+        blocks an earlier one of `reqs` has too (the earlier one counts those). 0 where
+        prefix caching is off."""
+        ref, seen = self.pool.ref_count, set()
+        for r in reqs:
+            if not self.pool.enable_prefix_caching:
+                yield 0
+                continue
+            hits = self.prefix_hit(r)
+            n = self._prompt_blocks(r)
+            shared = 0
+            for i, h in enumerate(self._hashes(r, n)[:n]):
+                if h in seen or (i < len(hits) and ref[hits[i]]):
+                    shared += 1
+                seen.add(h)
+            yield shared
+
+    def set_cache_type(self, req: Request, kind: str) -> None:
+        """The cache type a waiting request is to be admitted with: its prefix hit is looked up
+        again (KV blocks; a hidden-cache request has none)."""
+        req.cache_type = kind
+        self._hits.pop(req.request_id, None)
 
     def _cached_blocks(self, req: Request) -> list[int]:
         hits: list[int] = []

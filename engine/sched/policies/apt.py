@@ -5,7 +5,8 @@ iteration), whichever has the larger total pending time p (since arrival before 
 token, since the last token after). Its requests are candidates for a knapsack over memory:
 a request is worth p in KV form (memory m) or p - N rho m in hidden form (memory h), with
 N = |W| + |R| and rho the cost model's re-projection time per unit of memory (here: seconds
-per KV block's worth of tokens). The repaired greedy of apt_knapsack picks. In a decode
+per KV block's worth of tokens); a request whose K/V exceed the whole pool has no KV form and
+is worth p in hidden form. The repaired greedy of apt_knapsack picks. In a decode
 iteration the budget is the whole pool; in a prefill iteration it is what the running
 requests leave, a started prefill counted whole. A request whose cache type changes is
 recomputed in the new type, except hidden -> KV, which projects the cached hidden states to
@@ -50,6 +51,7 @@ class AptPolicy(Policy):
     name = "apt"
     description = ("Apt-Serve: knapsack over pending time and memory (hybrid KV/hidden cache "
                    "where the model has one), SLO-aware fallback, C as a filter")
+    keeps_hidden_states = True
 
     def __init__(self, fallback: str = "zero") -> None:
         if fallback not in ("zero", "decay"):
@@ -83,10 +85,14 @@ class AptPolicy(Policy):
         """The candidates of this iteration, their values and the knapsack's picks."""
         pool = s.pool
         # Held requests (finishing, their last step not read yet) free their blocks soon.
-        budget = pool.num_blocks - sum(map(s.memory_held, s.held.values()))
+        # Every holder counts its blocks whole, so a block shared through the prefix cache
+        # counts once per holder: the pool holds that many more (shared_refs).
+        budget = pool.num_blocks + pool.shared_refs - sum(map(s.memory_held, s.held.values()))
         if prefill_iter:
             queue = list(s.waiting)[: s.max_num_seqs - len(s.running)]
             budget -= sum(_memory_claimed(s, r) for r in s.running)
+            for r in queue:  # (its type is chosen again below; its prefix hit is KV blocks)
+                s.set_cache_type(r, "kv")
         else:
             queue = list(s.running)
         bs = pool.block_size
@@ -96,14 +102,30 @@ class AptPolicy(Policy):
         slo = [r.slo_ttft_s if r.last_token_time is None else r.slo_tbt_s for r in queue]
         values = self.values(since, slo, now)
         tokens = [len(r.prompt_ids) + len(r.output_ids) for r in queue]
-        m = [(t + bs - 1) // bs for t in tokens]  # KV blocks, rounded up
+        full = [(t + bs - 1) // bs for t in tokens]  # KV blocks, rounded up
+        m = full
+        if prefill_iter and pool.enable_prefix_caching:
+            # In KV form a shared prompt prefix takes the pool's memory once (a hit on blocks
+            # in use adds to shared_refs). Counted whole, shared prompts looked too large for
+            # their K/V: apt kept them as hidden states, which have no prefix hits, and
+            # recomputed every prompt.
+            m = [b - shared for b, shared in zip(full, s.shared_prompt_blocks(queue),
+                                                  strict=True)]
         if s.hidden_ratio:
-            h = [b * s.hidden_ratio for b in m]  # the same count of half blocks
+            h = [b * s.hidden_ratio for b in full]  # the same count of half blocks
         else:
             h = [b + 1 for b in m]  # h > m: no hidden option
         rho = (s.cost_model.rho if s.cost_model is not None else 0.0) * bs
         n_queue = len(s.waiting) + len(s.running)
-        picked = select_columns(range(len(queue)), values, m, h, budget, n_queue, rho).choice
+        worth = values
+        if s.hidden_ratio:
+            # K/V larger than the whole pool: hidden states are the request's only form, worth
+            # its pending time. Valued p - N rho m, it was picked only once it had waited
+            # N rho m, and never once the SLO fallback had set p near zero.
+            nr = n_queue * rho
+            worth = [v + nr * b if b > pool.num_blocks else v
+                     for v, b in zip(values, full, strict=True)]
+        picked = select_columns(range(len(queue)), worth, m, h, budget, n_queue, rho).choice
         return queue, values, picked
 
     def iteration(self, s: Scheduler, now: float, prefill_iter: bool) -> SchedulerOutput:
@@ -111,7 +133,7 @@ class AptPolicy(Policy):
         queue, values, picked = self.decide(s, now, prefill_iter)
         if prefill_iter:
             for k, choice in picked.items():
-                queue[k].cache_type = choice
+                s.set_cache_type(queue[k], choice)
             victims: list[Request] = []  # the budget already leaves the running ones out
         else:
             victims = _victims(queue, values, picked)
@@ -213,6 +235,7 @@ class FCFSHybridPolicy(FCFSPolicy):
 
     name = "fcfs-hybrid"
     description = "vLLM's FCFS, a waiting request takes a hidden cache when its KV does not fit"
+    keeps_hidden_states = True
 
     def schedule(self, s: Scheduler, now: float) -> SchedulerOutput:
         if s.hidden_ratio:
@@ -222,19 +245,17 @@ class FCFSHybridPolicy(FCFSPolicy):
     @staticmethod
     def assign_cache_types(s: Scheduler) -> None:
         """KV for each waiting request, in order, while its KV cache fits what the ones
-        before it left free; hidden where only that fits; the rest wait in KV form."""
+        before it left free; hidden where only that fits; the rest wait in KV form. A prompt
+        prefix shared through the prefix cache takes KV blocks once (counted whole, a shared
+        prompt was given a hidden cache where its K/V fitted, and lost its prefix hit)."""
         free = s.pool.free_space()
-        blocked = False
-        for r in s.waiting:
-            if r.num_computed:  # already holds blocks (not the case for waiting ones)
-                continue
-            r.cache_type = "kv"
-            if blocked:
-                continue
+        waiting = [r for r in s.waiting if not r.num_computed]  # (none holds blocks)
+        for r in waiting:
+            s.set_cache_type(r, "kv")
+        for r, shared in zip(waiting, s.shared_prompt_blocks(waiting), strict=True):
             units = s.pool.blocks_for(r.num_tokens)  # KV blocks or as many hidden halves
-            if free.take_blocks(units):
+            if free.take_blocks(units - shared):
                 continue
-            if free.take_halves(units):
-                r.cache_type = "hidden"
-            else:
-                blocked = True
+            if not free.take_halves(units):
+                break
+            s.set_cache_type(r, "hidden")

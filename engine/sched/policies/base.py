@@ -31,6 +31,7 @@ class Policy:
     hybrid = True  # prefill chunks and decodes in one batch
     chunked_prefill = True  # a prefill may be split across steps under P
     reserves_memory = False  # reserve_tokens() is used by can-allocate
+    keeps_hidden_states = False  # gives requests hidden caches (Apt-Serve) where there are any
 
     def groups(self, s: Scheduler, now: float) -> list[Group]:
         raise NotImplementedError
