@@ -66,6 +66,7 @@ def test_an_rt_request_runs_at_once_behind_a_bulk_job(model_dir, full):
     got = [eng.wait(i).token_ids for i in ids + [rt]]
     assert got == alone
     assert eng.pool.num_free == eng.pool.num_blocks, "blocks leaked"
+    assert eng.scheduler.num_rt == 0
 
 
 def _request(rid: str, n: int, priority: str) -> Request:

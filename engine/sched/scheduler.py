@@ -87,9 +87,13 @@ class Scheduler:
         # Called with each schedule()'s output, before anything runs it: how tests and the
         # bound's recording of a policy (research/schedules.py) watch the decisions.
         self.observers: list[Callable[[SchedulerOutput], None]] = []
+        # RT requests added and not finished: class-aware policies skip their per-class
+        # sorting (a pass over every request, each step) while there are none.
+        self.num_rt = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+        self.num_rt += req.priority == "RT"
 
     @property
     def has_work(self) -> bool:
@@ -444,6 +448,8 @@ class Scheduler:
 
     def finish(self, req: Request) -> None:
         """Remove a request wherever it is and free its blocks."""
+        if req.status is not Status.FINISHED:
+            self.num_rt -= req.priority == "RT"
         if req.status is Status.RUNNING:
             if self.held.pop(req.request_id, None) is None:
                 self.running.remove(req)

@@ -31,6 +31,8 @@ class PriorityPolicy(SarathiPolicy):
         return 0 if req.priority == "RT" else 1
 
     def groups(self, s: Scheduler, now: float) -> list[Group]:
+        if not s.num_rt:
+            return super().groups(s, now)
         decodes: tuple[list[Request], list[Request]] = ([], [])
         prefills: tuple[list[Request], list[Request]] = ([], [])
         waiting: tuple[list[Request], list[Request]] = ([], [])
