@@ -108,6 +108,30 @@ class CostModel:
         """Seconds for one step: max(floor, linear); 0 for an empty one."""
         return max(self.floor_s, self.linear_time(chunks)) if chunks else 0.0
 
+    def most_decodes(self, base: Sequence[Chunk], contexts: Sequence[int],
+                     budget_s: float) -> int:
+        """The largest n such that a step of `base` plus decodes over the first n of
+        `contexts` (each a request's tokens already cached) takes at most budget_s: one pass,
+        adding each decode's terms to the base's features (a step's time never falls as
+        work is added; bisection would rebuild the features ten times over)."""
+        c, f = self.coefficients, features(base)
+        mult = 1.1 if f["n_decode"] > 1 else 1.0
+        decode_m = f["decode_kv"] / mult  # (features() scaled it)
+        fixed = sum(c[k] * f[k] for k in ("prefill_attn", "prefill_on", "n_prefill",
+                                          "prefill_m", "hidden_tokens"))
+        n = 0
+        for m in contexts:
+            decodes = f["n_decode"] + n + 1
+            mult = 1.1 if decodes > 1 else 1.0
+            decode_m += m
+            linear = (c["const"] + c["tokens"] * (f["tokens"] + n + 1) + fixed
+                      + (c["decode_kv"] * decode_m + c["decode_on"]) * mult
+                      + c["n_decode"] * decodes)
+            if max(self.floor_s, linear) > budget_s:
+                break
+            n += 1
+        return n
+
     @property
     def rho(self) -> float:
         """Seconds to re-project the K/V of one hidden-cache token (Apt-Serve's rho, per

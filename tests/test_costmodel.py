@@ -121,6 +121,24 @@ def test_floor_and_empty_step():
         CostModel("t", {"flops": 1.0}, "test")
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_most_decodes_is_what_step_time_allows(seed):
+    """most_decodes' one pass against step_time over every prefix of the decodes."""
+    rng = random.Random(seed)
+    model = preset("llama2-7b-a100") if seed % 2 else CostModel(
+        "t", {f: rng.uniform(0, 1e-3) for f in FEATURES}, "test", floor_s=rng.choice([0, 0.02]))
+    base = [Chunk(rng.randint(0, 900), 1, True) for _ in range(seed % 3)]
+    base += [Chunk(rng.randint(0, 300), rng.randint(1, 400), False) for _ in range(seed % 2)]
+    contexts = [rng.randint(0, 2000) for _ in range(60)]
+    times = [model.step_time(base + [Chunk(m, 1, True) for m in contexts[:n]])
+             for n in range(len(contexts) + 1)]
+    # (budgets between two prefixes' times: at one exactly, the two sums' rounding decides)
+    between = [(a + b) / 2 for a, b in zip(times[:4], times[1:5], strict=True)]
+    for budget in sorted(rng.uniform(0, times[-1] * 1.2) for _ in range(20)) + between:
+        want = max((n for n, t in enumerate(times) if t <= budget), default=0)
+        assert model.most_decodes(base, contexts, budget) == want, budget
+
+
 def test_nnls_matches_known_solutions():
     rng = np.random.default_rng(0)
     a = rng.uniform(0, 1, (60, 6))

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from llmdb.engine.cache.block_pool import BlockPool
-from llmdb.engine.costmodel import preset
+from llmdb.engine.costmodel import CostModel, preset
 from llmdb.engine.engine import LLMEngine
 from llmdb.engine.params import SamplingParams
 from llmdb.engine.research.sim import SimConfig, simulate
@@ -102,6 +102,40 @@ def test_victims_come_from_a_lower_class():
     assert victim(be1, be2) is None
     assert victim(rt_waiting) is be2 and victim(rt_waiting, be1, be2) is None
     assert victim(be_waiting) is None
+
+
+def _advance(out) -> None:
+    """What the engine does after a step: the tokens are computed, prompts done sample one."""
+    for r, n in out.scheduled:
+        r.num_computed += n
+        if r.num_computed == len(r.token_ids):
+            r.output_ids.append(0)
+
+
+@pytest.mark.parametrize("tbt", [None, 0.05, 0.105, 1.0])
+def test_be_work_beside_rt_requests_keeps_within_their_slo(tbt):
+    """A step's cost: 10 ms, 5 ms a token. An RT request decodes with a TBT target beside 12
+    BE decodes and a waiting BE prompt: the oldest BE decodes that keep the step within the
+    target run; BE prompt tokens only when every BE decode fits, in the time left."""
+    cost = CostModel("t", {"const": 0.01, "tokens": 0.005}, "test")
+    sched = Scheduler(BlockPool(256, 4, False), 64, 32, make_policy("priority"), cost_model=cost)
+    rt, be = _request("rt", 4, "RT"), [_request(f"be{i}", 4, "BE") for i in range(12)]
+    rt.slo_ttft_s, rt.slo_tbt_s = 1.0, tbt
+    for r in (rt, *be):
+        sched.add(r)
+    _advance(sched.schedule(0.0))  # every prompt: all decode next
+    sched.add(late := _request("late", 40, "BE"))
+    out = sched.schedule(0.0)
+    took = [r.request_id for r, _ in out.scheduled]
+    assert took[0] == "rt"
+    if tbt is None:  # no target: sarathi's step
+        assert took[1:] == [r.request_id for r in be] + ["late"]
+        return
+    assert cost.step_time(sched.costs(out.scheduled)) <= tbt
+    fit = min(12, round((tbt - 0.01) / 0.005) - 1)  # BE decodes beside the RT one
+    assert took[1:fit + 1] == [r.request_id for r in be[:fit]]
+    prompt = dict((r.request_id, n) for r, n in out.scheduled).get("late", 0)
+    assert prompt == (0 if fit < 12 else min(40, round((tbt - 0.075) / 0.005)))
 
 
 @pytest.mark.parametrize("priority", ["RT", "BE"])

@@ -23,6 +23,8 @@ class Group:
     # A waiting candidate may take a running request's seat when every seat is taken, by
     # preempting victim()s (a higher class, by rank(), displacing a lower one).
     displace: bool = False
+    # At most this many tokens from this group on (None: the step's budget C alone).
+    token_cap: int | None = None
 
 
 class Policy:
@@ -60,6 +62,8 @@ class Policy:
         c_left, p_left = s.max_num_batched_tokens, s.max_prefill_tokens
         phase: bool | None = None  # True: the batch holds prefills (hybrid off)
         for group in self.groups(s, now):
+            if group.token_cap is not None:
+                c_left = min(c_left, group.token_cap)
             cands = list(group.requests)
             i = 0
             while i < len(cands):
