@@ -32,7 +32,8 @@ from .sarathi import SarathiPolicy
 class PriorityPolicy(SarathiPolicy):
     name = "priority"
     description = ("sarathi with RT before BE: RT decodes, prefills and admissions first; an "
-                   "RT request takes the newest BE one's place when seats or memory run out")
+                   "RT request takes the newest BE one's place when seats or memory run out; "
+                   "the BE work beside RT requests is sized to their SLOs")
 
     def rank(self, req: Request) -> int:
         return 0 if req.priority == "RT" else 1
