@@ -112,6 +112,26 @@ def _advance(out) -> None:
             r.output_ids.append(0)
 
 
+def test_an_rt_request_that_cannot_run_this_step_displaces_nobody():
+    """Every seat taken, and an older RT prompt takes the whole prefill budget: the waiting
+    RT request would get no token this step, so no BE request gives up its place for it
+    (one did, each step, and came back to be evicted again)."""
+    sched = Scheduler(BlockPool(64, 4, False), 64, 3, make_policy("priority"),
+                      max_prefill_tokens=4)
+    be = [_request("be0", 4, "BE"), _request("be1", 4, "BE")]
+    for r in be:
+        sched.add(r)
+    for _ in range(2):
+        _advance(sched.schedule(0.0))
+    sched.add(long_rt := _request("long", 40, "RT"))
+    _advance(sched.schedule(0.0))
+    assert sched.running == [*be, long_rt]
+    sched.add(_request("rt", 8, "RT"))
+    out = sched.schedule(0.0)
+    assert ("long", 4) in [(r.request_id, n) for r, n in out.scheduled]
+    assert out.preempted == []
+
+
 @pytest.mark.parametrize("tbt", [None, 0.05, 0.105, 1.0])
 def test_be_work_beside_rt_requests_keeps_within_their_slo(tbt):
     """A step's cost: 10 ms, 5 ms a token. An RT request decodes with a TBT target beside 12

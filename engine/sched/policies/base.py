@@ -83,15 +83,9 @@ class Policy:
                 if cand in batch or cand.status is Status.FINISHED or cand in out.preempted:
                     continue
                 waiting = cand.status is Status.WAITING
-                if waiting:
-                    while group.displace and len(s.running) >= s.max_num_seqs:
-                        victim = self.victim(s, cand, batch)
-                        if victim is None:
-                            break
-                        s.preempt(out, victim)
-                    if len(s.running) >= s.max_num_seqs or any(
-                            self.rank(r) <= self.rank(cand) for r in out.preempted):
-                        continue  # full, or memory is short this step: admit nobody new
+                if waiting and (len(s.running) >= s.max_num_seqs and not group.displace
+                                or any(self.rank(r) <= self.rank(cand) for r in out.preempted)):
+                    continue  # full, or memory is short this step: admit nobody new
                 if waiting and s.waits_for_prefix(cand):
                     continue  # its prefix is being computed: reuse it next step
                 prefill = s.is_prefill(cand)
@@ -108,6 +102,11 @@ class Policy:
                     continue
                 if n <= 0:
                     continue
+                if waiting and len(s.running) >= s.max_num_seqs:  # (group.displace)
+                    victim = self.victim(s, cand, batch)
+                    if victim is None:
+                        continue
+                    s.preempt(out, victim)  # (one seat: running only shrinks by preempting)
                 fits = s.fits(cand, n)  # (3): M
                 while not fits and group.evict:  # (4)
                     victim = self.victim(s, cand, batch)
