@@ -15,7 +15,7 @@ from llmdb.engine.research.sim import SimConfig, simulate
 from llmdb.engine.research.workloads import dataset
 from llmdb.engine.sched.policies import make_policy
 from llmdb.engine.sched.request import Request
-from llmdb.engine.sched.scheduler import Scheduler
+from llmdb.engine.sched.scheduler import Scheduler, SchedulerOutput
 
 from .model_builders import save_tiny_llama
 
@@ -65,6 +65,37 @@ def test_an_rt_request_runs_at_once_behind_a_bulk_job(model_dir, full):
         eng.step()
     got = [eng.wait(i).token_ids for i in ids + [rt]]
     assert got == alone
+    assert eng.pool.num_free == eng.pool.num_blocks, "blocks leaked"
+    assert eng.scheduler.num_rt == 0
+
+
+def test_an_rt_request_that_cannot_fit_yet_evicts_nobody(model_dir):
+    """An RT request holds most of a 10-block pool; a second one's prompt (5 blocks) does not
+    fit even with every BE request's block freed. Evicting them anyway threw their work away
+    each step the second one waited, and again each time they came back; now none is evicted
+    until it can start (when the first ends), and every request gets the tokens it gets alone."""
+    eng = LLMEngine(str(model_dir), dtype="fp32", threads=1, block_size=16, max_num_seqs=4,
+                    kv_cache_bytes=10 * 16 * 512, enable_prefix_caching=False)
+    assert eng.pool.num_blocks == 10
+    long_prompts = [[1] + [(3 * j + k) % 40 + 5 for j in range(79)] for k in range(2)]
+    bulk = [[1, 5 + i % 40, 6, 7] for i in range(12)]
+    rt_params, be_params = SamplingParams(max_tokens=20, ignore_eos=True), PARAMS
+    alone = [r.token_ids for r in eng.generate(long_prompts, rt_params)]
+    alone += [r.token_ids for r in eng.generate(bulk, be_params)]
+    preempted = []
+    eng.scheduler.observers.append(lambda out: preempted.extend(out.preempted))
+    first = eng.add_request(long_prompts[0], rt_params, priority="RT")
+    eng.step()
+    ids = [eng.add_request(p, be_params, priority="BE") for p in bulk]
+    eng.step()
+    second = eng.add_request(long_prompts[1], rt_params, priority="RT")
+    while first in eng._requests:
+        eng.step()
+    assert second in eng._requests and not eng._requests[second].output_ids
+    assert preempted == []
+    while eng.has_unfinished:
+        eng.step()
+    assert [eng.wait(i).token_ids for i in [first, second] + ids] == alone
     assert eng.pool.num_free == eng.pool.num_blocks, "blocks leaked"
     assert eng.scheduler.num_rt == 0
 
@@ -124,7 +155,7 @@ def test_be_work_beside_rt_requests_keeps_within_their_slo(tbt):
     for r in (rt, *be):
         sched.add(r)
     _advance(sched.schedule(0.0))  # every prompt: all decode next
-    sched.add(late := _request("late", 40, "BE"))
+    sched.add(_request("late", 40, "BE"))
     out = sched.schedule(0.0)
     took = [r.request_id for r, _ in out.scheduled]
     assert took[0] == "rt"
@@ -153,3 +184,29 @@ def test_with_one_class_the_schedule_is_sarathis(priority):
         assert all(m.finished for m in result.requests)
     assert seen["priority"] == seen["sarathi"]
     assert any(pre for _, pre in seen["sarathi"])  # memory ran short: eviction was compared
+
+
+@pytest.mark.parametrize("victims", [["be"], ["be", "rt"], ["rt"]])
+def test_what_preempting_would_free_is_what_it_frees(victims):
+    """fits(req, n, preempting=...) against fits() once they are preempted, for every n: with
+    prefix caching, blocks shared with a request that stays are not freed, and blocks of
+    the candidate's own prefix hit are taken back by it."""
+    sched = Scheduler(BlockPool(16, 4, True), 64, 8, make_policy("priority"))
+    shared = list(range(1, 17))  # 4 full blocks
+    running = {"rt": _request("rt", 0, "RT"), "be": _request("be", 0, "BE")}
+    running["rt"].prompt_ids = shared + [30, 31]
+    running["be"].prompt_ids = shared + [40, 41, 42, 43, 44]
+    for r in running.values():
+        sched.add(r)
+        sched.update_from_output(sched.schedule(0.0).scheduled, None, 0.0)
+    cand = _request("cand", 0, "RT")
+    cand.prompt_ids = shared[:8] + list(range(50, 60))
+    sched.add(cand)
+    assert len(sched.prefix_hit(cand)) == 2 and sched.pool.ref_count[sched.prefix_hit(cand)[0]] == 2
+    gone = [running[v] for v in victims]
+    predicted = [sched.fits(cand, n, gone) for n in range(1, 60)]
+    for r in gone:
+        sched.preempt(SchedulerOutput(), r)
+    sched._hits.clear()
+    assert predicted == [sched.fits(cand, n) for n in range(1, 60)]
+    assert any(predicted) and not all(predicted)

@@ -23,6 +23,8 @@ sarathi's order and uses the class, and the cost model only to size the BE share
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from ..request import Request, Status
 from ..scheduler import Scheduler
 from .base import Group
@@ -83,14 +85,17 @@ class PriorityPolicy(SarathiPolicy):
         return be
 
     def victim(self, s: Scheduler, cand: Request, batch: dict[Request, int]) -> Request | None:
-        """The newest running request of a lower class outside the batch; for a running
-        request short of memory, else the newest of its own class (sarathi's rule)."""
-        same = None
+        return next(self.victims(s, cand, batch), None)
+
+    def victims(self, s: Scheduler, cand: Request, batch: dict[Request, int]
+                ) -> Iterator[Request]:
+        """The running requests of a lower class outside the batch, newest first; for a
+        running request short of memory, then those of its own class (sarathi's rule)."""
+        rank = self.rank(cand)
         for r in reversed(s.running):
-            if r is cand or r in batch:
-                continue
-            if self.rank(r) > self.rank(cand):
-                return r
-            if same is None and self.rank(r) == self.rank(cand):
-                same = r
-        return same if cand.status is Status.RUNNING else None
+            if r is not cand and r not in batch and self.rank(r) > rank:
+                yield r
+        if cand.status is Status.RUNNING:
+            for r in reversed(s.running):
+                if r is not cand and r not in batch and self.rank(r) == rank:
+                    yield r
