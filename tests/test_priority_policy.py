@@ -210,3 +210,28 @@ def test_what_preempting_would_free_is_what_it_frees(victims):
     sched._hits.clear()
     assert predicted == [sched.fits(cand, n) for n in range(1, 60)]
     assert any(predicted) and not all(predicted)
+
+
+def test_be_work_is_sized_to_the_rt_work_that_runs():
+    """A second RT request waits for memory (its prompt does not fit even with the BE
+    requests' blocks freed) beside a first one decoding with a 0.1 s TBT target. Its prompt
+    is not in this step: the BE decodes are sized beside the first one's decode alone (a
+    step of 10 ms, 5 ms a token: all 4 fit), where counting the waiting prompt (0.3 s) left
+    them none, step after step, until the first request ended."""
+    cost = CostModel("t", {"const": 0.01, "tokens": 0.005}, "test")
+    sched = Scheduler(BlockPool(30, 4, False), 64, 8, make_policy("priority"), cost_model=cost)
+    first, second = _request("first", 60, "RT"), _request("second", 60, "RT")
+    for r in (first, second):
+        r.slo_ttft_s, r.slo_tbt_s = 1.0, 0.1
+    sched.add(first)
+    _advance(sched.schedule(0.0))
+    be = [_request(f"be{i}", 4, "BE") for i in range(4)]
+    for r in be:
+        sched.add(r)
+    _advance(sched.schedule(0.0))
+    sched.add(second)
+    for _ in range(3):
+        out = sched.schedule(0.0)
+        assert [r.request_id for r, _ in out.scheduled] == ["first"] + [r.request_id for r in be]
+        assert not out.preempted and cost.step_time(sched.costs(out.scheduled)) <= 0.1
+        _advance(out)

@@ -9,7 +9,7 @@ where that makes room for it, and is skipped otherwise).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
@@ -37,7 +37,9 @@ class Policy:
     reserves_memory = False  # reserve_tokens() is used by can-allocate
     keeps_hidden_states = False  # gives requests hidden caches (Apt-Serve) where there are any
 
-    def groups(self, s: Scheduler, now: float) -> list[Group]:
+    def groups(self, s: Scheduler, now: float) -> Iterable[Group]:
+        """The candidates in groups, in order; taken one group at a time, so that a
+        generator's later groups may depend on what the earlier ones scheduled."""
         raise NotImplementedError
 
     def victim(self, s: Scheduler, cand: Request, batch: dict[Request, int]) -> Request | None:

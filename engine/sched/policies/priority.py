@@ -40,9 +40,10 @@ class PriorityPolicy(SarathiPolicy):
     def rank(self, req: Request) -> int:
         return 0 if req.priority == "RT" else 1
 
-    def groups(self, s: Scheduler, now: float) -> list[Group]:
+    def groups(self, s: Scheduler, now: float) -> Iterator[Group]:
         if not s.num_rt:
-            return super().groups(s, now)
+            yield from super().groups(s, now)
+            return
         decodes: tuple[list[Request], list[Request]] = ([], [])
         prefills: tuple[list[Request], list[Request]] = ([], [])
         waiting: tuple[list[Request], list[Request]] = ([], [])
@@ -50,21 +51,29 @@ class PriorityPolicy(SarathiPolicy):
             (decodes if r.is_decode else prefills)[self.rank(r)].append(r)
         for r in s.waiting:
             waiting[self.rank(r)].append(r)
-        best_effort = [Group(decodes[1], evict=True), Group(prefills[1], evict=True),
-                       Group(waiting[1], evict=False, stop_on_short=True)]
-        return [Group(decodes[0], evict=True), Group(prefills[0], evict=True),
-                Group(waiting[0], evict=True, stop_on_short=True, displace=True),
-                *self._within_rt_slos(s, decodes[0] + prefills[0] + waiting[0], best_effort)]
+        yield Group(decodes[0], evict=True)
+        yield Group(prefills[0], evict=True)
+        yield Group(waiting[0], evict=True, stop_on_short=True, displace=True)
+        # The loop has taken the RT work by now: the BE share is sized beside the RT requests
+        # running, not beside those left waiting (a prompt short of memory for many steps
+        # left the BE requests nothing in all of them).
+        running = Status.RUNNING
+        rt = [r for group in (decodes[0], prefills[0], waiting[0]) for r in group
+              if r.status is running]
+        yield from self._within_rt_slos(s, rt, [
+            Group([r for r in decodes[1] if r.status is running], evict=True),
+            Group(prefills[1], evict=True), Group(waiting[1], evict=False, stop_on_short=True)])
 
     @staticmethod
     def _within_rt_slos(s: Scheduler, rt: list[Request], be: list[Group]) -> list[Group]:
-        """The BE groups cut to what keeps the step within the RT requests' tightest SLO."""
+        """The BE groups cut to what keeps the step within the SLO of the RT requests running
+        (the tightest)."""
         slos = [r.slo_tbt_s if r.output_ids else r.slo_ttft_s for r in rt]
         budget_s = min((x for x in slos if x is not None), default=None)
         cm = s.cost_model
         if budget_s is None or cm is None:
             return be
-        p_left = s.max_prefill_tokens  # (the RT work as the loop will take it, about)
+        p_left = s.max_prefill_tokens  # (the RT work as the loop took it, about)
         work = []
         for r in rt:
             n = 1 if r.is_decode else min(s.tokens_left(r), p_left)
