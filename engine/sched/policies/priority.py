@@ -7,15 +7,16 @@ before it: an interactive query behind a 200-row job got its first token 95 step
 3 steps before the job ended. Here the RT requests run first (decodes, started prefills, then
 waiting ones within the token budget), and an RT request that finds the running set or
 memory full takes the place of the newest BE request, which is preempted (recomputed later;
-its prompt's blocks usually stay in the prefix cache). A BE request never displaces an RT
-one. With one class only, the schedule is sarathi's.
+its prompt's blocks usually stay in the prefix cache), and only where that lets it run in
+this step. A BE request never displaces an RT one. With one class only, the schedule is
+sarathi's.
 
-While RT requests run, the BE work beside them is cut to what keeps the step within their
-SLOs (the TBT target of those generating, the TTFT target of those not started) under the
-engine's cost model: the oldest BE decodes that fit, and BE prefill tokens only when every
-BE decode fits. Without it an RT request beside 512 BE decodes took ~0.5 s a token on this
-CPU, twice its 0.25 s target. A scheduler without a cost model, or RT requests without SLOs,
-leave the BE work whole.
+While RT requests run, the BE work beside them (sized once the RT work is scheduled) is cut
+to what keeps the step within their SLOs (the TBT target of those generating, the TTFT
+target of those not started) under the engine's cost model: the oldest BE decodes that fit,
+and BE prefill tokens only when every BE decode fits. Without it an RT request beside 512 BE
+decodes took ~0.5 s a token on this CPU, twice its 0.25 s target. A scheduler without a
+cost model, or RT requests without SLOs, leave the BE work whole.
 
 BROS (bros.py) orders every request by its deadline under the cost model; this policy keeps
 sarathi's order and uses the class, and the cost model only to size the BE share.
