@@ -107,25 +107,29 @@ def _sample_rows(logits: torch.Tensor, top: torch.Tensor, top_ids: torch.Tensor,
     # Shifted so that the top logit is 0 first: a tiny temperature then sends the others
     # to -inf, not every positive logit to +inf (a random draw among them, NaN probabilities).
     scaled = (logits - top[:, None]) / temperature[:, None]
+    # A row whose maximum is not finite (a NaN, or an infinity: its scaled logits are NaN)
+    # has no distribution to draw from: it gives greedy's token, as csrc/sampling.cpp does.
+    broken = ~top.isfinite()
     if logits.device.type != "cpu":
-        return _draw(scaled, params, keys, vocab)
+        return torch.where(broken, top_ids, _draw(scaled, params, keys, vocab))
     least = gumbel_noise(keys, top_ids[:, None])[:, 0] - G_MAX - _BOUND_SLACK
     top_k = torch.tensor([p.top_k for p in params])
     if bool((top_k > 0).any()):  # (top-p weighs all that top-k keeps, in reach or not)
         k = top_k.clamp(1, vocab)
         kth = scaled.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])[:, 0]
         least = torch.where(top_k > 0, kth, least)
-    width = (scaled >= least[:, None]).sum(-1)
+    # (at least 1: a broken row has none in reach, and a draw over no tokens fails)
+    width = (scaled >= least[:, None]).sum(-1).clamp_(min=1)
     pruned = width <= vocab * _WHOLE_SORT_SHARE
     if bool(pruned.all()):
-        return _draw(scaled, params, keys, int(width.max()))
+        return torch.where(broken, top_ids, _draw(scaled, params, keys, int(width.max())))
     tokens = torch.empty(len(params), dtype=torch.int64)
     for rows in (pruned, ~pruned):
         r = rows.nonzero()[:, 0]
         if len(r):
             w = int(width[r].max()) if rows is pruned else vocab
             tokens[r] = _draw(scaled[r], [params[i] for i in r.tolist()], keys[r], w)
-    return tokens
+    return torch.where(broken, top_ids, tokens)
 
 
 def _draw(scaled: torch.Tensor, params: list[SamplingParams], keys: torch.Tensor,

@@ -15,7 +15,7 @@ from llmdb.engine.research.sim import SimConfig, simulate
 from llmdb.engine.research.workloads import dataset
 from llmdb.engine.sched.policies import make_policy
 from llmdb.engine.sched.request import Request
-from llmdb.engine.sched.scheduler import Scheduler
+from llmdb.engine.sched.scheduler import Scheduler, SchedulerOutput
 
 from .model_builders import save_tiny_llama
 
@@ -65,6 +65,37 @@ def test_an_rt_request_runs_at_once_behind_a_bulk_job(model_dir, full):
         eng.step()
     got = [eng.wait(i).token_ids for i in ids + [rt]]
     assert got == alone
+    assert eng.pool.num_free == eng.pool.num_blocks, "blocks leaked"
+    assert eng.scheduler.num_rt == 0
+
+
+def test_an_rt_request_that_cannot_fit_yet_evicts_nobody(model_dir):
+    """An RT request holds most of a 10-block pool; a second one's prompt (5 blocks) does not
+    fit even with every BE request's block freed. Evicting them anyway threw their work away
+    each step the second one waited, and again each time they came back; now none is evicted
+    until it can start (when the first ends), and every request gets the tokens it gets alone."""
+    eng = LLMEngine(str(model_dir), dtype="fp32", threads=1, block_size=16, max_num_seqs=4,
+                    kv_cache_bytes=10 * 16 * 512, enable_prefix_caching=False)
+    assert eng.pool.num_blocks == 10
+    long_prompts = [[1] + [(3 * j + k) % 40 + 5 for j in range(79)] for k in range(2)]
+    bulk = [[1, 5 + i % 40, 6, 7] for i in range(12)]
+    rt_params, be_params = SamplingParams(max_tokens=20, ignore_eos=True), PARAMS
+    alone = [r.token_ids for r in eng.generate(long_prompts, rt_params)]
+    alone += [r.token_ids for r in eng.generate(bulk, be_params)]
+    preempted = []
+    eng.scheduler.observers.append(lambda out: preempted.extend(out.preempted))
+    first = eng.add_request(long_prompts[0], rt_params, priority="RT")
+    eng.step()
+    ids = [eng.add_request(p, be_params, priority="BE") for p in bulk]
+    eng.step()
+    second = eng.add_request(long_prompts[1], rt_params, priority="RT")
+    while first in eng._requests:
+        eng.step()
+    assert second in eng._requests and not eng._requests[second].output_ids
+    assert preempted == []
+    while eng.has_unfinished:
+        eng.step()
+    assert [eng.wait(i).token_ids for i in [first, second] + ids] == alone
     assert eng.pool.num_free == eng.pool.num_blocks, "blocks leaked"
     assert eng.scheduler.num_rt == 0
 
@@ -144,7 +175,7 @@ def test_be_work_beside_rt_requests_keeps_within_their_slo(tbt):
     for r in (rt, *be):
         sched.add(r)
     _advance(sched.schedule(0.0))  # every prompt: all decode next
-    sched.add(late := _request("late", 40, "BE"))
+    sched.add(_request("late", 40, "BE"))
     out = sched.schedule(0.0)
     took = [r.request_id for r, _ in out.scheduled]
     assert took[0] == "rt"
@@ -173,3 +204,54 @@ def test_with_one_class_the_schedule_is_sarathis(priority):
         assert all(m.finished for m in result.requests)
     assert seen["priority"] == seen["sarathi"]
     assert any(pre for _, pre in seen["sarathi"])  # memory ran short: eviction was compared
+
+
+@pytest.mark.parametrize("victims", [["be"], ["be", "rt"], ["rt"]])
+def test_what_preempting_would_free_is_what_it_frees(victims):
+    """fits(req, n, preempting=...) against fits() once they are preempted, for every n: with
+    prefix caching, blocks shared with a request that stays are not freed, and blocks of
+    the candidate's own prefix hit are taken back by it."""
+    sched = Scheduler(BlockPool(16, 4, True), 64, 8, make_policy("priority"))
+    shared = list(range(1, 17))  # 4 full blocks
+    running = {"rt": _request("rt", 0, "RT"), "be": _request("be", 0, "BE")}
+    running["rt"].prompt_ids = shared + [30, 31]
+    running["be"].prompt_ids = shared + [40, 41, 42, 43, 44]
+    for r in running.values():
+        sched.add(r)
+        sched.update_from_output(sched.schedule(0.0).scheduled, None, 0.0)
+    cand = _request("cand", 0, "RT")
+    cand.prompt_ids = shared[:8] + list(range(50, 60))
+    sched.add(cand)
+    assert len(sched.prefix_hit(cand)) == 2 and sched.pool.ref_count[sched.prefix_hit(cand)[0]] == 2
+    gone = [running[v] for v in victims]
+    predicted = [sched.fits(cand, n, gone) for n in range(1, 60)]
+    for r in gone:
+        sched.preempt(SchedulerOutput(), r)
+    sched._hits.clear()
+    assert predicted == [sched.fits(cand, n) for n in range(1, 60)]
+    assert any(predicted) and not all(predicted)
+
+
+def test_be_work_is_sized_to_the_rt_work_that_runs():
+    """A second RT request waits for memory (its prompt does not fit even with the BE
+    requests' blocks freed) beside a first one decoding with a 0.1 s TBT target. Its prompt
+    is not in this step: the BE decodes are sized beside the first one's decode alone (a
+    step of 10 ms, 5 ms a token: all 4 fit), where counting the waiting prompt (0.3 s) left
+    them none, step after step, until the first request ended."""
+    cost = CostModel("t", {"const": 0.01, "tokens": 0.005}, "test")
+    sched = Scheduler(BlockPool(30, 4, False), 64, 8, make_policy("priority"), cost_model=cost)
+    first, second = _request("first", 60, "RT"), _request("second", 60, "RT")
+    for r in (first, second):
+        r.slo_ttft_s, r.slo_tbt_s = 1.0, 0.1
+    sched.add(first)
+    _advance(sched.schedule(0.0))
+    be = [_request(f"be{i}", 4, "BE") for i in range(4)]
+    for r in be:
+        sched.add(r)
+    _advance(sched.schedule(0.0))
+    sched.add(second)
+    for _ in range(3):
+        out = sched.schedule(0.0)
+        assert [r.request_id for r, _ in out.scheduled] == ["first"] + [r.request_id for r in be]
+        assert not out.preempted and cost.step_time(sched.costs(out.scheduled)) <= 0.1
+        _advance(out)

@@ -208,3 +208,30 @@ def test_rows_are_drawn_in_chunks_of_bounded_memory(monkeypatch):
     monkeypatch.setattr(sampling, "_DRAW_CHUNK", 7 * 4096 + 100)
     assert sample(logits, drawn, params, keys).tolist() == whole
     assert sizes == [7, 7, 7, 7, 2]
+
+
+@pytest.mark.parametrize("whole_sort", [False, True])
+def test_a_row_without_a_finite_maximum_gives_greedys_token(whole_sort, path, monkeypatch):
+    """Rows whose maximum is NaN or an infinity (their scaled logits are NaN) have nothing to
+    draw from: each gives greedy's token (its first NaN, its first maximum), beside rows
+    drawn as they are alone. The torch path drew token 0 for a NaN row, and failed the whole
+    step (an index of -1) when such rows were all its pruned draw held."""
+    if whole_sort:  # (the GPU's path: every row sorted whole)
+        monkeypatch.setattr(sampling, "_WHOLE_SORT_SHARE", 0.0)
+    logits = _logits(8, 4096, 2.5, seed=8)
+    logits[1, 300] = float("nan")
+    logits[2] = float("nan")
+    logits[3] = float("-inf")
+    logits[4, 17] = float("inf")
+    logits[5] = float("inf")
+    logits[6] *= 30  # flat after scaling: sorted whole
+    greedy = logits.max(-1).indices.tolist()
+    assert greedy[1:6] == [300, 0, 0, 17, 0]
+    for top_k in (0, 1, 3):
+        params = [SamplingParams(temperature=20.0 if i == 6 else 0.7, top_k=top_k,
+                                 top_p=0.9 if i % 2 else 1.0) for i in range(8)]
+        keys = [row_key(4, i) for i in range(8)]
+        got = _draw(logits, params, keys)
+        assert got[1:6] == greedy[1:6]
+        alone = [_draw(logits[i:i + 1], params[i:i + 1], keys[i:i + 1])[0] for i in (0, 6, 7)]
+        assert [got[0], got[6], got[7]] == alone

@@ -10,7 +10,7 @@ the engine and in the simulator (research/sim.py).
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -175,13 +175,37 @@ class Scheduler:
                        - len(hits))
         return need + revived
 
-    def fits(self, req: Request, n: int) -> bool:
-        """Can `req` compute n more tokens now without touching others' blocks/reservations?"""
+    def fits(self, req: Request, n: int, preempting: Sequence[Request] = ()) -> bool:
+        """Can `req` compute n more tokens now without touching others' blocks/reservations
+        (those of `preempting`, running requests, counted as freed)?"""
         free = self._num_free(req)
+        if preempting:
+            # (a block of its prefix hit that they free it takes back: counted by
+            # blocks_to_run as revived once they are gone, here as never freed)
+            hits = set(self.prefix_hit(req)) if req.status is Status.WAITING else set()
+            free += self._units_freed_by(preempting, req.cache_type, hits)
         if self.policy.reserves_memory:
-            reserved = sum(self.reserved_blocks(r) for r in self.running if r is not req)
+            gone = set(preempting)
+            reserved = sum(self.reserved_blocks(r) for r in self.running
+                           if r is not req and r not in gone)
             free -= reserved * (2 if req.cache_type == "hidden" else 1)  # (in halves)
         return self.blocks_to_run(req, n) <= free
+
+    def _units_freed_by(self, reqs: Sequence[Request], cache_type: str, kept: set[int]) -> int:
+        """Free units of `cache_type` that preempting these running requests would add: a
+        block is freed when every reference to it is theirs (prefix hits share blocks), and
+        not one of `kept`."""
+        refs: Counter[int] = Counter()
+        halves: list[int] = []
+        for r in reqs:
+            if r.cache_type == "hidden":
+                halves.extend(r.block_ids)
+            else:
+                refs.update(r.block_ids)
+        blocks = sum(1 for b, k in refs.items() if k == self.pool.ref_count[b] and b not in kept)
+        if cache_type == "hidden":
+            return 2 * blocks + len(halves)
+        return blocks + self.pool.blocks_freed_by(halves)
 
     # ---- prefix caching --------------------------------------------------------------------
 

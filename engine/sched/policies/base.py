@@ -3,13 +3,15 @@
 (1) group and order the candidates; (2) skip a candidate whose phase differs from the batch
 when hybrid batching is off; (3) can-allocate under the token budget C, the prefill budget P
 and the memory budget M; (4) otherwise evict a lower-priority running request, or the
-candidate itself when none is left (running candidates only; a waiting one is skipped).
+candidate itself when none is left (running candidates only; a waiting one evicts only
+where that makes room for it, and is skipped otherwise).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 from ..request import Request, Status
 from ..scheduler import Scheduler, SchedulerOutput
@@ -35,7 +37,9 @@ class Policy:
     reserves_memory = False  # reserve_tokens() is used by can-allocate
     keeps_hidden_states = False  # gives requests hidden caches (Apt-Serve) where there are any
 
-    def groups(self, s: Scheduler, now: float) -> list[Group]:
+    def groups(self, s: Scheduler, now: float) -> Iterable[Group]:
+        """The candidates in groups, in order; taken one group at a time, so that a
+        generator's later groups may depend on what the earlier ones scheduled."""
         raise NotImplementedError
 
     def victim(self, s: Scheduler, cand: Request, batch: dict[Request, int]) -> Request | None:
@@ -44,6 +48,15 @@ class Policy:
             if r is not cand and r not in batch:
                 return r
         return None
+
+    def victims(self, s: Scheduler, cand: Request, batch: dict[Request, int]
+                ) -> Iterator[Request]:
+        """victim() and the ones it would name after it, were each preempted in turn (a
+        policy may give these in one pass)."""
+        passed = dict(batch)
+        while (r := self.victim(s, cand, passed)) is not None:
+            passed[r] = 0
+            yield r
 
     def rank(self, req: Request) -> int:
         """A request's class: a lower rank is served first and may displace a higher one
@@ -83,11 +96,13 @@ class Policy:
                 if cand in batch or cand.status is Status.FINISHED or cand in out.preempted:
                     continue
                 waiting = cand.status is Status.WAITING
-                if waiting and (len(s.running) >= s.max_num_seqs and not group.displace
-                                or any(self.rank(r) <= self.rank(cand) for r in out.preempted)):
-                    continue  # full, or memory is short this step: admit nobody new
-                if waiting and s.waits_for_prefix(cand):
-                    continue  # its prefix is being computed: reuse it next step
+                if waiting and (any(self.rank(r) <= self.rank(cand) for r in out.preempted)
+                                or s.waits_for_prefix(cand)):
+                    continue  # memory is short this step, or its prefix is being computed
+                # Seats a waiting candidate must take from running requests (displace).
+                seats = len(s.running) + 1 - s.max_num_seqs if waiting else 0
+                if seats > 0 and not group.displace:
+                    continue  # full: admit nobody new
                 prefill = s.is_prefill(cand)
                 if not self.hybrid and phase is not None and prefill != phase:
                     continue  # (2)
@@ -102,12 +117,18 @@ class Policy:
                     continue
                 if n <= 0:
                     continue
-                if waiting and len(s.running) >= s.max_num_seqs:  # (group.displace)
-                    victim = self.victim(s, cand, batch)
-                    if victim is None:
-                        continue
-                    s.preempt(out, victim)  # (one seat: running only shrinks by preempting)
                 fits = s.fits(cand, n)  # (3): M
+                if waiting and (seats > 0 or not fits):
+                    room = self._room(s, cand, n, batch, seats, fits, group.evict)
+                    if room is None:
+                        if group.stop_on_short:
+                            break
+                        continue
+                    for k, victim in enumerate(room):  # seats first, then (4) as needed
+                        if k >= seats and s.fits(cand, n):
+                            break
+                        s.preempt(out, victim)
+                    fits = s.fits(cand, n)
                 while not fits and group.evict:  # (4)
                     victim = self.victim(s, cand, batch)
                     if victim is None:
@@ -127,3 +148,21 @@ class Policy:
                     p_left -= n
                 phase = prefill if phase is None else phase
         return out
+
+    def _room(self, s: Scheduler, cand: Request, n: int, batch: dict[Request, int],
+              seats: int, fits: bool, evict: bool) -> list[Request] | None:
+        """The victims() a waiting candidate may preempt for its seats and, where its group
+        evicts, for its blocks, in order; None when even all of them would not make room:
+        then none is preempted, where evicting them for nothing cost their work and, each
+        time they were admitted again, again (two requests in turn, for ever)."""
+        victims = self.victims(s, cand, batch)
+        room = list(islice(victims, max(seats, 0)))
+        if len(room) < seats:
+            return None
+        if fits or (room and s.fits(cand, n, room)):
+            return room
+        if evict:
+            room += victims
+            if s.fits(cand, n, room):
+                return room
+        return None

@@ -7,21 +7,24 @@ before it: an interactive query behind a 200-row job got its first token 95 step
 3 steps before the job ended. Here the RT requests run first (decodes, started prefills, then
 waiting ones within the token budget), and an RT request that finds the running set or
 memory full takes the place of the newest BE request, which is preempted (recomputed later;
-its prompt's blocks usually stay in the prefix cache). A BE request never displaces an RT
-one. With one class only, the schedule is sarathi's.
+its prompt's blocks usually stay in the prefix cache), and only where that lets it run in
+this step. A BE request never displaces an RT one. With one class only, the schedule is
+sarathi's.
 
-While RT requests run, the BE work beside them is cut to what keeps the step within their
-SLOs (the TBT target of those generating, the TTFT target of those not started) under the
-engine's cost model: the oldest BE decodes that fit, and BE prefill tokens only when every
-BE decode fits. Without it an RT request beside 512 BE decodes took ~0.5 s a token on this
-CPU, twice its 0.25 s target. A scheduler without a cost model, or RT requests without SLOs,
-leave the BE work whole.
+While RT requests run, the BE work beside them (sized once the RT work is scheduled) is cut
+to what keeps the step within their SLOs (the TBT target of those generating, the TTFT
+target of those not started) under the engine's cost model: the oldest BE decodes that fit,
+and BE prefill tokens only when every BE decode fits. Without it an RT request beside 512 BE
+decodes took ~0.5 s a token on this CPU, twice its 0.25 s target. A scheduler without a
+cost model, or RT requests without SLOs, leave the BE work whole.
 
 BROS (bros.py) orders every request by its deadline under the cost model; this policy keeps
 sarathi's order and uses the class, and the cost model only to size the BE share.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 from ..request import Request, Status
 from ..scheduler import Scheduler
@@ -38,9 +41,10 @@ class PriorityPolicy(SarathiPolicy):
     def rank(self, req: Request) -> int:
         return 0 if req.priority == "RT" else 1
 
-    def groups(self, s: Scheduler, now: float) -> list[Group]:
+    def groups(self, s: Scheduler, now: float) -> Iterator[Group]:
         if not s.num_rt:
-            return super().groups(s, now)
+            yield from super().groups(s, now)
+            return
         decodes: tuple[list[Request], list[Request]] = ([], [])
         prefills: tuple[list[Request], list[Request]] = ([], [])
         waiting: tuple[list[Request], list[Request]] = ([], [])
@@ -48,21 +52,29 @@ class PriorityPolicy(SarathiPolicy):
             (decodes if r.is_decode else prefills)[self.rank(r)].append(r)
         for r in s.waiting:
             waiting[self.rank(r)].append(r)
-        best_effort = [Group(decodes[1], evict=True), Group(prefills[1], evict=True),
-                       Group(waiting[1], evict=False, stop_on_short=True)]
-        return [Group(decodes[0], evict=True), Group(prefills[0], evict=True),
-                Group(waiting[0], evict=True, stop_on_short=True, displace=True),
-                *self._within_rt_slos(s, decodes[0] + prefills[0] + waiting[0], best_effort)]
+        yield Group(decodes[0], evict=True)
+        yield Group(prefills[0], evict=True)
+        yield Group(waiting[0], evict=True, stop_on_short=True, displace=True)
+        # The loop has taken the RT work by now: the BE share is sized beside the RT requests
+        # running, not beside those left waiting (a prompt short of memory for many steps
+        # left the BE requests nothing in all of them).
+        running = Status.RUNNING
+        rt = [r for group in (decodes[0], prefills[0], waiting[0]) for r in group
+              if r.status is running]
+        yield from self._within_rt_slos(s, rt, [
+            Group([r for r in decodes[1] if r.status is running], evict=True),
+            Group(prefills[1], evict=True), Group(waiting[1], evict=False, stop_on_short=True)])
 
     @staticmethod
     def _within_rt_slos(s: Scheduler, rt: list[Request], be: list[Group]) -> list[Group]:
-        """The BE groups cut to what keeps the step within the RT requests' tightest SLO."""
+        """The BE groups cut to what keeps the step within the SLO of the RT requests running
+        (the tightest)."""
         slos = [r.slo_tbt_s if r.output_ids else r.slo_ttft_s for r in rt]
         budget_s = min((x for x in slos if x is not None), default=None)
         cm = s.cost_model
         if budget_s is None or cm is None:
             return be
-        p_left = s.max_prefill_tokens  # (the RT work as the loop will take it, about)
+        p_left = s.max_prefill_tokens  # (the RT work as the loop took it, about)
         work = []
         for r in rt:
             n = 1 if r.is_decode else min(s.tokens_left(r), p_left)
@@ -83,14 +95,17 @@ class PriorityPolicy(SarathiPolicy):
         return be
 
     def victim(self, s: Scheduler, cand: Request, batch: dict[Request, int]) -> Request | None:
-        """The newest running request of a lower class outside the batch; for a running
-        request short of memory, else the newest of its own class (sarathi's rule)."""
-        same = None
+        return next(self.victims(s, cand, batch), None)
+
+    def victims(self, s: Scheduler, cand: Request, batch: dict[Request, int]
+                ) -> Iterator[Request]:
+        """The running requests of a lower class outside the batch, newest first; for a
+        running request short of memory, then those of its own class (sarathi's rule)."""
+        rank = self.rank(cand)
         for r in reversed(s.running):
-            if r is cand or r in batch:
-                continue
-            if self.rank(r) > self.rank(cand):
-                return r
-            if same is None and self.rank(r) == self.rank(cand):
-                same = r
-        return same if cand.status is Status.RUNNING else None
+            if r is not cand and r not in batch and self.rank(r) > rank:
+                yield r
+        if cand.status is Status.RUNNING:
+            for r in reversed(s.running):
+                if r is not cand and r not in batch and self.rank(r) == rank:
+                    yield r
