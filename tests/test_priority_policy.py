@@ -141,6 +141,7 @@ def _advance(out) -> None:
         r.num_computed += n
         if r.num_computed == len(r.token_ids):
             r.output_ids.append(0)
+            Scheduler.take_token(r, 0, 0.0)
 
 
 def test_an_rt_request_that_cannot_run_this_step_displaces_nobody():
@@ -187,6 +188,27 @@ def test_be_work_beside_rt_requests_keeps_within_their_slo(tbt):
     assert took[1:fit + 1] == [r.request_id for r in be[:fit]]
     prompt = dict((r.request_id, n) for r, n in out.scheduled).get("late", 0)
     assert prompt == (0 if fit < 12 else min(40, round((tbt - 0.075) / 0.005)))
+
+
+def test_a_resumed_rt_request_is_held_to_its_first_token_target_until_it_has_one():
+    """An RT request resumed from 4 tokens an earlier run generated computes them as prompt,
+    in chunks here: until this run's first token, the BE share is sized to its TTFT target
+    (1 s: all 12 BE decodes run), not to its TBT target (20 ms: none would)."""
+    cost = CostModel("t", {"const": 0.01, "tokens": 0.005}, "test")
+    sched = Scheduler(BlockPool(256, 4, False), 64, 32, make_policy("priority"),
+                      max_prefill_tokens=4, cost_model=cost)
+    be = [_request(f"be{i}", 4, "BE") for i in range(12)]
+    for r in be:
+        sched.add(r)
+    while not all(r.output_ids for r in be):  # 4 prompt tokens a step
+        _advance(sched.schedule(0.0))
+    rt = Request("rt", [1, 2, 3, 4], SamplingParams(max_tokens=64), output_ids=[5, 6, 7, 8],
+                 num_resumed=4)
+    rt.priority, rt.slo_ttft_s, rt.slo_tbt_s = "RT", 1.0, 0.02
+    sched.add(rt)
+    _advance(sched.schedule(0.0))  # its first 4 tokens
+    out = sched.schedule(0.0)
+    assert [r.request_id for r, _ in out.scheduled] == ["rt"] + [r.request_id for r in be]
 
 
 @pytest.mark.parametrize("priority", ["RT", "BE"])

@@ -69,7 +69,8 @@ class PriorityPolicy(SarathiPolicy):
     def _within_rt_slos(s: Scheduler, rt: list[Request], be: list[Group]) -> list[Group]:
         """The BE groups cut to what keeps the step within the SLO of the RT requests running
         (the tightest)."""
-        slos = [r.slo_tbt_s if r.output_ids else r.slo_ttft_s for r in rt]
+        # (TTFT until this run's first token: a resumed request's earlier ones do not count)
+        slos = [r.slo_ttft_s if r.last_token_time is None else r.slo_tbt_s for r in rt]
         budget_s = min((x for x in slos if x is not None), default=None)
         cm = s.cost_model
         if budget_s is None or cm is None:
