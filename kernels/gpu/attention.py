@@ -232,8 +232,8 @@ def choose_num_splits(num_seqs: int, kv_heads: int, max_seq_len: int, num_sms: i
     return max(1, min(by_occupancy, by_length, max_splits))
 
 
-def _launch_config(group: int, max_query_len: int, head_dim: int, elem_bytes: int = 2
-                   ) -> tuple[int, int, int]:
+def _launch_config(group: int, max_query_len: int, head_dim: int, elem_bytes: int = 2,
+                   tall: bool = False) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps): a tiling hint only, any choice is correct.
 
     tl.dot needs M >= 16; decode-only steps use the smallest tile that holds a group so no
@@ -246,10 +246,11 @@ def _launch_config(group: int, max_query_len: int, head_dim: int, elem_bytes: in
     sized by a head's bytes, not its width (fp32's 256-wide heads take 16 keys), and fp32
     (elem_bytes 4) prefills take 32-row tiles: compiled for sm_89, fp32 needed 115 KiB at
     head dim 128 and 140 KiB at 256 with the bf16 tiles, and its 64-row tiles spilled 1-9 KB
-    a thread at every head dim; now at most 74 KiB and 72 bytes."""
+    a thread at every head dim; now at most 74 KiB and 72 bytes. tall: the prefill tile
+    whatever the step (the batch-invariant mode)."""
     row_bytes = triton.next_power_of_2(head_dim) * elem_bytes
     rows = triton.next_power_of_2(max(group, 16))
-    if group * max(1, max_query_len) > rows:
+    if tall or group * max(1, max_query_len) > rows:
         rows = max(rows, 64 if elem_bytes <= 2 else 32)
     return rows, 64 if row_bytes <= 256 else 32 if row_bytes <= 512 else 16, 4
 
@@ -257,7 +258,7 @@ def _launch_config(group: int, max_query_len: int, head_dim: int, elem_bytes: in
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
     scale: float, out: torch.Tensor | None = None, num_splits: int = 1, *, window: int = 0,
-    softcap: float = 0.0,
+    softcap: float = 0.0, invariant: bool = False,
 ) -> torch.Tensor:
     """q [T, H, D] -> out [T, H, D] in q's dtype; same contract as
     `paged_attention_reference`. No host sync: the grid depends on shapes and host ints only.
@@ -268,7 +269,15 @@ def paged_attention(
     stays correct when replayed with other lengths of the same T and S. num_splits > 1 takes
     fp32 scratch of (num_splits * T * H * (D + 1)) floats from torch's allocator (a
     graph's private pool under capture). window and softcap as in
-    `paged_attention_reference`."""
+    `paged_attention_reference`.
+
+    invariant: a row's result depends on its own query and keys alone, not on the step around
+    it (the engine's batch-invariant mode): every step takes the prefill tile shape, a decode
+    alone as much as one beside prefill chunks, and num_splits is ignored (a split sequence
+    sums its keys in another order, and the split count follows the batch). A row's key loop
+    then runs over the same key tiles in the same order whatever the chunking of its prompt:
+    tiles past its last key, which a taller chunk's tile also visits, are masked whole and
+    add exact zeros."""
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     assert num_heads % kv_heads == 0, "query heads must be a multiple of kv heads"
@@ -280,9 +289,9 @@ def paged_attention(
         return out
     num_seqs = batch.seq_lens.shape[0]
     block_m, block_n, num_warps = _launch_config(group, batch.max_query_len, head_dim,
-                                                 q.element_size())
+                                                 q.element_size(), tall=invariant)
     block_q = block_m // group
-    num_splits = max(1, int(num_splits))
+    num_splits = 1 if invariant else max(1, int(num_splits))
     if num_splits > 1:
         part = torch.empty((num_splits, num_tokens, num_heads, head_dim), dtype=torch.float32,
                            device=q.device)

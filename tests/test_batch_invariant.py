@@ -1,0 +1,120 @@
+"""The batch-invariant mode of the GPU path: a row's result does not depend on the rows
+computed beside it (kernels/gpu/matmul.py, paged_attention(invariant=True), and the engine's
+batch_invariant option end to end).
+
+Without a GPU the Triton kernels run under TRITON_INTERPRET=1 (conftest.py) on CPU tensors in
+fp32; with one they run compiled, in fp32 and bf16. Each invariance check is bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed: the GPU kernels are not tested")
+
+from llmdb.kernels.attention import AttentionBatch  # noqa: E402
+from llmdb.kernels.gpu.attention import paged_attention  # noqa: E402
+from llmdb.kernels.gpu.matmul import matmul  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no GPU and TRITON_INTERPRET is not 1 (conftest.py sets it before any kernel "
+                "is defined; run through pytest)", allow_module_level=True)
+DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32]
+
+
+def _rand(*shape: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+# K not a multiple of the K tile, N not one of the N tile, rows over two row tiles.
+@pytest.mark.parametrize("m,n,k", [(1, 96, 80), (5, 200, 72), (70, 130, 100)])
+def test_matmul_equals_torch(m, n, k, bias, dtype):
+    x = _rand(m, k, seed=1, dtype=dtype)
+    w = _rand(n, k, seed=2, dtype=dtype)
+    b = _rand(n, seed=3, dtype=dtype) if bias else None
+    ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    y = matmul(x, w, b)
+    assert y.dtype == dtype and y.shape == (m, n)
+    tol = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 2e-2}
+    torch.testing.assert_close(y.double(), ref, **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matmul_row_does_not_depend_on_the_rows_beside_it(dtype):
+    """Row r of x alone, among a few other rows, and deep in a batch of many (in another row
+    tile, at another position in it) gives the same bits."""
+    k, n = 136, 150
+    w = _rand(n, k, seed=4, dtype=dtype)
+    b = _rand(n, seed=5, dtype=dtype)
+    row = _rand(1, k, seed=6, dtype=dtype)
+    alone = matmul(row, w, b)
+    for m, at, seed in [(3, 1, 7), (37, 36, 8), (97, 40, 9), (200, 0, 10)]:
+        x = _rand(m, k, seed=seed, dtype=dtype) * 100  # other magnitudes beside it
+        x[at] = row[0]
+        assert torch.equal(matmul(x, w, b)[at], alone[0]), (m, at)
+
+
+def test_matmul_writes_into_out_and_reads_strided_inputs():
+    """A CUDA graph's shared output buffer (a row range of a bigger one) and a transposed
+    weight view."""
+    x = _rand(6, 40, seed=11, dtype=torch.float32)
+    w_t = _rand(40, 24, seed=12, dtype=torch.float32)  # stored [K, N]: w = w_t.T is strided
+    buf = torch.full((10, 24), 7.0, device=DEVICE)
+    y = matmul(x, w_t.T, out=buf[2:8])
+    assert y.data_ptr() == buf[2:8].data_ptr()
+    torch.testing.assert_close(buf[2:8], x @ w_t, atol=1e-4, rtol=1e-5)
+    assert (buf[:2] == 7).all() and (buf[8:] == 7).all()
+    assert matmul(x[:0], w_t.T).shape == (0, 24)
+    with pytest.raises(ValueError, match="columns"):
+        matmul(x, w_t)
+
+
+BLOCK = 16
+PROMPT = 40  # the sequence under test: 40 prompt tokens in blocks 3, 7, 1, then a decode
+
+
+def _attend(kc: torch.Tensor, vc: torch.Tensor, seqs: list[tuple], num_splits: int = 1
+            ) -> list[torch.Tensor]:
+    """One step over `seqs` (query rows, context length after the step, block table), the
+    step's query rows in that order; each sequence's output rows."""
+    batch = AttentionBatch.build([len(r) for r, _, _ in seqs], [c for _, c, _ in seqs],
+                                 [t for _, _, t in seqs], BLOCK, DEVICE)
+    q = torch.cat([r for r, _, _ in seqs])
+    out = paged_attention(q, kc, vc, batch, q.shape[-1] ** -0.5, num_splits=num_splits,
+                          invariant=True)
+    return list(out.split([len(r) for r, _, _ in seqs]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32), (32, 1, 16)])
+def test_attention_row_does_not_depend_on_the_step(heads, kv_heads, dim, dtype):
+    """A sequence's rows from its prompt in one chunk, in two chunks beside other sequences
+    (the second over the first as a cached prefix), and its decode alone, beside a prefill
+    chunk, and with split-KV asked for: the same bits each time."""
+    kc = _rand(40 * BLOCK, kv_heads, dim, seed=20, dtype=dtype)
+    vc = _rand(40 * BLOCK, kv_heads, dim, seed=21, dtype=dtype)
+    q = _rand(PROMPT + 1, heads, dim, seed=22, dtype=dtype)  # its prompt's queries, a decode's
+    table = [3, 7, 1, 9]
+    other_prefill = (_rand(30, heads, dim, seed=23, dtype=dtype), 30, [0, 2])
+    other_decode = (_rand(1, heads, dim, seed=24, dtype=dtype), 50, [4, 5, 6, 8])
+
+    whole = _attend(kc, vc, [(q[:PROMPT], PROMPT, table)])[0]
+    first = _attend(kc, vc, [other_decode, (q[:25], 25, table)])[1]
+    second = _attend(kc, vc, [other_prefill, (q[25:PROMPT], PROMPT, table), other_decode])[1]
+    assert torch.equal(torch.cat([first, second]), whole)
+
+    decode = (q[PROMPT:], PROMPT + 1, table)
+    alone = _attend(kc, vc, [decode])[0]
+    assert torch.equal(_attend(kc, vc, [other_prefill, decode])[1], alone)
+    # Over 300 keys (five key tiles): split four ways, were splits not ignored.
+    long_decode = (q[PROMPT:], 300, list(range(10, 29)))
+    alone = _attend(kc, vc, [long_decode])[0]
+    assert torch.equal(_attend(kc, vc, [other_decode, long_decode], num_splits=4)[1], alone)
