@@ -12,12 +12,14 @@
 #   bash bench/gpu_session.sh bulk      # a SQL-like job: 4,000 rows through 512 slots, so
 #                                       # most steps are mixed: mixed graphs on vs off
 #   bash bench/gpu_session.sh host      # the host's work per step on this machine's CPU
+#   bash bench/gpu_session.sh invariant # batch_invariant=True against the default (cuBLAS,
+#                                       # split-KV): its cost, to decide the GPU default
 #   bash bench/gpu_session.sh hybrid-capacity       # issue 12: OPT-13B, an A100-40GB's cache
 #   bash bench/gpu_session.sh hybrid-capacity-apt   #   (apt's modes of the same)
 #   bash bench/gpu_session.sh hybrid-fcfs           # issue 12: SLO attainment vs rate, fcfs,
 #   bash bench/gpu_session.sh hybrid-apt            # then apt (one call each: ~5 min apiece)
 set -euo pipefail
-step=${1:?"which step: tests, smollm2, llama1b, llama7b, bulk, host, hybrid-capacity, hybrid-capacity-apt, hybrid-fcfs or hybrid-apt"}
+step=${1:?"which step: tests, smollm2, llama1b, llama7b, bulk, host, invariant, hybrid-capacity, hybrid-capacity-apt, hybrid-fcfs or hybrid-apt"}
 out=${OUT:-/tmp/llmdb-gpu-out}
 mkdir -p "$out"
 
@@ -60,6 +62,14 @@ bulk)
         throughput --shape llama3.2-1b --workload bulk --mixed-graphs "$mixed"
     done
     throughput --shape smollm2-135m --workload bulk --launch-ahead off
+    ;;
+invariant)
+    for invariant in "" --batch-invariant; do
+        throughput --shape smollm2-135m --workload standard $invariant
+        throughput --shape llama3.2-1b --workload fixed --rows 400 --prompt-len 128 \
+            --max-tokens 128 $invariant
+        throughput --shape smollm2-135m --workload nanovllm $invariant
+    done
     ;;
 host)
     python3 bench/host_overhead.py --stub-model --running 64 256 512 | tee -a "$out/host.jsonl"

@@ -351,6 +351,8 @@ def run_llmdb_dir(args: argparse.Namespace) -> dict:
         kwargs["kv_cache_bytes"] = int(args.kv_cache_gib * 2**30)
     if args.launch_ahead != "auto":
         kwargs["launch_ahead"] = args.launch_ahead == "on"
+    if args.batch_invariant:
+        kwargs["batch_invariant"] = True
     engine = LLMEngine(str(args.model_dir), **kwargs)
     startup = time.perf_counter() - t_start
     graphs = getattr(engine.runner, "graphs", None)
@@ -380,6 +382,8 @@ def run_llmdb_dir(args: argparse.Namespace) -> dict:
            "max_num_seqs": engine.scheduler.max_num_seqs,
            "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
            "kv_cache_tokens": engine.pool.num_blocks * engine.pool.block_size}
+    if args.batch_invariant:
+        out["batch_invariant"] = engine.describe()["batch_invariant"]
     if before and after and after["steps"] > before["steps"]:
         steps = after["steps"] - before["steps"]
         out |= {"host_ms_per_step": round(1000 * (after["host_s"] - before["host_s"]) / steps, 3),
@@ -476,9 +480,12 @@ def _worker_cmd(worker: str, args: argparse.Namespace, prompts_file: Path, model
                         ("--max-num-seqs", args.max_num_seqs),
                         ("--max-num-batched-tokens", args.max_num_batched_tokens),
                         ("--kv-cache-gib", args.kv_cache_gib),
-                        ("--launch-ahead", args.launch_ahead)):
+                        ("--launch-ahead", args.launch_ahead),
+                        ("--mixed-graphs", args.mixed_graphs)):
         if value:
             cmd += [flag, str(value)]
+    if args.batch_invariant:
+        cmd.append("--batch-invariant")
     return cmd
 
 
@@ -538,6 +545,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="llmdb on CUDA: replay mixed steps from graphs, or run them eagerly")
     ap.add_argument("--launch-ahead", choices=["auto", "on", "off"], default="auto",
                     help="llmdb launches step N+1 before reading step N (auto: on GPUs)")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="llmdb with batch_invariant=True (on GPUs: Triton matmuls, attention "
+                         "without split-KV; a request's answer does not depend on its batch; "
+                         "--shape runs: the CPU's answers never do)")
     ap.add_argument("--write-standard-prompts", action="store_true",
                     help=f"regenerate {STANDARD_PROMPTS.relative_to(ROOT)} and exit")
     ap.add_argument("--worker", help=argparse.SUPPRESS)

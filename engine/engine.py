@@ -78,7 +78,10 @@ class LLMEngine:
     before, so the host's work overlaps the device's; a request that stops then computes one
     token more, discarded. On the CPU a step runs inline, so there is nothing to overlap.
     max_context: the longest prompt plus output served (None: the model's context, for a
-    LongRoPE model such as Phi-3.5 its pretrained one: models/rope.py says why)."""
+    LongRoPE model such as Phi-3.5 its pretrained one: models/rope.py says why).
+    batch_invariant: a request's tokens do not depend on the requests batched with it (GPU
+    kernels: Triton matmuls of one tile shape instead of cuBLAS's, attention without split-KV;
+    kernels/gpu/matmul.py says why). The CPU kernels always are (kernels/linear.py)."""
 
     def __init__(
         self,
@@ -101,6 +104,7 @@ class LLMEngine:
         hidden_cache: bool | None = None,
         launch_ahead: bool | None = None,
         max_context: int | None = None,
+        batch_invariant: bool = False,
     ):
         t0 = time.perf_counter()
         _check_positive(max_num_batched_tokens=max_num_batched_tokens,
@@ -114,7 +118,7 @@ class LLMEngine:
             max_num_batched_tokens = 8192 if self.device.type == "cuda" else 1024
         # Weights and caches are made on the compute thread, where the steps will run.
         num_blocks = run_on_device(self.device, self._load, model, threads, kv_cache_bytes,
-                                   block_size, max_context, hidden_cache)
+                                   block_size, max_context, hidden_cache, batch_invariant)
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
         self._context, self._eos = self.config.max_context, self.config.eos_token_ids
         self.hidden_cache, self.hidden_cache_reason = self.config.hidden_cache_support()
@@ -160,12 +164,15 @@ class LLMEngine:
         self.step_log: list[tuple[str, float, float]] | None = None
 
     def _load(self, model: str, threads: int | None, kv_cache_bytes: int | None,
-              block_size: int, max_context: int | None, hidden_cache: bool | None) -> int:
+              block_size: int, max_context: int | None, hidden_cache: bool | None,
+              batch_invariant: bool) -> int:
         torch.set_num_threads(threads or os.cpu_count() or 1)
         loaded = load_model(resolve_model(model))
         self.config, self.tokenizer = loaded.config.serving(max_context), loaded.tokenizer
         if hidden_cache is False:  # (no re-projection weights: a copy of K/V's on the CPU)
             self.config = dataclasses.replace(self.config, hidden_cache=False)
+        if batch_invariant and self.kernels == "triton":  # (the CPU kernels already are)
+            self.config = dataclasses.replace(self.config, batch_invariant=True)
         self.model_context = loaded.config.max_context  # (what max_context may go up to)
         self.fingerprint = loaded.fingerprint
         model_cls = {"llama": LlamaModel, "opt": OPTModel, "gemma2": GemmaModel,
@@ -216,6 +223,10 @@ class LLMEngine:
                 # A hidden request takes a block half by half, block_size tokens a half.
                 "tokens_per_block": 2 * self.pool.block_size if self.hidden_cache else 0,
             },
+            # Does a request's answer depend on the requests batched with it? Not where this
+            # is True (the CPU kernels pad their matmuls to agree: kernels/linear.py).
+            "batch_invariant": c.batch_invariant or (self.device.type == "cpu"
+                                                     and self.kernels != "triton"),
             "policy": self.scheduler.policy.name,
             "launch_ahead": self.launch_ahead,
             "max_num_seqs": self.scheduler.max_num_seqs,

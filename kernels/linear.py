@@ -7,6 +7,9 @@ skips that: measured here with SmolLM2's shapes, 5-10% faster at 1,024 rows and 
 bitwise those of `F.linear` (the same oneDNN kernels; one row padded to two, see SAME_BITS).
 fp32 weights stay with `F.linear` (rows padded to a multiple of 4): it goes to MKL's sgemm
 there, and oneDNN's fp32 kernels differ in the last bits.
+
+On a GPU a Linear is cuBLAS's (`F.linear`), or, made with batch_invariant=True, the Triton
+matmul of kernels/gpu/matmul.py, whose rows do not depend on the rows beside them.
 """
 
 from __future__ import annotations
@@ -45,9 +48,14 @@ class Linear:
     packed: torch.Tensor | None  # oneDNN's layout of the same weight
     bias: torch.Tensor | None
     out_features: int
+    batch_invariant: bool = False  # by kernels/gpu/matmul.py (Triton), never packed
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """out: a [rows, out_features] tensor to write into (a CUDA graph's shared buffer)."""
+        if self.batch_invariant:
+            from .gpu.matmul import matmul
+
+            return matmul(x, self.weight, self.bias, out)
         rows = x.shape[0]
         extra = self._padding(rows) if x.device.type == "cpu" else 0
         if extra:  # (see SAME_BITS)
@@ -69,9 +77,13 @@ class Linear:
         return -rows % _FP32_ROW_MULTIPLE
 
 
-def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-    """A Linear over `weight` [out, in] (and `bias`), packed where that is exact."""
+def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           batch_invariant: bool = False) -> Linear:
+    """A Linear over `weight` [out, in] (and `bias`), packed where that is exact;
+    batch_invariant: by the Triton matmul (a GPU's, or the interpreter's in tests)."""
     weight = weight.contiguous()
+    if batch_invariant:
+        return Linear(weight, None, bias, weight.shape[0], batch_invariant=True)
     if _can_pack(weight):
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, _ROWS_HINT)
         return Linear(None, packed, bias, weight.shape[0])

@@ -112,6 +112,8 @@ DEVICE_HELP = "auto (a CUDA GPU when there is one), cpu, cuda or cuda:N"
 DTYPES = ("auto", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
 DTYPE_HELP = "the engine's dtype (default: auto, the device's best)"
 THREADS_HELP = "CPU threads for the engine (default: all cores)"
+BATCH_INVARIANT_HELP = ("a request's answer does not depend on the requests batched with it, "
+                        "on a GPU too (slower there; the CPU's answers never do)")
 MAX_CONTEXT_HELP = ("the longest prompt plus output served, in tokens (default: the model's "
                     "pretrained context; a LongRoPE model, such as Phi-3 128k, serves more "
                     "with its long factors, up to its largest context)")
@@ -241,6 +243,8 @@ def _sql(args: argparse.Namespace) -> int:
                "sample_rows": args.sample_rows, "device": args.device}
     if args.max_context is not None:
         options["max_context"] = args.max_context
+    if args.batch_invariant:
+        options["batch_invariant"] = True
     if args.no_progress:
         options["progress"] = False
     fmt = args.format
@@ -302,7 +306,8 @@ def _serve(args: argparse.Namespace) -> int:
     key = api_key_for(args.host, args.api_key_env, args.no_auth)
     limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                     max_tokens=args.max_tokens, max_concurrent=args.max_concurrent)
-    engine_options = {"device": args.device, "policy": args.policy}
+    engine_options = {"device": args.device, "policy": args.policy,
+                      "batch_invariant": args.batch_invariant}
     for name in ("dtype", "threads", "max_context"):
         if getattr(args, name) is not None:
             engine_options[name] = getattr(args, name)
@@ -341,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     sql.add_argument("--db", default=":memory:", help="a DuckDB database file")
     sql.add_argument("--model", default="smollm2-135m", help="a registered model name")
     sql.add_argument("--device", default="auto", help=DEVICE_HELP)
+    sql.add_argument("--batch-invariant", action="store_true", help=BATCH_INVARIANT_HELP)
     sql.add_argument("--max-context", type=_whole_number(1), default=None,
                      help=MAX_CONTEXT_HELP)
     sql.add_argument("--on-error", choices=("raise", "null"), default="raise")
@@ -409,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--port", type=_whole_number(0, 65535), default=8000,
                      help="the TCP port (0: any free one, which the log names)")
     srv.add_argument("--device", default="auto", help=DEVICE_HELP)
+    srv.add_argument("--batch-invariant", action="store_true", help=BATCH_INVARIANT_HELP)
     srv.add_argument("--policy", default="priority",
                      help="the engine's scheduling policy (priority: interactive RT requests "
                           "before bulk BE ones)")

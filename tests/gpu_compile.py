@@ -18,8 +18,9 @@ has), with zero weights made in memory (only shapes decide what compiles; nothin
 or read but config.json and the tokenizer).
 
 Usage (TRITON_INTERPRET must be unset): python tests/gpu_compile.py --arch 90 [--dtype bf16]
-[--shape NAME ...]. One JSON line per compiled kernel; exit 1 if any failed to compile or
-asks for more shared memory than the architecture has.
+[--shape NAME ...] [--batch-invariant] (the engine's batch-invariant mode: its Triton matmul
+for every linear layer, one attention tile). One JSON line per compiled kernel; exit 1 if any
+failed to compile or asks for more shared memory than the architecture has.
 """
 
 from __future__ import annotations
@@ -137,7 +138,8 @@ def _zero_weights(shape: random_model.Shape, dtype: torch.dtype):
     return read
 
 
-def run_shape(name: str, layers: int, dtype: torch.dtype, arch: int, root: Path) -> None:
+def run_shape(name: str, layers: int, dtype: torch.dtype, arch: int, root: Path,
+              batch_invariant: bool = False) -> None:
     """The engine's steps on one model: chunked prefills beside decodes, decode steps through
     emulated CUDA graphs (split-KV where few sequences run), hidden-cache requests."""
     from llmdb.engine import cuda_graphs
@@ -157,7 +159,8 @@ def run_shape(name: str, layers: int, dtype: torch.dtype, arch: int, root: Path)
     cuda_graphs._num_sms = lambda device: ARCHS[arch]["sms"]
     engine = LLMEngine(str(path), device="cpu", dtype=str(dtype).removeprefix("torch."),
                        attention="triton", cuda_graphs=False, kv_cache_bytes=256 << 20,
-                       max_num_seqs=8, max_num_batched_tokens=64)
+                       max_num_seqs=8, max_num_batched_tokens=64,
+                       batch_invariant=batch_invariant)
     engine.runner.graphs = StepGraphs(engine.runner, 8, emulate=True)
     engine.runner.graphs.capture_all()
     params = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -178,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     ap.add_argument("--shape", action="append", choices=list(SHAPES),
                     help="a shape to run (repeatable; default: all)")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="run the engine with batch_invariant=True")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.error("TRITON_INTERPRET=1 runs kernels in the interpreter: unset it")
@@ -193,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.shape or list(SHAPES):
             recorder.shape, done = name, len(recorder.records)
             try:
-                run_shape(name, SHAPES[name], DTYPES[args.dtype], args.arch, Path(tmp))
+                run_shape(name, SHAPES[name], DTYPES[args.dtype], args.arch, Path(tmp),
+                          args.batch_invariant)
             except Exception as exc:  # noqa: BLE001 (reported as the shape's error)
                 recorder.records.append({"shape": name, "kernel": recorder.compiling,
                                          "error": f"{type(exc).__name__}: {exc}"[:2000]})

@@ -9,15 +9,23 @@ fp32; with one they run compiled, in fp32 and bf16. Each invariance check is bit
 from __future__ import annotations
 
 import os
+import random
+from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="triton is not installed: the GPU kernels are not tested")
 
+from llmdb.engine.engine import LLMEngine  # noqa: E402
+from llmdb.engine.params import SamplingParams  # noqa: E402
 from llmdb.kernels.attention import AttentionBatch  # noqa: E402
 from llmdb.kernels.gpu.attention import paged_attention  # noqa: E402
 from llmdb.kernels.gpu.matmul import matmul  # noqa: E402
+
+from .model_builders import edit_config, randomize, save_tiny_llama  # noqa: E402
+from .test_hf_models import VARIANTS as HF_VARIANTS  # noqa: E402
+from .test_hf_models import _save as hf_save  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -118,3 +126,53 @@ def test_attention_row_does_not_depend_on_the_step(heads, kv_heads, dim, dtype):
     long_decode = (q[PROMPT:], 300, list(range(10, 29)))
     alone = _attend(kc, vc, [long_decode])[0]
     assert torch.equal(_attend(kc, vc, [other_decode, long_decode], num_splits=4)[1], alone)
+
+
+# ---- the engine, end to end ----------------------------------------------------------------
+
+
+def _heads_of_32(cfg: dict) -> None:
+    """Half the heads, twice as wide (the weights keep their shapes): with heads of 16 the
+    interpreter's attention happened to agree across tile shapes, with 32 it does not."""
+    cfg["head_dim"] = 2 * cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        if key in cfg:
+            cfg[key] //= 2
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("batch_invariant")
+    build, tok_cfg, prepend = HF_VARIANTS["opt"]
+    torch.manual_seed(3)
+    opt = build()
+    randomize(opt, 3)
+    hf_save(opt, root / "opt16", tok_cfg, prepend)
+    return {"llama-gqa": edit_config(save_tiny_llama(root / "llama16"), root / "llama",
+                                     _heads_of_32),
+            "opt": edit_config(root / "opt16", root / "opt", _heads_of_32)}
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "opt"])
+def test_engine_answer_does_not_depend_on_its_batch(name, model_dirs):
+    """A request's tokens and log-probabilities, bit for bit, alone and as the third of six
+    requests whose prompts push its prompt into other chunks (16-token steps, no prefix
+    cache to reuse the first run's blocks)."""
+    eng = LLMEngine(str(model_dirs[name]), device=DEVICE, dtype="float32", attention="triton",
+                    batch_invariant=True, enable_prefix_caching=False, kv_cache_bytes=1 << 20,
+                    block_size=4, max_num_batched_tokens=16, threads=2)
+    assert eng.describe()["batch_invariant"]
+    rng = random.Random(5)
+    vocab = eng.config.vocab_size
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    target = prompt(21)
+    others = [prompt(n) for n in (3, 13, 9, 30, 6)]
+    params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=2)
+    alone = eng.generate([target], params)[0]
+    batched = eng.generate([*others[:2], target, *others[2:]], params)[2]
+    assert batched.token_ids == alone.token_ids
+    assert batched.logprobs == alone.logprobs
+    assert eng.pool.num_free == eng.pool.num_blocks

@@ -192,3 +192,28 @@ def test_the_hinted_calibrate_command_writes_the_file_that_engine_reads(
     engine = LLMEngine(**options)
     assert engine.cost_model.source.startswith("calibrated ")
     assert engine_cost_model(engine).source == engine.cost_model.source
+
+
+def test_batch_invariant_reaches_the_engine_from_sql_and_serve(monkeypatch):
+    import llmdb
+    from llmdb.server import run
+
+    seen = []
+
+    def connect(*args, **options):
+        seen.append(options)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(llmdb, "connect", connect)
+    with pytest.raises(RuntimeError, match="stop here"):
+        main(["sql", "--batch-invariant", "--no-progress", "SELECT 1"])
+    assert seen[-1]["batch_invariant"] is True
+    with pytest.raises(RuntimeError, match="stop here"):
+        main(["sql", "--no-progress", "SELECT 1"])
+    assert "batch_invariant" not in seen[-1]
+
+    monkeypatch.setattr(run, "serve", lambda *args, **engine_options: seen.append(engine_options))
+    for argv, want in ((["serve", "--no-auth", "--batch-invariant"], True),
+                       (["serve", "--no-auth"], False)):
+        assert main(argv) == 0
+        assert seen[-1]["batch_invariant"] is want

@@ -124,3 +124,26 @@ def test_attention_is_not_specialized_on_values_that_change_per_step(compiled, a
     for r in compiled[arch]:
         if r["kernel"] == "_attention_kernel":
             assert not per_step & r["constexprs"].keys(), (r["shape"], r["constexprs"])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batch_invariant_mode_compiles(arch):
+    """LLMEngine(batch_invariant=True): every linear layer through the Triton matmul (one tile
+    shape for every row count, biases on OPT, K/V re-projection from hidden states) and the
+    attention in its prefill tile only, never split, in bf16 within the architecture's shared
+    memory and without spills."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--arch", str(arch), "--batch-invariant",
+                           "--shape", "smollm2-135m", "--shape", "opt-13b"],
+                          env=env, capture_output=True, text=True, timeout=900)
+    records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    failed = [f"{r['shape']} {r.get('kernel')}: {r['error']}" for r in records if "error" in r]
+    assert not failed, "\n".join(failed)
+    assert done.returncode == 0, done.stderr[-3000:]
+    matmuls = [r for r in records if r["kernel"] == "_matmul_kernel"]
+    assert {r["signature"]["x_ptr"] for r in matmuls} == {"*bf16"}
+    assert all(r["stack"] + r["local"] == 0 for r in matmuls)
+    attention = [r["constexprs"] for r in records if r["kernel"] == "_attention_kernel"]
+    assert {a["BLOCK_M"] for a in attention} == {64}
+    assert {a["SPLIT"] for a in attention} == {False}

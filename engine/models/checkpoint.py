@@ -52,8 +52,10 @@ class Checkpoint:
         return weight, torch.cat([self(n + ".bias") for n in names])
 
 
-def kv_projection(qkv: torch.Tensor, bias: torch.Tensor | None, q_rows: int) -> Linear:
+def kv_projection(qkv: torch.Tensor, bias: torch.Tensor | None, q_rows: int,
+                  batch_invariant: bool = False) -> Linear:
     """K and V alone from a fused QKV projection's weight and bias (rows q_rows on), for
     re-projecting hidden-cache states (a view of the weight, except on the CPU where packing
     copies it)."""
-    return linear(qkv[q_rows:], None if bias is None else bias[q_rows:])
+    return linear(qkv[q_rows:], None if bias is None else bias[q_rows:],
+                  batch_invariant=batch_invariant)

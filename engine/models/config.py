@@ -68,6 +68,9 @@ class ModelConfig:
     # Serving: False where the engine keeps no hidden states (LLMEngine(hidden_cache=False)),
     # so the model builds no K/V re-projection and the cache no hidden-state views.
     hidden_cache: bool = True
+    # Serving: a row's result does not depend on the rows computed beside it (GPU kernels:
+    # LLMEngine(batch_invariant=True); the CPU kernels always are).
+    batch_invariant: bool = False
 
     def layer_window(self, layer: int) -> int:
         """The window of one layer (0: its whole context)."""

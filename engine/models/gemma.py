@@ -21,6 +21,7 @@ than its K and V (ModelConfig.hidden_cache_support).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -68,7 +69,8 @@ class GemmaModel:
         # sqrt(hidden_size) rounded to the model's dtype first (transformers, and Google's
         # reference code): in bf16 sqrt(1152) = 33.94 multiplies as 34.
         self.embed_scale = torch.tensor(c.hidden_size**0.5, dtype=dtype, device=device)
-        self.lm_head = linear(self.embed if c.tie_embeddings else w("lm_head.weight"))
+        lin = partial(linear, batch_invariant=c.batch_invariant)
+        self.lm_head = lin(self.embed if c.tie_embeddings else w("lm_head.weight"))
         self.norm = scale("model.norm.weight")
         triton = kernels == "triton"
         # Global layers' RoPE first; Gemma 3's sliding-window layers have their own.
@@ -85,13 +87,13 @@ class GemmaModel:
                            scale(p + "self_attn.k_norm.weight"))
             self.layers.append(GemmaLayer(
                 input_norm=scale(p + "input_layernorm.weight"),
-                qkv=linear(*w.fused([p + f"self_attn.{n}_proj" for n in "qkv"])),
+                qkv=lin(*w.fused([p + f"self_attn.{n}_proj" for n in "qkv"])),
                 qk_norm=qk_norm,
-                o=linear(*w.fused([p + "self_attn.o_proj"])),
+                o=lin(*w.fused([p + "self_attn.o_proj"])),
                 post_attention_norm=scale(p + "post_attention_layernorm.weight"),
                 pre_feedforward_norm=scale(p + "pre_feedforward_layernorm.weight"),
-                gate_up=linear(*w.fused([p + "mlp.gate_proj", p + "mlp.up_proj"])),
-                down=linear(*w.fused([p + "mlp.down_proj"])),
+                gate_up=lin(*w.fused([p + "mlp.gate_proj", p + "mlp.up_proj"])),
+                down=lin(*w.fused([p + "mlp.down_proj"])),
                 post_feedforward_norm=scale(p + "post_feedforward_layernorm.weight"),
                 rope=1 if i in local else 0,
                 window=c.layer_window(i),
@@ -140,11 +142,12 @@ class GemmaModel:
         batch: AttentionBatch,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        from llmdb.kernels.gpu.attention import paged_attention as attention
+        from llmdb.kernels.gpu.attention import paged_attention
         from llmdb.kernels.gpu.cache_write import rope_and_write_kv
         from llmdb.kernels.gpu.norm import add_rms_norm, gelu_tanh_mul, rms_norm
 
         c = self.config
+        attention = partial(paged_attention, invariant=c.batch_invariant)
         t, eps = input_ids.shape[0], c.norm_eps
         hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
         residual = self.embed[input_ids] * self.embed_scale

@@ -103,8 +103,9 @@ class LlamaModel:
             self.qk_norms = [(w(f"model.layers.{i}.self_attn.q_norm.weight"),
                               w(f"model.layers.{i}.self_attn.k_norm.weight"))
                              for i in range(c.num_layers)]
+        lin = partial(linear, batch_invariant=c.batch_invariant)
         self.embed = w("model.embed_tokens.weight")
-        self.lm_head = linear(self.embed if c.tie_embeddings else w("lm_head.weight"))
+        self.lm_head = lin(self.embed if c.tie_embeddings else w("lm_head.weight"))
         self.norm = w("model.norm.weight")
         self.layers = []
         self.kv_projs: list[Linear] = []  # K and V alone: hidden-cache re-projection
@@ -115,14 +116,15 @@ class LlamaModel:
             qkv, qkv_bias = w.fused([p + f"self_attn.{n}_proj" for n in "qkv"],
                                     p + "self_attn.qkv_proj")
             if hidden_cache:
-                self.kv_projs.append(kv_projection(qkv, qkv_bias, c.num_heads * c.head_dim))
+                self.kv_projs.append(kv_projection(qkv, qkv_bias, c.num_heads * c.head_dim,
+                                                   c.batch_invariant))
             self.layers.append((
                 w(p + "input_layernorm.weight"),
-                linear(qkv, qkv_bias),
-                linear(*w.fused([p + "self_attn.o_proj"])),
+                lin(qkv, qkv_bias),
+                lin(*w.fused([p + "self_attn.o_proj"])),
                 w(p + "post_attention_layernorm.weight"),
-                linear(*w.fused([p + "mlp.gate_proj", p + "mlp.up_proj"], p + "mlp.gate_up_proj")),
-                linear(*w.fused([p + "mlp.down_proj"])),
+                lin(*w.fused([p + "mlp.gate_proj", p + "mlp.up_proj"], p + "mlp.gate_up_proj")),
+                lin(*w.fused([p + "mlp.down_proj"])),
             ))
         divisors, scale = c.served_rope()  # (LongRoPE's set for the context served)
         self.rope = RopeTable.build(c, c.rope_theta, divisors, kernels == "triton", device,
@@ -189,13 +191,14 @@ class LlamaModel:
         hidden: HiddenBatch | None,
         stores: list[torch.Tensor] | None,
     ) -> torch.Tensor:
-        from llmdb.kernels.gpu.attention import paged_attention as attention
+        from llmdb.kernels.gpu.attention import paged_attention
         from llmdb.kernels.gpu.cache_write import rope_and_write_kv
         from llmdb.kernels.gpu.norm import add_rms_norm
         from llmdb.kernels.gpu.norm import rms_norm as rms_norm_gpu
         from llmdb.kernels.gpu.norm import silu_mul as silu_mul_gpu
 
         c = self.config
+        attention = partial(paged_attention, invariant=c.batch_invariant)
         t = input_ids.shape[0]
         hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
         scale = d**-0.5

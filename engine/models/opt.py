@@ -23,17 +23,18 @@ class OPTModel:
         self.config, self.dtype, self.kernels = config, dtype, kernels
         self.device = torch.device(device)
         w, p = Checkpoint(weights, dtype, self.device), "model.decoder."
+        lin = partial(linear, batch_invariant=config.batch_invariant)
         self.embed = w(p + "embed_tokens.weight")
         self.positions = w(p + "embed_positions.weight")
         # OPT-350m projects between a narrower embedding and the hidden size.
         project_in, project_out = w.get(p + "project_in.weight"), w.get(p + "project_out.weight")
-        self.project_in = None if project_in is None else linear(project_in)
-        self.project_out = None if project_out is None else linear(project_out)
+        self.project_in = None if project_in is None else lin(project_in)
+        self.project_out = None if project_out is None else lin(project_out)
         self.final_norm = (w.get(p + "final_layer_norm.weight"),
                            w.get(p + "final_layer_norm.bias"))
         # (Some OPT checkpoints store no LM head though untied: the embeddings serve.)
         untied = not config.tie_embeddings and "lm_head.weight" in w
-        self.lm_head = linear(w("lm_head.weight") if untied else self.embed)
+        self.lm_head = lin(w("lm_head.weight") if untied else self.embed)
         self.layers = []
         self.kv_projs: list[Linear] = []  # K and V alone: hidden-cache re-projection
         hidden_cache = config.hidden_cache_support()[0]
@@ -41,12 +42,13 @@ class OPTModel:
             q = f"{p}layers.{i}."
             qkv, qkv_bias = w.fused([q + f"self_attn.{n}_proj" for n in "qkv"])
             if hidden_cache:
-                self.kv_projs.append(kv_projection(qkv, qkv_bias, config.hidden_size))
+                self.kv_projs.append(kv_projection(qkv, qkv_bias, config.hidden_size,
+                                                   config.batch_invariant))
             self.layers.append((
                 w(q + "self_attn_layer_norm.weight"), w(q + "self_attn_layer_norm.bias"),
-                linear(qkv, qkv_bias), linear(*w.fused([q + "self_attn.out_proj"])),
+                lin(qkv, qkv_bias), lin(*w.fused([q + "self_attn.out_proj"])),
                 w(q + "final_layer_norm.weight"), w(q + "final_layer_norm.bias"),
-                linear(*w.fused([q + "fc1"])), linear(*w.fused([q + "fc2"])),
+                lin(*w.fused([q + "fc1"])), lin(*w.fused([q + "fc2"])),
             ))
 
     def forward(
@@ -61,8 +63,10 @@ class OPTModel:
         """Final hidden states [T, hidden]; `hidden` and `stores` as in LlamaModel.forward."""
         triton = self.kernels == "triton"
         if triton:
-            from llmdb.kernels.gpu.attention import paged_attention as attention
+            from llmdb.kernels.gpu.attention import paged_attention
             from llmdb.kernels.gpu.cache_write import rope_and_write_kv
+
+            attention = partial(paged_attention, invariant=self.config.batch_invariant)
         else:
             attention = cpu_attention(self.kernels)
         c = self.config

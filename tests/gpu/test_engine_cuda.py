@@ -302,6 +302,29 @@ def test_scores_and_logprobs_match_cpu(pair):
     _all_free(cpu, gpu)
 
 
+@pytest.mark.parametrize("name", MODELS)
+def test_batch_invariant_answers_alone_equal_those_in_a_batch(model_dirs, name):
+    """bf16, CUDA graphs on: with batch_invariant=True a request's tokens and log-probabilities
+    are the same bits alone and among 63 others of mixed lengths (its prompt chunked
+    otherwise, its decodes beside prefill chunks); the answers stay the CPU fp32 engine's
+    (near-ties aside) in fp32."""
+    path = model_dirs[name]
+    eng = LLMEngine(path, device="cuda", dtype="bf16", kv_cache_bytes=64 << 20,
+                    batch_invariant=True, enable_prefix_caching=False,
+                    max_num_batched_tokens=512)
+    assert eng.describe()["batch_invariant"]
+    prompts = _prompts(64, seed=41, vocab=eng.config.vocab_size)
+    params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=3)
+    batched = eng.generate(prompts, params)
+    for i in (0, 5, 37, 63):
+        alone = eng.generate([prompts[i]], params)[0]
+        assert alone.token_ids == batched[i].token_ids, i
+        assert alone.logprobs == batched[i].logprobs, i
+    fp32 = _engine(path, "cuda", batch_invariant=True)
+    _check(_engine(path, "cpu"), prompts[:16], fp32.generate(prompts[:16], GEN))
+    _all_free(eng, fp32)
+
+
 def test_sql_on_cuda(model_dirs, tmp_path, monkeypatch):
     duckdb = pytest.importorskip("duckdb", reason="duckdb is not installed here")
     import llmdb
