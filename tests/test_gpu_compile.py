@@ -80,20 +80,26 @@ def test_the_engine_reached_every_kernel_variant(compiled, arch):
             if r["kernel"] == "_attention_kernel"} == {"*bf16"}
 
 
+def _compile(*args: str) -> list[dict]:
+    """gpu_compile.py's records for these arguments, none of them an error."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True,
+                          text=True, timeout=900)
+    records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    failed = [f"{r['shape']} {r.get('kernel')}: {r['error']}" for r in records if "error" in r]
+    assert not failed, "\n".join(failed)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return records
+
+
 def test_fp32_tiles_fit_an_l4():
     """fp32 on sm_89 (L4, A10, RTX 4090: 99 KiB of shared memory a block): with bf16's tiles
     its attention needed 115 KiB at head dim 128 and 140 KiB at 256, so every fp32 step of
     such a model failed to launch there. gpu_compile.py marks a kernel over the limit as an
     error."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--arch", "89", "--dtype", "fp32",
-                           "--shape", "qwen3-0.6b", "--shape", "gemma3-1b"],
-                          env=env, capture_output=True, text=True, timeout=900)
-    records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    failed = [f"{r['shape']} {r.get('kernel')}: {r['error']}" for r in records if "error" in r]
-    assert not failed, "\n".join(failed)
-    assert done.returncode == 0, done.stderr[-3000:]
+    records = _compile("--arch", "89", "--dtype", "fp32", "--shape", "qwen3-0.6b",
+                       "--shape", "gemma3-1b")
     attention = [r["constexprs"] for r in records if r["kernel"] == "_attention_kernel"]
     assert {a["HEAD_DIM"] for a in attention} == {128, 256}
     assert {a["BLOCK_M"] for a in attention} == {16, 32}  # decode and prefill tiles
@@ -132,15 +138,8 @@ def test_batch_invariant_mode_compiles(arch):
     shape for every row count, biases on OPT, K/V re-projection from hidden states) and the
     attention in its prefill tile only, never split, in bf16 within the architecture's shared
     memory and without spills."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--arch", str(arch), "--batch-invariant",
-                           "--shape", "smollm2-135m", "--shape", "opt-13b"],
-                          env=env, capture_output=True, text=True, timeout=900)
-    records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    failed = [f"{r['shape']} {r.get('kernel')}: {r['error']}" for r in records if "error" in r]
-    assert not failed, "\n".join(failed)
-    assert done.returncode == 0, done.stderr[-3000:]
+    records = _compile("--arch", str(arch), "--batch-invariant", "--shape", "smollm2-135m",
+                       "--shape", "opt-13b")
     matmuls = [r for r in records if r["kernel"] == "_matmul_kernel"]
     assert {r["signature"]["x_ptr"] for r in matmuls} == {"*bf16"}
     assert all(r["stack"] + r["local"] == 0 for r in matmuls)
