@@ -386,7 +386,9 @@ def test_the_local_backend_keeps_a_bounded_number_of_label_words(engine, monkeyp
     for word in others:  # free-text labels, each asked once
         assert backend._variants(word) == engine.tokenizer.single_token_variants(word)
     assert backend._variants.cache_info().currsize == 4  # yes and no among those dropped
-    assert word_probs(("yes", "no")) == first
+    # (rel: the prompt's K/V come from the prefix cache the second time; a word's ids
+    # missing one spelling moved its probability by 2e-4 of itself)
+    assert word_probs(("yes", "no")) == pytest.approx(first, rel=1e-5)
 
 
 

@@ -30,9 +30,9 @@ from .base import (
 
 # Request ids of every LocalBackend (several may share an engine).
 _request_ids = itertools.count()
-# Label words whose token ids a backend keeps. Kept for the process's life, the words of a
-# server or notebook classifying into free-text labels grew without bound; a query's labels
-# are a handful, and a word's ids take a few encodes to find again.
+# Label words whose token ids a backend keeps, the most recently used: kept for the
+# process's life, they grew without bound in a server or notebook classifying into free-text
+# labels. A query's labels are a handful, and a word's ids take a few encodes to find again.
 LABEL_WORDS_KEPT = 4096
 
 
