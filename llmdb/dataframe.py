@@ -126,26 +126,26 @@ def _lazy(df: Any) -> bool:
     return type(df).__name__ == "LazyFrame" and type(df).__module__.startswith("polars")
 
 
-def _apply(df: Any, rows: Callable[[Any], Any], reads: list[str], adds: list[str],
+def _apply(df: Any, rows: Callable[[Any], Any], reads: list[str], adds: dict[str, str],
            every_row: bool) -> Any:
     """rows(df): the call over a table. A polars LazyFrame stays lazy: the call runs when it
     is collected, once over the rows that reach it (so that duplicates are asked once):
     `.head(k)` after a call that keeps every row (every_row) asks k rows, and a polars
     filter over the input's columns runs first. reads: the columns the call reads, checked
-    now; adds: the text columns it adds."""
+    now; adds: the text columns it adds, by the option that names each."""
     if not _lazy(df):
+        check_new_columns(adds, _column_names(df))
         return rows(df)
     import polars as pl
 
     schema = df.collect_schema()
     check_columns(reads, schema.names())
-    # A polars filter on a column the call replaces must see the answers: not pushed below
-    # the call then. Nor below llmdb.filter: polars 2.1 pushes a slice wherever it pushes a
+    check_new_columns(adds, schema.names())
+    # Not pushed below llmdb.filter: polars 2.1 pushes a slice wherever it pushes a
     # predicate, whatever slice_pushdown says, and the first k rows kept are not the rows
     # kept of the first k.
-    pushdown = every_row and not any(name in schema for name in adds)
-    return df.map_batches(rows, schema={**schema, **dict.fromkeys(adds, pl.String)},
-                          predicate_pushdown=pushdown, slice_pushdown=every_row)
+    return df.map_batches(rows, schema={**schema, **dict.fromkeys(adds.values(), pl.String)},
+                          predicate_pushdown=every_row, slice_pushdown=every_row)
 
 
 def check_option_types(function: str, call: dict[str, Any]) -> None:
@@ -185,6 +185,23 @@ def check_columns(names: list[str], present: list[str]) -> None:
                            f"one is the row's value? Rename them apart")
 
 
+def check_new_columns(adds: dict[str, str], present: list[str]) -> None:
+    """ValueError naming a column the call would add that the table has already: replaced,
+    its values would be lost without a word (a labelled data set's own `label`, under
+    classify's default output name). No replace=True: pandas' insert and join refuse a
+    taken name too, and replacing on purpose is a drop and a rename, which say so."""
+    for option, name in adds.items():
+        if name in present:
+            raise ValueError(f"the table already has a column {name!r}: {option}={name!r} "
+                             f"would replace it and lose its values. Choose another name "
+                             f"with {option}=... (to replace the column on purpose, drop it "
+                             f"and rename the new one afterwards)")
+
+
+def _column_names(df: Any) -> list[str]:
+    return df.column_names if _kind(df) == "pyarrow" else list(df.columns)
+
+
 def columns_read(function: str, args: tuple, options: dict[str, Any]) -> list[str]:
     """The columns llmdb.<function>(df, *args, **options) reads."""
     first = args[0] if args else options.get("column" if function == "classify" else "template")
@@ -197,7 +214,7 @@ def columns_read(function: str, args: tuple, options: dict[str, Any]) -> list[st
 
 def _columns(df: Any, names: list[str]) -> dict[str, list]:
     kind = _kind(df)
-    check_columns(names, list(df.columns) if kind != "pyarrow" else df.column_names)
+    check_columns(names, _column_names(df))
     if kind == "pandas":
         return {n: [None if _is_missing(v) else v for v in df[n].tolist()] for n in names}
     if kind == "polars":
@@ -299,10 +316,7 @@ def _with_column(df: Any, name: str, values: list[str | None]) -> Any:
         import polars as pl
 
         return df.with_columns(pl.Series(name, values, dtype=pl.String))
-    array = pa.array(values, type=pa.string())
-    if name in df.column_names:
-        return df.set_column(df.column_names.index(name), name, array)
-    return df.append_column(name, array)
+    return df.append_column(name, pa.array(values, type=pa.string()))
 
 
 def _check_template(function: str, template: Any) -> None:
@@ -324,9 +338,9 @@ def _check_error_column(error_column: str | None, output: str | None = None) -> 
                          f"replace the answers")
 
 
-def _added(*names: str | None) -> list[str]:
-    """The columns a call adds (or replaces): its output, its error column if any."""
-    return [n for n in names if n is not None]
+def _added(**names: str | None) -> dict[str, str]:
+    """The columns a call adds, by option: its output, its error column if any."""
+    return {option: n for option, n in names.items() if n is not None}
 
 
 def _with_error_column(df: Any, error_column: str | None, errors: list[str | None]) -> Any:
@@ -413,7 +427,8 @@ def complete(df: Any, template: str, output: str = "completion", *,
         return _with_error_column(_with_column(df, output, values), error_column, errors)
 
     reads = columns_read("complete", (template,), {"fields": fields})
-    return _apply(df, rows, reads, _added(output, error_column), every_row=True)
+    added = _added(output=output, error_column=error_column)
+    return _apply(df, rows, reads, added, every_row=True)
 
 
 def filter(df: Any, template: str, *,  # noqa: A001 - mirrors llm_filter
@@ -443,7 +458,7 @@ def filter(df: Any, template: str, *,  # noqa: A001 - mirrors llm_filter
                      [bool(k) or e is not None for k, e in zip(keep, errors, strict=True)])
 
     reads = columns_read("filter", (template,), {})
-    return _apply(df, rows, reads, _added(error_column), every_row=False)
+    return _apply(df, rows, reads, _added(error_column=error_column), every_row=False)
 
 
 def classify(df: Any, column: str, labels: list[str], output: str = "label", *,
@@ -469,4 +484,5 @@ def classify(df: Any, column: str, labels: list[str], output: str = "label", *,
                                             errors=errors)
         return _with_error_column(_with_column(df, output, values), error_column, errors)
 
-    return _apply(df, rows, [column], _added(output, error_column), every_row=True)
+    added = _added(output=output, error_column=error_column)
+    return _apply(df, rows, [column], added, every_row=True)

@@ -6,15 +6,15 @@ so a killed job resumes where it stopped (and rows cut short keep their tokens s
 batch.partial_key). The file is kept under a size limit by evicting the least recently used
 entries.
 
-The limit is on disk, WAL file included. An entry's own bytes (its key and JSON value) are
-a fraction of what it takes there: the key is stored twice (the table and its primary-key
-index), the LRU index adds a row, pages are partly filled. Short answers under 64-character
-keys took 2.8x their bytes, so a cache held to 1 GiB of entries grew to 2.8 GiB of file. So
-each write checks the pages in use (the file's header, whoever wrote before), a trim scales
-the entries' bytes by the pages they fill, the WAL is checkpointed at a sixteenth of the limit
-(at most SQLite's default 4 MiB) and truncated to that, a trim deletes and gives pages back
-in steps that each fit the WAL, and a file created here returns its freed pages to the file
-system (auto_vacuum=INCREMENTAL).
+The limit is on disk, WAL and shared-memory (-shm) files included. An entry's own bytes (its
+key and JSON value) are a fraction of what it takes there: the key is stored twice (the
+table and its primary-key index), the LRU index adds a row, pages are partly filled. Short
+answers under 64-character keys took 2.8x their bytes, so a cache held to 1 GiB of entries
+grew to 2.8 GiB of file. So each write checks the pages in use (the file's header, whoever
+wrote before), a trim scales the entries' bytes by the pages they fill, the WAL is
+checkpointed at a sixteenth of the limit (at most SQLite's default 4 MiB) and truncated to
+that, a trim deletes and gives pages back in steps that each fit the WAL, and a file created
+here returns its freed pages to the file system (auto_vacuum=INCREMENTAL).
 """
 
 from __future__ import annotations
@@ -82,8 +82,21 @@ class ResultCache:
         self._empty_pages = _EMPTY_PAGES + self._vacuums
         # The entries' share of the limit, in bytes of pages: less the file's fixed pages
         # and the WAL, which passes its checkpoint point by the transaction that reaches it
-        # (trims write in quarters of a WAL), so it takes two.
-        self._budget = max_bytes - 2 * wal_bytes - self._empty_pages * self._page_size
+        # (trims write in quarters of a WAL), so it takes two. (Less the -shm file too: see
+        # _budget.)
+        self._fixed_budget = max_bytes - 2 * wal_bytes - self._empty_pages * self._page_size
+        self._shm = self.path.with_name(self.path.name + "-shm")
+
+    def _budget(self) -> int:
+        """The entries' share of the limit now. The -shm file (the WAL's index) is 32 KiB
+        while the file is open, and grows by 32 KiB per 4,096 pages a transaction puts in
+        the WAL (96 KiB after one of 40 MB), and never shrinks until the last connection
+        closes: read from the file, not assumed."""
+        try:
+            shm = self._shm.stat().st_size
+        except FileNotFoundError:
+            shm = 0
+        return self._fixed_budget - shm
 
     def _pragma(self, name: str) -> int:
         return self._db.execute(f"PRAGMA {name}").fetchone()[0]
@@ -128,7 +141,7 @@ class ResultCache:
             # Checked at every write, from the file (two pragmas that read its header), not
             # counted by this object: processes that each wrote fewer rows than a count's
             # period (a job of 200 rows per `llmdb sql`) never trimmed a shared file at all.
-            if self._used_bytes() > self._budget:
+            if self._used_bytes() > self._budget():
                 self._trim()
 
     def _used_bytes(self) -> int:
@@ -144,7 +157,7 @@ class ResultCache:
         total = self._db.execute("SELECT COALESCE(SUM(size), 0) FROM results").fetchone()[0]
         # Disk bytes per entry byte; 1 in a file of a few pages, where pages are mostly empty.
         scale = max(1.0, self._used_bytes() / total) if total else 1.0
-        limit = self._budget / scale  # in entry bytes
+        limit = self._budget() / scale  # in entry bytes
         if total <= limit:
             return
         target = total - int(limit * TRIM_TO)

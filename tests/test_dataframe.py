@@ -247,15 +247,40 @@ def test_a_polars_lazyframe_asks_the_model_when_collected_and_only_its_rows(sql_
         llmdb.complete(lazy, "{nope}", session=session)
 
 
-def test_a_lazy_output_that_replaces_an_input_column_is_filtered_after_the_call():
-    """A polars filter on the output column runs on the answers, also where the output
-    replaces a column the template read."""
-    session = Session(Options(model="hash-standin", cache=False))
-    table = pl.DataFrame({"review": ["a", "b", "c"]})
-    answers = llmdb.complete(table, "{review}", output="review", session=session)["review"]
-    out = llmdb.complete(table.lazy(), "{review}", output="review", session=session)
-    assert out.filter(pl.col("review") == answers[1]).collect()["review"].to_list() == \
-        [answers[1]]
+@pytest.mark.parametrize("kind", [*KINDS, "polars lazy"])
+def test_a_new_column_never_replaces_one_of_the_table(kind):
+    """An output or error column named as a column of the table replaced it without a word,
+    its values lost (classify's default output, 'label', is a labelled data set's own
+    column). Refused at the call, naming the column and the option that names it, before any
+    row is asked."""
+    table = _frame(kind.split()[0]).lazy() if kind == "polars lazy" else _frame(kind)
+    options = {"model": "hash-standin", "cache": False, "on_error": "null"}
+    calls = [
+        (lambda: llmdb.complete(table, "{review}", output="product", **options),
+         "column 'product': output='product'"),
+        (lambda: llmdb.complete(table, "{product}", output="review", **options),
+         "column 'review': output='review'"),  # a column the template reads
+        (lambda: llmdb.complete(table, "{review}", error_column="product", **options),
+         "column 'product': error_column='product'"),
+        (lambda: llmdb.filter(table, "{review}", error_column="review", **options),
+         "column 'review': error_column='review'"),
+        (lambda: llmdb.classify(table, "review", LABELS, output="product", **options),
+         "column 'product': output='product'"),
+    ]
+    before = llmdb.stats()["total"]
+    for call, message in calls:
+        with pytest.raises(ValueError, match=f"already has a {message} would replace it"):
+            call()
+    assert llmdb.stats()["total"] == before  # no row reached a model
+    labelled = llmdb.complete(table, "{review}", output="label", **options)
+    with pytest.raises(ValueError, match="column 'label': output='label'.*output=..."):
+        llmdb.classify(labelled, "review", LABELS, **options)  # the default output name
+    out = llmdb.classify(labelled, "review", LABELS, output="predicted", **options)
+    if kind == "polars lazy":
+        out = out.collect()
+    assert column_values(out, "product") == DATA["product"]
+    assert column_values(out, "label") == column_values(
+        labelled.collect() if kind == "polars lazy" else labelled, "label")
 
 
 def test_dataframe_calls_share_the_sql_result_cache():

@@ -364,6 +364,33 @@ def test_the_local_backend_reports_an_aborted_choice_as_aborted(engine):
     assert (result.finish_reason, result.word_probs) == ("abort", ())
 
 
+def test_the_local_backend_keeps_a_bounded_number_of_label_words(engine, monkeypatch):
+    """Classifying into free-text labels kept every word's token ids for the life of the
+    process: now the LABEL_WORDS_KEPT most recently used, and a word dropped and asked for
+    again gets the same ids, so the same answer."""
+    from llmdb.backends import ChoiceRequest, local
+
+    monkeypatch.setattr(local, "LABEL_WORDS_KEPT", 4)
+    backend = local.LocalBackend(engine)
+    question = chat(CHAT_QUESTIONS[0])
+
+    def word_probs(words: tuple[str, ...]) -> tuple[float, ...]:
+        done = threading.Event()
+        handle = backend.submit(ChoiceRequest(question, words), done.set)
+        while not done.is_set():
+            engine.step()
+        return backend.collect(handle).word_probs
+
+    first = word_probs(("yes", "no"))
+    others = ("red", "blue", "green", "cat", "dog", "house", "tree", "water")
+    for word in others:  # free-text labels, each asked once
+        assert backend._variants(word) == engine.tokenizer.single_token_variants(word)
+    assert backend._variants.cache_info().currsize == 4  # yes and no among those dropped
+    # (rel: the prompt's K/V come from the prefix cache the second time; a word's ids
+    # missing one spelling moved its probability by 2e-4 of itself)
+    assert word_probs(("yes", "no")) == pytest.approx(first, rel=1e-5)
+
+
 
 @pytest.mark.parametrize(
     ("prompt", "params", "message"),

@@ -375,6 +375,39 @@ def test_sliding_windows_are_read_as_transformers_reads_them(hf_dirs, tmp_path, 
     assert check_model(d).layer_windows == windows
 
 
+@torch.inference_mode()
+@pytest.mark.parametrize("name", WINDOWED)
+def test_exported_windows_run_in_transformers(name, hf_dirs, engines, tmp_path):
+    """export_hf writes the sliding windows (it wrote none, so transformers ran the export
+    over the whole context): transformers and our loader read the model's windows back, and
+    over prompts longer than the window transformers' logits are the engine's."""
+    from llmdb.engine.models.export import export_hf
+
+    loaded = load_model(hf_dirs[name])
+    out = export_hf(loaded, tmp_path / "hf", dtype=torch.float32)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float32, attn_implementation="eager").eval()
+    assert _transformers_windows(exported.config) == loaded.config.layer_windows
+    assert load_model(out).config.layer_windows == loaded.config.layer_windows
+    engine = engines(name, "cpu")
+    for ids in _sequences(seed=9)[2:]:  # 53 and 240 tokens, over windows of 8 and 5
+        assert_close(engine.logits(ids), ref_logits(exported, ids), f"{name} exported")
+
+
+@pytest.mark.parametrize("windows, message", [
+    ((8, 0, 8, 0), r"MistralForCausalLM, whose config slides every.*context in layers \[1, 3\]"),
+    ((8, 4, 8, 4), r"one sliding window, not one a layer \(4, 8\)"),
+])
+def test_export_refuses_windows_a_config_cannot_hold(hf_dirs, tmp_path, windows, message):
+    from llmdb.engine.models.export import export_hf
+
+    loaded = load_model(hf_dirs["mistral-window"])
+    loaded.config = dataclasses.replace(loaded.config, layer_windows=windows)
+    with pytest.raises(ValueError, match=message):
+        export_hf(loaded, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()  # refused before writing
+
+
 def test_unknown_layer_type_is_refused_by_name(hf_dirs, tmp_path):
     types = ["sliding_attention", "chunked_attention", "full_attention", "full_attention"]
     d = edit_config(hf_dirs["qwen2"], tmp_path / "chunked", lambda cfg: cfg.update(

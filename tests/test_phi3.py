@@ -517,6 +517,22 @@ def test_exported_phi3_runs_in_transformers(name, gguf_models, tmp_path):
                      f"{name} exported, len {len(ids)}")
 
 
+@torch.inference_mode()
+def test_exported_phi3_window_runs_in_transformers(hf_dirs, engines, tmp_path):
+    """export_hf writes Phi-3's sliding window (it wrote none, so transformers ran the
+    export over the whole context): over 240 tokens, 15 windows of 16, the same logits."""
+    from llmdb.engine.models.export import export_hf
+
+    out = export_hf(load_model(hf_dirs["phi3-window"]), tmp_path / "hf", dtype=torch.float32)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float32, attn_implementation="eager").eval()
+    assert exported.config.sliding_window == 16
+    assert load_model(out).config.layer_windows == (16,) * 3
+    ids = _ids(240, seed=10)
+    assert_close(engines("phi3-window").logits(ids), ref_logits(exported, ids),
+                 "phi3-window exported")
+
+
 # ---- llama.cpp on the same files ----------------------------------------------------------------
 
 

@@ -145,6 +145,8 @@ def test_bad_arguments_fail_on_the_driver():
     ("complete", ("Greet {name}.",), {"temperature": -1}),
     ("complete", ("Greet {name}.",), {"on_error": "sometimes"}),
     ("complete", ("Greet {name}.",), {"error_column": "completion"}),
+    ("complete", ("Greet {name}.",), {"output": "name"}),  # a column of the rows
+    ("filter", ("{name}?",), {"error_column": "id"}),
     ("complete", ("Greet.",), {"reorder_fields": True}),
     ("filter", ("{name}?",), {"error_column": ""}),
     ("classify", ("name", ["a", "a"]), {}),

@@ -273,11 +273,11 @@ def test_llama_cpp_agrees(gguf_file):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("source", ["gguf", "smollm3-list"])
+@pytest.mark.parametrize("source", ["gguf", "smollm3-list", "smollm3-window"])
 def test_exported_smollm3_runs_in_transformers(source, gguf_file, hf_dirs, tmp_path):
     """export_hf writes a SmolLM3 config (its NoPE layers, other than the default ones in
-    smollm3-list, and its biases): transformers runs the exported weights as we run the
-    model."""
+    smollm3-list, its biases, the window of smollm3-window's sliding layer): transformers
+    runs the exported weights as we run the model (53 tokens: over the 16-token window)."""
     from llmdb.engine.models.export import export_hf
 
     path = gguf_file if source == "gguf" else hf_dirs[source]

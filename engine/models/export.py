@@ -14,7 +14,9 @@ from .config import ModelConfig
 from .loader import LoadedModel
 
 # arch or family -> (architecture, model_type) of its Hugging Face config
-_HF_NAMES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+_HF_NAMES = {"llama": ("LlamaForCausalLM", "llama"),
+             "mistral": ("MistralForCausalLM", "mistral"),
+             "qwen2": ("Qwen2ForCausalLM", "qwen2"),
              "qwen3": ("Qwen3ForCausalLM", "qwen3"), "phi3": ("Phi3ForCausalLM", "phi3"),
              "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
              "gemma2": ("Gemma2ForCausalLM", "gemma2"),
@@ -26,12 +28,14 @@ def export_hf(model: LoadedModel, out_dir: str | Path, dtype: torch.dtype = torc
     if c.arch not in ("llama", "gemma2", "gemma3"):
         raise ValueError(f"export supports llama and gemma models, not {c.arch}")
     # Layers without RoPE: SmolLM3's architecture; fused Q/K/V: Phi-3's; per-head Q/K norms:
-    # Qwen3's; Q/K/V biases: Qwen2's (a Llama without them would drop them).
+    # Qwen3's; Q/K/V biases: Qwen2's (a Llama without them would drop them); sliding
+    # windows: Mistral's (Llama's attention ignores a sliding_window key).
     family = c.arch if c.arch != "llama" else (
         "smollm3" if c.nope_layers else
         "phi3" if "model.layers.0.self_attn.qkv_proj.weight" in model.weights else
         "qwen3" if "model.layers.0.self_attn.q_norm.weight" in model.weights else
-        "qwen2" if "model.layers.0.self_attn.q_proj.bias" in model.weights else "llama")
+        "qwen2" if "model.layers.0.self_attn.q_proj.bias" in model.weights else
+        "mistral" if c.layer_windows else "llama")
     # RoPE in the keys transformers 4 wrote (vLLM's reads them; transformers 5 too).
     rope: dict = {"rope_theta": c.rope_theta}
     if c.rotary_dim:
@@ -49,7 +53,7 @@ def export_hf(model: LoadedModel, out_dir: str | Path, dtype: torch.dtype = torc
         rope["rope_scaling"] = {"rope_type": "linear", "factor": c.rope_divisors[0]}
     # (Phi-3's config class would otherwise pad with token 32000, outside small vocabularies.)
     arch_keys = (_gemma_keys(c) if c.arch != "llama" else
-                 {"hidden_act": "silu", "pad_token_id": None})
+                 {"hidden_act": "silu", "pad_token_id": None, **_window_keys(c, family)})
     if family == "smollm3":  # (its flags: 1 rotates, 0 does not; biases are switched on)
         arch_keys.update(
             no_rope_layers=[int(i not in c.nope_layers) for i in range(c.num_layers)],
@@ -100,6 +104,28 @@ def export_hf(model: LoadedModel, out_dir: str | Path, dtype: torch.dtype = torc
         "model_max_length": c.max_context,
     }, indent=2))
     return out
+
+
+def _window_keys(c: ModelConfig, family: str) -> dict:
+    """A Llama-family model's sliding windows in the keys its config class reads (and
+    hf_dir._layer_windows reads back): Qwen2, Qwen3 and SmolLM3 name each layer's kind;
+    Mistral and Phi-3 slide every layer. One window for all, as every such config has."""
+    if not c.layer_windows:
+        return {}
+    windows = sorted(set(c.layer_windows) - {0})
+    if len(windows) > 1:
+        raise ValueError(f"export writes one sliding window, not one a layer "
+                         f"({', '.join(map(str, windows))})")
+    if family in ("qwen2", "qwen3", "smollm3"):
+        return {"use_sliding_window": True, "sliding_window": windows[0],
+                "layer_types": ["sliding_attention" if w else "full_attention"
+                                for w in c.layer_windows]}
+    if 0 in c.layer_windows:
+        full = [i for i, w in enumerate(c.layer_windows) if w == 0]
+        raise ValueError(f"export writes a {_HF_NAMES[family][0]}, whose config slides "
+                         f"every layer's window: this model attends to the whole context in "
+                         f"layers {full}")
+    return {"sliding_window": windows[0]}
 
 
 def _gemma_keys(c: ModelConfig) -> dict:

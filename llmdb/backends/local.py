@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import itertools
 import math
@@ -29,6 +30,10 @@ from .base import (
 
 # Request ids of every LocalBackend (several may share an engine).
 _request_ids = itertools.count()
+# Label words whose token ids a backend keeps, the most recently used: kept for the
+# process's life, they grew without bound in a server or notebook classifying into free-text
+# labels. A query's labels are a handful, and a word's ids take a few encodes to find again.
+LABEL_WORDS_KEPT = 4096
 
 
 class LocalBackend:
@@ -39,7 +44,7 @@ class LocalBackend:
         self._end_of_turn = tok.token_id(tok.eos_token) if tok.eos_token else None
         if self._end_of_turn is None:
             self._end_of_turn = engine.config.eos_token_ids[0]
-        self._word_ids: dict[str, list[int]] = {}
+        self._variants = functools.lru_cache(maxsize=LABEL_WORDS_KEPT)(self._word_variants)
         self._choices: dict[str, list[list[int]]] = {}  # handle -> token ids per word
         self._lock = threading.Lock()
         template = tok.chat_template or ""
@@ -88,13 +93,12 @@ class LocalBackend:
         """A scored continuation's tokens: the text, then end of turn."""
         return [*self.engine.tokenizer.encode_plain(text), self._end_of_turn]
 
-    def _variants(self, word: str) -> list[int]:
-        if word not in self._word_ids:
-            ids = self.engine.tokenizer.single_token_variants(word)
-            if not ids:
-                raise ValueError(f"the vocabulary has no one-token spelling of {word!r}")
-            self._word_ids[word] = ids
-        return self._word_ids[word]
+    def _word_variants(self, word: str) -> list[int]:
+        """A label word's one-token spellings (cached per backend as self._variants)."""
+        ids = self.engine.tokenizer.single_token_variants(word)
+        if not ids:
+            raise ValueError(f"the vocabulary has no one-token spelling of {word!r}")
+        return ids
 
     def submit(self, request: ModelRequest, on_finish: Callable[[], None]) -> str:
         # A refusal is the row's error: the engine's request id at its end would be noise
