@@ -90,7 +90,7 @@ class Options:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {opts.on_error!r}")
         if opts.priority not in (None, "RT", "BE"):
             raise ValueError(f"priority must be 'RT', 'BE' or None, got {opts.priority!r}")
-        size = opts.cache_max_bytes  # (checked by the cache only at every 256th answer)
+        size = opts.cache_max_bytes  # (checked here: a bad one would fail the first write)
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ValueError(f"cache_max_bytes must be a whole number of bytes above 0, got "
                              f"{size!r}")
