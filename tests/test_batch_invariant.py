@@ -17,9 +17,12 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed: the GPU kernels are not tested")
 
+from llmdb.engine import sampling  # noqa: E402
 from llmdb.engine.engine import LLMEngine  # noqa: E402
 from llmdb.engine.params import SamplingParams  # noqa: E402
+from llmdb.engine.sampling import row_key, sample, top_logprobs  # noqa: E402
 from llmdb.kernels.attention import AttentionBatch  # noqa: E402
+from llmdb.kernels.gpu import rowwise  # noqa: E402
 from llmdb.kernels.gpu.attention import paged_attention  # noqa: E402
 from llmdb.kernels.gpu.matmul import matmul  # noqa: E402
 
@@ -126,6 +129,71 @@ def test_attention_row_does_not_depend_on_the_step(heads, kv_heads, dim, dtype):
     long_decode = (q[PROMPT:], 300, list(range(10, 29)))
     alone = _attend(kc, vc, [long_decode])[0]
     assert torch.equal(_attend(kc, vc, [other_decode, long_decode], num_splits=4)[1], alone)
+
+
+# ---- log-probabilities and top-p's sums ------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+# One chunk and a part; several, the row not a multiple of 4 (torch's CUDA kernel then sums a
+# row by its index in the batch).
+@pytest.mark.parametrize("rows,cols", [(1, 1000), (5, 2051), (3, 4099)])
+def test_rowwise_log_softmax_and_cumsum_equal_torch(rows, cols, dtype):
+    x = _rand(rows, cols, seed=30, dtype=dtype) * 4
+    y = rowwise.log_softmax(x)
+    assert y.dtype == torch.float32 and y.shape == x.shape
+    torch.testing.assert_close(y.double(), x.double().log_softmax(-1), atol=1e-5, rtol=1e-6)
+    p = x.abs()
+    torch.testing.assert_close(rowwise.cumsum(p).double(), p.double().cumsum(-1), atol=1e-5,
+                               rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rowwise_row_does_not_depend_on_the_rows_beside_it(dtype):
+    """A row's log-softmax and cumulative sums alone, among a few rows and among many (a
+    view into a wider matrix): the same bits."""
+    cols = 3001
+    row = _rand(1, cols, seed=32, dtype=dtype) * 4
+    lsm, sums = rowwise.log_softmax(row)[0], rowwise.cumsum(row.abs())[0]
+    for m, at, seed in [(2, 1, 33), (7, 3, 34), (40, 39, 35)]:
+        x = _rand(m, cols + 5, seed=seed, dtype=dtype)[:, :cols] * 4
+        x[at] = row[0]
+        assert torch.equal(rowwise.log_softmax(x)[at], lsm), (m, at)
+        assert torch.equal(rowwise.cumsum(x.abs())[at], sums), (m, at)
+
+
+def test_top_logprobs_of_a_row_do_not_depend_on_what_the_others_ask():
+    """Tied logits (a bf16 model's often are): a row's top 1, 2 or 3 alone, and beside rows
+    asking for 8, 5 or none. A topk of the batch's largest k returned other tied ids."""
+    g = torch.Generator().manual_seed(36)
+    logits = torch.randint(0, 6, (4, 200), generator=g).float().to(DEVICE)
+    tokens = logits.argmax(-1)
+    for k in (1, 2, 3):
+        chosen, values, ids = top_logprobs(logits[:1], tokens[:1], [k])
+        got = top_logprobs(logits, tokens, [k, 8, 0, 5])
+        assert torch.equal(got[0][:1], chosen)
+        assert torch.equal(got[1][0, :k], values[0]) and torch.equal(got[2][0, :k], ids[0]), k
+        assert (got[1][0, k:] == float("-inf")).all() and (got[1][2] == float("-inf")).all()
+
+
+def test_top_p_draws_through_the_rowwise_scan(monkeypatch):
+    """The sampler's torch path (a GPU's: every row sorted whole) with invariant=True sums
+    top-p's masses with rowwise.cumsum: the tokens torch's cumsum gives, a row's the same
+    alone as in a batch."""
+    monkeypatch.setattr(sampling, "load_library", lambda: None)  # (not csrc/sampling.cpp)
+    monkeypatch.setattr(sampling, "_WHOLE_SORT_SHARE", 0.0)  # (every row sorted whole)
+    g = torch.Generator().manual_seed(37)
+    logits = (torch.randn(12, 3000, generator=g) * 2.5).to(torch.bfloat16).float().to(DEVICE)
+    params = [SamplingParams(temperature=t, top_p=p) for t in (0.7, 1.0, 1.5)
+              for p in (0.3, 0.8, 0.95, 0.99)]
+    keys = [row_key(9, i) for i in range(12)]
+    rows = list(range(12))
+    want = sample(logits, rows, params, keys).tolist()
+    got = sample(logits, rows, params, keys, invariant=True).tolist()
+    assert got == want
+    alone = [sample(logits[i:i + 1], [0], params[i:i + 1], keys[i:i + 1], invariant=True)[0]
+             for i in rows]
+    assert [int(t) for t in alone] == got
 
 
 # ---- the engine, end to end ----------------------------------------------------------------
