@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed: the GPU kernels are not tested")
 
 from llmdb.engine import sampling  # noqa: E402
-from llmdb.engine.engine import LLMEngine  # noqa: E402
+from llmdb.engine.engine import LLMEngine, _check_batch_invariant  # noqa: E402
 from llmdb.engine.params import SamplingParams  # noqa: E402
 from llmdb.engine.sampling import row_key, sample, top_logprobs  # noqa: E402
 from llmdb.kernels.attention import AttentionBatch  # noqa: E402
@@ -194,6 +194,15 @@ def test_top_p_draws_through_the_rowwise_scan(monkeypatch):
     alone = [sample(logits[i:i + 1], [0], params[i:i + 1], keys[i:i + 1], invariant=True)[0]
              for i in rows]
     assert [int(t) for t in alone] == got
+
+
+def test_batch_invariant_on_a_gpu_needs_the_triton_kernels():
+    """attention="reference" on a GPU runs cuBLAS's matmuls: batch_invariant=True refuses
+    it, naming why, where it once left the answers batch-dependent without a word."""
+    with pytest.raises(ValueError, match="needs the Triton kernels.*'reference'.*cuBLAS"):
+        _check_batch_invariant("reference", torch.device("cuda"))
+    _check_batch_invariant("triton", torch.device("cuda"))
+    _check_batch_invariant("cpu", torch.device("cpu"))
 
 
 # ---- the engine, end to end ----------------------------------------------------------------
