@@ -1,6 +1,8 @@
 """The batch-invariant mode of the GPU path: a row's result does not depend on the rows
-computed beside it (kernels/gpu/matmul.py, paged_attention(invariant=True), and the engine's
-batch_invariant option end to end).
+computed beside it (kernels/gpu/matmul.py, paged_attention(invariant=True), the row-wise
+log-softmax and scan of kernels/gpu/rowwise.py, and the engine's batch_invariant option end
+to end: a batch, a prefix-cache hit, preemption, graph-padded steps launched ahead, apt's
+hidden cache, seeded top-p draws and top log-probabilities).
 
 Without a GPU the Triton kernels run under TRITON_INTERPRET=1 (conftest.py) on CPU tensors in
 fp32; with one they run compiled, in fp32 and bf16. Each invariance check is bit for bit.
@@ -18,7 +20,10 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed: the GPU kernels are not tested")
 
 from llmdb.engine import sampling  # noqa: E402
+from llmdb.engine.cache.kv_cache import KVCache  # noqa: E402
+from llmdb.engine.cuda_graphs import StepGraphs  # noqa: E402
 from llmdb.engine.engine import LLMEngine, _check_batch_invariant  # noqa: E402
+from llmdb.engine.models.loader import load_model  # noqa: E402
 from llmdb.engine.params import SamplingParams  # noqa: E402
 from llmdb.engine.sampling import row_key, sample, top_logprobs  # noqa: E402
 from llmdb.kernels.attention import AttentionBatch  # noqa: E402
@@ -206,6 +211,13 @@ def test_batch_invariant_on_a_gpu_needs_the_triton_kernels():
 
 
 # ---- the engine, end to end ----------------------------------------------------------------
+#
+# Each scenario runs the same six requests (the third the one under test) and compares every
+# request's tokens and log-probabilities, bit for bit, with those of another schedule: the
+# target alone, or the six in one roomy batch (whose target equals the alone one).
+
+TARGET = 2  # the request under test, third of six
+KV_BLOCK = 4  # tokens a block (small, so that prompts span blocks and steps cut through them)
 
 
 def _heads_of_32(cfg: dict) -> None:
@@ -230,26 +242,123 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
             "opt": edit_config(root / "opt16", root / "opt", _heads_of_32)}
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "opt"])
-def test_engine_answer_does_not_depend_on_its_batch(name, model_dirs):
-    """A request's tokens and log-probabilities, bit for bit, alone and as the third of six
-    requests whose prompts push its prompt into other chunks (16-token steps, no prefix
-    cache to reuse the first run's blocks)."""
-    eng = LLMEngine(str(model_dirs[name]), device=DEVICE, dtype="float32", attention="triton",
-                    batch_invariant=True, enable_prefix_caching=False, kv_cache_bytes=1 << 20,
-                    block_size=4, max_num_batched_tokens=16, threads=2)
+def _engine(path: Path, **options) -> LLMEngine:
+    """The batch-invariant engine in the interpreter: 16-token steps, no prefix cache (a
+    later run would reuse an earlier one's blocks) unless asked for."""
+    eng = LLMEngine(str(path), **{
+        "device": DEVICE, "dtype": "float32", "attention": "triton", "batch_invariant": True,
+        "enable_prefix_caching": False, "kv_cache_bytes": 1 << 20, "block_size": KV_BLOCK,
+        "max_num_batched_tokens": 16, "threads": 2, **options})
     assert eng.describe()["batch_invariant"]
+    return eng
+
+
+def _requests(vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Six requests, four tokens each. The target: 21 prompt tokens, drawn at temperature 0.8
+    with top-p 0.9 and a seed, two top log-probabilities a token. The others' prompts push
+    the target's into other chunks; they decode greedily or draw with seeds, asking for
+    other numbers of log-probabilities."""
     rng = random.Random(5)
-    vocab = eng.config.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (3, 13, 21, 9, 30, 6)]
+    params = [SamplingParams(max_tokens=4, ignore_eos=True, **kw) for kw in (
+        {}, {"logprobs": 5}, {"temperature": 0.8, "top_p": 0.9, "seed": 7, "logprobs": 2},
+        {"temperature": 1.0, "top_k": 20, "seed": 3, "logprobs": 1}, {"logprobs": 2},
+        {"temperature": 0.7, "seed": 11})]
+    return prompts, params
 
-    def prompt(n: int) -> list[int]:
-        return [rng.randrange(3, vocab) for _ in range(n)]
 
-    target = prompt(21)
-    others = [prompt(n) for n in (3, 13, 9, 30, 6)]
-    params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=2)
-    alone = eng.generate([target], params)[0]
-    batched = eng.generate([*others[:2], target, *others[2:]], params)[2]
-    assert batched.token_ids == alone.token_ids
-    assert batched.logprobs == alone.logprobs
+def _answer(result) -> tuple[list[int], list | None]:
+    return result.token_ids, result.logprobs
+
+
+def _pool_bytes(path: Path, blocks: int) -> int:
+    """kv_cache_bytes for a pool of `blocks` blocks of the model at path."""
+    config = load_model(str(path)).config
+    return blocks * KVCache.bytes_per_block(config, KV_BLOCK, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dirs):
+    """name -> (the target's answer alone, the six answers in one batch), computed once."""
+    done: dict[str, tuple] = {}
+
+    def get(name: str) -> tuple:
+        if name not in done:
+            eng = _engine(model_dirs[name])
+            prompts, params = _requests(eng.config.vocab_size)
+            alone = _answer(eng.generate([prompts[TARGET]], params[TARGET])[0])
+            done[name] = alone, [_answer(r) for r in eng.generate(prompts, params)]
+            assert eng.pool.num_free == eng.pool.num_blocks
+        return done[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "opt"])
+def test_engine_answer_does_not_depend_on_its_batch(name, reference):
+    """The target alone and as the third of six: its prompt cut into other chunks (16-token
+    steps), its decodes beside other requests' prefill chunks and decodes."""
+    alone, batch = reference(name)
+    assert batch[TARGET] == alone
+
+
+def test_a_prefix_cache_hit_gives_the_same_bits(model_dirs, reference):
+    """The target's first three blocks come from the prefix cache, computed by another
+    request: the target computes only its last 9 prompt tokens, in one chunk."""
+    alone, _ = reference("llama-gqa")
+    eng = _engine(model_dirs["llama-gqa"], enable_prefix_caching=True)
+    prompts, params = _requests(eng.config.vocab_size)
+    target = prompts[TARGET]
+    eng.generate([target[:12] + prompts[0]], params[0])  # (its fourth block differs)
+    got = eng.generate([prompts[0], target], [params[0], params[TARGET]])[1]
+    assert got.usage.cached_tokens == 12
+    assert _answer(got) == alone
+
+
+def test_preempted_requests_recompute_the_same_bits(model_dirs, reference):
+    """A pool of 12 blocks for six requests that need 30: the scheduler preempts requests
+    and recomputes their prompts and tokens so far as prefill chunks beside others."""
+    _, batch = reference("llama-gqa")
+    path = model_dirs["llama-gqa"]
+    eng = _engine(path, kv_cache_bytes=_pool_bytes(path, 12))
+    assert eng.pool.num_blocks == 12
+    preempted = []
+    eng.scheduler.observers.append(lambda out: preempted.extend(out.preempted))
+    prompts, params = _requests(eng.config.vocab_size)
+    got = [_answer(r) for r in eng.generate(prompts, params)]
+    assert preempted, "the pool was meant to be too small"
+    assert got == batch
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_graph_steps_launched_ahead_give_the_same_bits(model_dirs, reference):
+    """Steps through (emulated) CUDA graphs, each launched before the last one's tokens are
+    read: decode steps padded to their batch-size bucket, mixed steps to 64 tokens and 8
+    sequences."""
+    _, batch = reference("llama-gqa")
+    eng = _engine(model_dirs["llama-gqa"], max_num_seqs=8, launch_ahead=True)
+    eng.runner.graphs = StepGraphs(eng.runner, 8, emulate=True)
+    eng.runner.graphs.capture_all()
+    eng.step_log = []
+    prompts, params = _requests(eng.config.vocab_size)
+    got = [_answer(r) for r in eng.generate(prompts, params)]
+    assert {"graph", "mixed graph"} <= {kind for kind, _, _ in eng.step_log}
+    assert got == batch
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_apt_hidden_cache_gives_the_same_bits(model_dirs, reference):
+    """apt (Apt-Serve) on a pool of 16 blocks for six requests that need 30 in KV form keeps
+    some as hidden states, their K/V re-projected from them at every step (or projected
+    into KV blocks where apt converts them): their answers are the roomy KV batch's."""
+    _, batch = reference("opt")
+    path = model_dirs["opt"]
+    eng = _engine(path, policy="apt", kv_cache_bytes=_pool_bytes(path, 16))
+    kinds = set()
+    eng.scheduler.observers.append(
+        lambda out: kinds.update(r.cache_type for r, _ in out.scheduled))
+    prompts, params = _requests(eng.config.vocab_size)
+    got = [_answer(r) for r in eng.generate(prompts, params)]
+    assert kinds == {"kv", "hidden"}
+    assert got == batch
     assert eng.pool.num_free == eng.pool.num_blocks
