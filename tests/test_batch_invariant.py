@@ -140,8 +140,8 @@ def test_attention_row_does_not_depend_on_the_step(heads, kv_heads, dim, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-# One chunk and a part; several, the row not a multiple of 4 (torch's CUDA kernel then sums a
-# row by its index in the batch).
+# Less than a chunk; several chunks, rows not a multiple of 4 wide (where torch's CUDA
+# log-softmax sums a row by its index in the batch).
 @pytest.mark.parametrize("rows,cols", [(1, 1000), (5, 2051), (3, 4099)])
 def test_rowwise_log_softmax_and_cumsum_equal_torch(rows, cols, dtype):
     x = _rand(rows, cols, seed=30, dtype=dtype) * 4
