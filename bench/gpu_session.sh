@@ -5,7 +5,8 @@
 # (carried), random weights of real shapes built on the device. Results go to $OUT. The copy
 # there has no .git: pass the commit, as in `LLMDB_COMMIT=<hash> bash bench/gpu_session.sh tests`.
 #
-#   bash bench/gpu_session.sh tests     # tests/gpu and the Triton kernels, compiled
+#   bash bench/gpu_session.sh tests     # tests/gpu and the Triton kernels, compiled (the
+#                                       # batch-invariant checks in bf16 too)
 #   bash bench/gpu_session.sh smollm2   # nano-vllm's workload, launch-ahead on and off
 #   bash bench/gpu_session.sh llama1b   # the 1B fixed row beside HF generate and the bare decoder
 #   bash bench/gpu_session.sh llama7b   # the 7B row (200 x 128 in / 128 out)
@@ -37,7 +38,8 @@ throughput() {  # one JSON line per engine, appended to $out/throughput.jsonl
 
 case $step in
 tests)
-    python3 -m pytest -q -rs tests/gpu tests/test_triton_kernels.py 2>&1 | tail -25 \
+    python3 -m pytest -q -rs tests/gpu tests/test_triton_kernels.py tests/test_batch_invariant.py \
+        2>&1 | tail -25 \
         | tee "$out/tests.txt"
     ;;
 smollm2)

@@ -382,7 +382,7 @@ def run_llmdb_dir(args: argparse.Namespace) -> dict:
            "max_num_seqs": engine.scheduler.max_num_seqs,
            "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
            "kv_cache_tokens": engine.pool.num_blocks * engine.pool.block_size}
-    if args.batch_invariant:
+    if "batch_invariant" in engine.describe():  # (engines before the mode have none)
         out["batch_invariant"] = engine.describe()["batch_invariant"]
     if before and after and after["steps"] > before["steps"]:
         steps = after["steps"] - before["steps"]
@@ -547,8 +547,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="llmdb launches step N+1 before reading step N (auto: on GPUs)")
     ap.add_argument("--batch-invariant", action="store_true",
                     help="llmdb with batch_invariant=True (on GPUs: Triton matmuls, attention "
-                         "without split-KV; a request's answer does not depend on its batch; "
-                         "--shape runs: the CPU's answers never do)")
+                         "without split-KV, row-wise log-softmax and top-p sums: a request's "
+                         "answer does not depend on its batch); with --shape or --model-dir "
+                         "only (the bundled CPU run's answers never depend on it)")
     ap.add_argument("--write-standard-prompts", action="store_true",
                     help=f"regenerate {STANDARD_PROMPTS.relative_to(ROOT)} and exit")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -578,6 +579,9 @@ def main(argv: list[str] | None = None) -> None:
         print(write_standard_prompts())
         return
     if _is_bundled_run(args):
+        if args.batch_invariant:  # (run_bundled's engine would not be given it)
+            raise SystemExit("--batch-invariant needs --shape or --model-dir: the bundled "
+                             "CPU run's answers never depend on their batch")
         args.rows, args.max_tokens = args.rows or 400, args.max_tokens or 64
         run_bundled(args)
         return

@@ -79,9 +79,11 @@ class LLMEngine:
     token more, discarded. On the CPU a step runs inline, so there is nothing to overlap.
     max_context: the longest prompt plus output served (None: the model's context, for a
     LongRoPE model such as Phi-3.5 its pretrained one: models/rope.py says why).
-    batch_invariant: a request's tokens do not depend on the requests batched with it (GPU
-    kernels: Triton matmuls of one tile shape instead of cuBLAS's, attention without split-KV;
-    kernels/gpu/matmul.py says why). The CPU kernels always are (kernels/linear.py)."""
+    batch_invariant: a request's tokens and log-probabilities do not depend on the requests
+    batched with it (GPU kernels: Triton matmuls of one tile shape instead of cuBLAS's,
+    attention without split-KV, row-wise log-softmax and top-p sums; kernels/gpu/matmul.py
+    and rowwise.py say why; on a GPU it needs the Triton kernels, attention "auto" or
+    "triton"). The CPU kernels always are (kernels/linear.py)."""
 
     def __init__(
         self,
@@ -114,6 +116,8 @@ class LLMEngine:
         self.device = resolve_device(device)
         self.dtype = _parse_dtype(dtype, self.device)
         self.kernels = _kernel_set(attention, self.device, self.dtype)
+        if batch_invariant:
+            _check_batch_invariant(self.kernels, self.device)
         if max_num_batched_tokens is None:  # GPUs take larger steps at little extra time
             max_num_batched_tokens = 8192 if self.device.type == "cuda" else 1024
         # Weights and caches are made on the compute thread, where the steps will run.
@@ -977,6 +981,15 @@ def _parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch
     if dtype not in table:
         raise ValueError(f"unknown dtype {dtype!r} (use 'auto', 'bf16', 'fp16' or 'fp32')")
     return table[dtype]
+
+
+def _check_batch_invariant(kernels: str, device: torch.device) -> None:
+    """batch_invariant=True takes the Triton kernels' invariant forms; on a GPU the others
+    run cuBLAS's matmuls and torch's attention, whose reductions follow the batch's shape."""
+    if device.type != "cpu" and kernels != "triton":
+        raise ValueError(f"batch_invariant=True on {device} needs the Triton kernels "
+                         f"(attention='auto' or 'triton'), not attention={kernels!r}: its "
+                         "matmuls are cuBLAS's, which round a row by the batch's size")
 
 
 def _kernel_set(attention: str, device: torch.device, dtype: torch.dtype) -> str:

@@ -23,7 +23,7 @@ from llmdb.kernels.transfer import to_device
 from .cache.kv_cache import KVCache
 from .cuda_graphs import StepGraphs, attention_splits
 from .models.hidden_attention import hidden_io
-from .sampling import row_key, sample, top_logprobs
+from .sampling import log_softmax, row_key, sample, top_logprobs
 from .sched.request import PENDING_TOKEN, Request
 from .step_inputs import StepBuffers, StepInputs
 
@@ -234,7 +234,8 @@ class ModelRunner:
         (on a GPU into pinned memory, not waited for)."""
         if logits is None:
             return LaunchedStep(plan)
-        parts, tokens = self._device_results(logits, plan)
+        parts, tokens = self._device_results(logits, plan,
+                                             self.model.config.batch_invariant)
         values = None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
         if values is not None and values.device.type != "cpu":
             host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
@@ -285,11 +286,12 @@ class ModelRunner:
         return event
 
     @staticmethod
-    def _device_results(logits: torch.Tensor, plan: _Plan
+    def _device_results(logits: torch.Tensor, plan: _Plan, invariant: bool = False
                         ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """fp64 vectors in _unpack's order: sampled ids; with logprobs the chosen ones' and
         the top k's values and ids; scoring targets' log-probs; candidates' log-probs. And
-        the sampled ids as they are (in plan.sample order), or None."""
+        the sampled ids as they are (in plan.sample order), or None. invariant: the model's
+        batch-invariant mode, for the sampler's and log-softmax's reductions (sampling.py)."""
         dev = logits.device
         parts: list[torch.Tensor] = []
         tokens = None
@@ -302,24 +304,25 @@ class ModelRunner:
             drawn = [i for i, r in enumerate(reqs) if r.params.temperature]  # not greedy
             drawn_reqs = [reqs[i] for i in drawn]
             tokens = sample(picked, drawn, [r.params for r in drawn_reqs],
-                            [row_key(r.seed, len(r.output_ids)) for r in drawn_reqs])
+                            [row_key(r.seed, len(r.output_ids)) for r in drawn_reqs], invariant)
             parts.append(tokens.double())
             wanted = [r.params.logprobs for r in reqs]
             if wanted.count(None) < len(wanted):
-                plan.logprobs_k = k = max(x for x in wanted if x is not None)
-                chosen, top_v, top_i = top_logprobs(picked, tokens, k)
+                ks = [x or 0 for x in wanted]
+                plan.logprobs_k = max(ks)
+                chosen, top_v, top_i = top_logprobs(picked, tokens, ks, invariant)
                 parts += [chosen.double(), top_v.double().flatten(), top_i.double().flatten()]
         rows = [row0 + j for _, row0, tg in plan.score for j in range(len(tg))]
         if rows:
-            lp = logits[to_device(rows, dev)].float().log_softmax(-1)
+            lp = log_softmax(logits[to_device(rows, dev)], invariant)
             targets = to_device([t for _, _, tg in plan.score for t in tg], dev)
             parts.append(lp.gather(1, targets[:, None])[:, 0].double())
         if plan.choice:
-            lp = logits[to_device([i for _, i in plan.choice], dev)].float()
+            lp = log_softmax(logits[to_device([i for _, i in plan.choice], dev)], invariant)
             cands = [r.candidate_ids for r, _ in plan.choice]
             width = max(map(len, cands))
             idx = to_device([c + [0] * (width - len(c)) for c in cands], dev)
-            parts.append(lp.log_softmax(-1).gather(1, idx).double().flatten())
+            parts.append(lp.gather(1, idx).double().flatten())
         return parts, tokens
 
 

@@ -7,6 +7,8 @@ preempted request draws the same tokens again, the whole batch is drawn with a f
 ops (no per-row generator, no host round trip), and the CPU and the GPU draw the same token
 from the same logits (but for two scores within the last bit of each other, where their
 logarithms round differently). Top-k and top-p are masks on the sorted logits before the argmax.
+(On a GPU, top-p's cumulative sums by torch's scan round by the number of rows drawn together;
+the engine's batch-invariant mode sums each row in one order: _cumsum.)
 
 On the CPU only the tokens that can win are sorted and given noise, by
 kernels/csrc/sampling.cpp in one pass over the logits (two with top-k), or in torch where no
@@ -88,7 +90,8 @@ _WHOLE_SORT_SHARE = 0.25
 
 
 def _sample_rows(logits: torch.Tensor, top: torch.Tensor, top_ids: torch.Tensor,
-                 params: list[SamplingParams], keys: torch.Tensor) -> torch.Tensor:
+                 params: list[SamplingParams], keys: torch.Tensor, invariant: bool = False
+                 ) -> torch.Tensor:
     """Tokens [N] for fp32 logits [N, V] (top: their row maxima, top_ids: its ids) drawn with
     params (temperature > 0) and noise keys: the argmax of the scaled logits plus noise over
     the tokens that top-k and top-p keep.
@@ -101,7 +104,7 @@ def _sample_rows(logits: torch.Tensor, top: torch.Tensor, top_ids: torch.Tensor,
     out of reach can. So the top W hold the winner, and top-p's cumulative sums over them are
     those of the whole sort. Rows with most of the vocabulary in reach (a high temperature,
     flat logits) are sorted whole. (On a GPU every row is: the sort is cheap there, and
-    counting the reach would cost a host sync.)"""
+    counting the reach would cost a host sync.) invariant: as in `sample`."""
     vocab = logits.shape[-1]
     temperature = to_device([p.temperature for p in params], logits.device)
     # Shifted so that the top logit is 0 first: a tiny temperature then sends the others
@@ -111,7 +114,7 @@ def _sample_rows(logits: torch.Tensor, top: torch.Tensor, top_ids: torch.Tensor,
     # has no distribution to draw from: it gives greedy's token, as csrc/sampling.cpp does.
     broken = ~top.isfinite()
     if logits.device.type != "cpu":
-        return torch.where(broken, top_ids, _draw(scaled, params, keys, vocab))
+        return torch.where(broken, top_ids, _draw(scaled, params, keys, vocab, invariant))
     least = gumbel_noise(keys, top_ids[:, None])[:, 0] - G_MAX - _BOUND_SLACK
     top_k = torch.tensor([p.top_k for p in params])
     if bool((top_k > 0).any()):  # (top-p weighs all that top-k keeps, in reach or not)
@@ -122,18 +125,20 @@ def _sample_rows(logits: torch.Tensor, top: torch.Tensor, top_ids: torch.Tensor,
     width = (scaled >= least[:, None]).sum(-1).clamp_(min=1)
     pruned = width <= vocab * _WHOLE_SORT_SHARE
     if bool(pruned.all()):
-        return torch.where(broken, top_ids, _draw(scaled, params, keys, int(width.max())))
+        return torch.where(broken, top_ids,
+                           _draw(scaled, params, keys, int(width.max()), invariant))
     tokens = torch.empty(len(params), dtype=torch.int64)
     for rows in (pruned, ~pruned):
         r = rows.nonzero()[:, 0]
         if len(r):
             w = int(width[r].max()) if rows is pruned else vocab
-            tokens[r] = _draw(scaled[r], [params[i] for i in r.tolist()], keys[r], w)
+            tokens[r] = _draw(scaled[r], [params[i] for i in r.tolist()], keys[r], w,
+                              invariant)
     return torch.where(broken, top_ids, tokens)
 
 
 def _draw(scaled: torch.Tensor, params: list[SamplingParams], keys: torch.Tensor,
-          width: int) -> torch.Tensor:
+          width: int, invariant: bool = False) -> torch.Tensor:
     """_sample_rows' draw from scaled logits [N, V] over each row's top `width` tokens.
 
     Equal logits are kept or dropped together: top-k keeps every token at least as large as
@@ -151,11 +156,11 @@ def _draw(scaled: torch.Tensor, params: list[SamplingParams], keys: torch.Tensor
         # mass is a cumulative sum, the same whatever the batch's width.
         exp = vals.exp().masked_fill(drop, 0.0)
         kept = (~drop).sum(-1)
-        mass = exp.cumsum(-1).gather(1, (kept - 1)[:, None])[:, 0]
+        mass = _cumsum(exp, invariant).gather(1, (kept - 1)[:, None])[:, 0]
         if width < vocab and any(p.top_p < 1.0 and not p.top_k for p in params):
             mass = torch.where(top_k > 0, mass, scaled.exp().sum(-1))
         probs = exp / mass[:, None]
-        before = probs.cumsum(-1) - probs
+        before = _cumsum(probs, invariant) - probs
         # Each token's mass before it, that of its run of equal values' first token.
         rank = torch.arange(width, device=dev).expand_as(vals)
         starts = torch.ones_like(drop)
@@ -170,10 +175,12 @@ def _draw(scaled: torch.Tensor, params: list[SamplingParams], keys: torch.Tensor
 
 
 def sample(logits: torch.Tensor, drawn: list[int], params: list[SamplingParams],
-           keys: list[int]) -> torch.Tensor:
+           keys: list[int], invariant: bool = False) -> torch.Tensor:
     """Tokens [N] (on logits' device) for rows of logits [N, vocab]: the argmax (greedy,
-    exact in any dtype) except rows drawn[j], drawn with params[j] and noise key keys[j]
-    (row_key)."""
+    exact in any dtype; the first of equal maxima whatever the reduction's shape) except rows
+    drawn[j], drawn with params[j] and noise key keys[j] (row_key). invariant (the engine's
+    batch-invariant mode): the torch path's cumulative sums (top-p) by a kernel whose bits
+    for a row do not depend on how many rows are drawn with it (see _cumsum)."""
     cpp = _drawn_in_cpp(logits)
     # The rows' maxima and their first ids, as torch's max(-1) gives them (on the CPU 3x
     # faster than argmax on bf16; row_max about 10x faster again: 1.8 vs 20.8 ms for 400 rows).
@@ -195,7 +202,8 @@ def sample(logits: torch.Tensor, drawn: list[int], params: list[SamplingParams],
         picked = _sample_rows(logits.index_select(0, idx).float(),
                               top.index_select(0, idx).float(), tokens.index_select(0, idx),
                               params[s : s + chunk],
-                              to_device(keys[s : s + chunk], logits.device, torch.int64))
+                              to_device(keys[s : s + chunk], logits.device, torch.int64),
+                              invariant)
         tokens.index_copy_(0, idx, picked)
     return tokens
 
@@ -205,11 +213,51 @@ def _drawn_in_cpp(logits: torch.Tensor) -> bool:
             and logits.stride(-1) == 1 and load_library() is not None)
 
 
-def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row: the chosen token's log-probability [N], and the k most likely tokens' values
-    and ids [N, k] (raw model logits, fp32)."""
-    lp = logits.float().log_softmax(-1)
+def _cumsum(x: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """Cumulative sums along the rows of x [N, W]. torch's CUDA scan sums a row in an order
+    set by the number of rows (kernels/gpu/rowwise.py says how); the batch-invariant mode
+    takes rowwise.cumsum, one order a row."""
+    if invariant:
+        from llmdb.kernels.gpu.rowwise import cumsum
+
+        return cumsum(x)
+    return x.cumsum(-1)
+
+
+def log_softmax(logits: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+    """fp32 log-probabilities of each row of logits [N, vocab]. torch's CUDA kernel sums a
+    row in an order set by its place in the batch where the vocabulary is not a multiple of
+    4 (kernels/gpu/rowwise.py says how); invariant (the engine's batch-invariant mode) takes
+    rowwise.log_softmax, one order a row."""
+    if invariant:
+        from llmdb.kernels.gpu.rowwise import log_softmax as rowwise_log_softmax
+
+        return rowwise_log_softmax(logits)
+    return logits.float().log_softmax(-1)
+
+
+def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, ks: list[int],
+                 invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row: the chosen token's log-probability [N], and the ks[i] most likely tokens'
+    values and ids, [N, max(ks)] (log_softmax of the raw model logits; a row's columns past
+    its own ks[i] hold -inf and id 0). invariant: as in log_softmax.
+
+    Each row's top tokens come from a topk of its own k: which of equal values a topk
+    returns, and in which order, depends on k (on the CPU and the GPU alike), so a topk of
+    the batch's largest k gave a request other ids among tied log-probabilities (common in
+    bf16) beside one asking for more. On a GPU a topk of a given k picks and orders a row's
+    values however many rows it runs over (the values above the k-th, then those equal to
+    it, by index, whether one block or several take the row: TensorTopK.cu)."""
+    lp = log_softmax(logits, invariant)
     chosen = lp.gather(1, tokens[:, None])[:, 0]
-    top = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-    return chosen, top[0], top[1]
+    width = max(ks, default=0)
+    if set(ks) == {width}:  # (the common case: one k for every row)
+        values, ids = lp.topk(width, dim=-1)
+        return chosen, values, ids
+    values = lp.new_full((len(ks), width), float("-inf"))
+    ids = torch.zeros((len(ks), width), dtype=torch.int64, device=lp.device)
+    for k in set(ks) - {0}:
+        idx = to_device([i for i, want in enumerate(ks) if want == k], lp.device)
+        top = lp.index_select(0, idx).topk(k, dim=-1)
+        values[idx, :k], ids[idx, :k] = top.values, top.indices
+    return chosen, values, ids

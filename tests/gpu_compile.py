@@ -19,8 +19,9 @@ or read but config.json and the tokenizer).
 
 Usage (TRITON_INTERPRET must be unset): python tests/gpu_compile.py --arch 90 [--dtype bf16]
 [--shape NAME ...] [--batch-invariant] (the engine's batch-invariant mode: its Triton matmul
-for every linear layer, one attention tile). One JSON line per compiled kernel; exit 1 if any
-failed to compile or asks for more shared memory than the architecture has.
+for every linear layer, one attention tile, kernels/gpu/rowwise.py's log-softmax and scan).
+One JSON line per compiled kernel; exit 1 if any failed to compile or asks for more shared
+memory than the architecture has.
 """
 
 from __future__ import annotations
@@ -167,6 +168,13 @@ def run_shape(name: str, layers: int, dtype: torch.dtype, arch: int, root: Path,
     # 300 tokens: prefill chunks over a cached prefix, then decodes over 19 blocks (splits).
     prompts = [[5 + i % 50 for i in range(300)], [7] * 9, [9] * 2]
     ids = [engine.add_request(p, params) for p in prompts]
+    if batch_invariant:
+        from llmdb.kernels.gpu import rowwise
+
+        # Log-probabilities by rowwise.log_softmax; top-p's sums by rowwise.cumsum, which
+        # only a GPU's sampler calls (the CPU's draws in C++): called here.
+        ids.append(engine.add_request([11] * 5, SamplingParams(max_tokens=2, logprobs=2)))
+        rowwise.cumsum(torch.zeros(2, engine.config.vocab_size))
     if engine.hidden_cache:  # one request keeps hidden states instead of K/V (Apt-Serve)
         engine._requests[ids[1]].cache_type = "hidden"
     while engine.has_unfinished:

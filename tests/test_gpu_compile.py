@@ -137,7 +137,7 @@ def test_batch_invariant_mode_compiles(arch):
     """LLMEngine(batch_invariant=True): every linear layer through the Triton matmul (one tile
     shape for every row count, biases on OPT, K/V re-projection from hidden states) and the
     attention in its prefill tile only, never split, in bf16 within the architecture's shared
-    memory and without spills."""
+    memory and without spills; the row-wise log-softmax and scan (kernels/gpu/rowwise.py)."""
     records = _compile("--arch", str(arch), "--batch-invariant", "--shape", "smollm2-135m",
                        "--shape", "opt-13b")
     matmuls = [r for r in records if r["kernel"] == "_matmul_kernel"]
@@ -146,3 +146,8 @@ def test_batch_invariant_mode_compiles(arch):
     attention = [r["constexprs"] for r in records if r["kernel"] == "_attention_kernel"]
     assert {a["BLOCK_M"] for a in attention} == {64}
     assert {a["SPLIT"] for a in attention} == {False}
+    # Log-probabilities of bf16 logits, and top-p's scan of fp32 ones, without spills.
+    rows = [r for r in records if r["kernel"] in ("_log_softmax_kernel", "_cumsum_kernel")]
+    assert {(r["kernel"], r["signature"]["x_ptr"]) for r in rows} == {
+        ("_log_softmax_kernel", "*bf16"), ("_cumsum_kernel", "*fp32")}
+    assert all(r["stack"] + r["local"] == 0 for r in rows)

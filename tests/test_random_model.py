@@ -217,6 +217,27 @@ def test_nanovllm_workload_is_nano_vllms():
     assert max(t for r in rows for t in r["token_ids"]) <= 10_000
 
 
+def test_the_llmdb_worker_gets_the_engine_flags():
+    """--mixed-graphs and --batch-invariant reach the engine's subprocess (--mixed-graphs
+    once did not: the bulk A/B compared graphs on with on)."""
+    def worker_args(*flags: str):
+        args = throughput.parse_args(["--device", "cuda", "--shape", "smollm2-135m", *flags])
+        cmd = throughput._worker_cmd("llmdb-dir", args, Path("rows.json"), Path("model"))
+        return throughput.parse_args(cmd[2:])  # (after python and the script)
+
+    got = worker_args("--mixed-graphs", "off", "--batch-invariant")
+    assert (got.worker, got.mixed_graphs, got.batch_invariant) == ("llmdb-dir", "off", True)
+    got = worker_args()
+    assert (got.mixed_graphs, got.batch_invariant) == ("on", False)
+
+
+def test_the_bundled_run_refuses_batch_invariant(monkeypatch):
+    """Its engine would not be given the flag: it says so rather than run without it."""
+    monkeypatch.setattr(throughput, "run_bundled", lambda args: pytest.fail("it ran"))
+    with pytest.raises(SystemExit, match="--batch-invariant needs --shape or --model-dir"):
+        throughput.main(["--batch-invariant"])
+
+
 def test_standard_prompts_file_matches_the_bundled_tokenizer():
     stored = json.loads(throughput.STANDARD_PROMPTS.read_text())["rows"]
     prompts, _ = throughput.bundled_prompts(400)

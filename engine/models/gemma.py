@@ -179,6 +179,6 @@ class GemmaModel:
         logprobs and label scores read."""
         logits = vocab_projection(hidden, self.lm_head, out)
         cap = self.config.logit_softcap
-        if cap:
+        if cap:  # (elementwise: a logit's cap reads that logit alone, in any batch)
             logits.div_(cap).tanh_().mul_(cap)
         return logits

@@ -75,6 +75,10 @@ class OPTModel:
         if self.project_in is not None:
             x = self.project_in(x)
         x = x + self.positions[positions + c.position_offset]
+        # F.layer_norm needs no invariant form of its own (LLMEngine(batch_invariant=True)):
+        # torch's CUDA kernel gives each row one block of a fixed size, the vectorized kernel
+        # or the plain one chosen by the width and the tensors' alignment (whole fresh
+        # tensors here), never by the number of rows (layer_norm_kernel.cu).
         hs = (c.hidden_size,)
         nk = t if hidden is None else hidden.first_row
         for i, ((ln1_w, ln1_b, qkv_proj, o_proj, ln2_w, ln2_b, fc1, fc2), kv_layer) in (

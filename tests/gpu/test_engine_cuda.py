@@ -306,18 +306,22 @@ def test_scores_and_logprobs_match_cpu(pair):
 def test_batch_invariant_answers_alone_equal_those_in_a_batch(model_dirs, name):
     """bf16, CUDA graphs on: with batch_invariant=True a request's tokens and log-probabilities
     are the same bits alone and among 63 others of mixed lengths (its prompt chunked
-    otherwise, its decodes beside prefill chunks); the answers stay the CPU fp32 engine's
-    (near-ties aside) in fp32."""
+    otherwise, its decodes beside prefill chunks); every other request draws with a seed and
+    top-p, asking for another number of log-probabilities (tied bf16 values must not follow
+    the batch's). The answers stay the CPU fp32 engine's (near-ties aside) in fp32."""
     path = model_dirs[name]
     eng = LLMEngine(path, device="cuda", dtype="bf16", kv_cache_bytes=64 << 20,
                     batch_invariant=True, enable_prefix_caching=False,
                     max_num_batched_tokens=512)
     assert eng.describe()["batch_invariant"]
     prompts = _prompts(64, seed=41, vocab=eng.config.vocab_size)
-    params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=3)
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, logprobs=3) if i % 2 else
+              SamplingParams(max_tokens=24, ignore_eos=True, logprobs=1, temperature=0.8,
+                             top_p=0.9, seed=i)
+              for i in range(len(prompts))]
     batched = eng.generate(prompts, params)
-    for i in (0, 5, 37, 63):
-        alone = eng.generate([prompts[i]], params)[0]
+    for i in (0, 5, 36, 63):
+        alone = eng.generate([prompts[i]], params[i])[0]
         assert alone.token_ids == batched[i].token_ids, i
         assert alone.logprobs == batched[i].logprobs, i
     fp32 = _engine(path, "cuda", batch_invariant=True)
