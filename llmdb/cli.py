@@ -373,8 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     add.add_argument("name")
     add.add_argument("path", nargs="?", help="a GGUF file or HF directory")
     add.add_argument("--endpoint", action="append", default=[],
-                     help="an OpenAI-compatible server's URL (llmdb serve, vLLM, a hosted API); "
-                          "repeat it for replicas")
+                     help="an OpenAI-compatible server's base URL (llmdb serve, vLLM, a hosted "
+                          "API), used as given; a bare host gets /v1. Repeat it for replicas")
     add.add_argument("--api-key-env", default=None,
                      help="the environment variable that holds the endpoints' API key (the "
                           "key itself is never stored)")

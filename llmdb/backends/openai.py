@@ -1,7 +1,8 @@
 """OpenAI-compatible endpoints (llmdb serve, vLLM, hosted APIs) as a backend.
 
-Generation goes to /v1/chat/completions with the row's chat messages, so the server applies
-its model's own template. Scoring needs log-probabilities, which not every endpoint gives:
+Generation goes to the endpoints' /chat/completions (under each base URL, endpoints.py) with
+the row's chat messages, so the server applies its model's own template. Scoring needs
+log-probabilities, which not every endpoint gives:
 - ChoiceRequest (llm_filter): the answer's first token with top_logprobs=20; each word's
   probability sums its one-token spellings (yes, Yes, " yes", ...) among them, as the
   local engine sums them over the whole vocabulary. A spelling outside the top 20 is less
@@ -43,7 +44,7 @@ from .base import (
     ScoreRequest,
     chat_messages,
 )
-from .endpoints import base_urls
+from .endpoints import base_urls, server_root
 from .replicas import EndpointError, ReplicaLimits, ReplicaPool
 
 TOKENIZED_KEPT = 10_000  # /tokenize answers kept (prompts scored against several labels)
@@ -112,9 +113,11 @@ class OpenAIBackend:
 
     def identity(self) -> dict[str, Any]:
         # What a remote server runs is not visible from here: its name and where it runs
-        # stand for it (the same name elsewhere may be other weights).
+        # stand for it (the same name elsewhere may be other weights). The servers by their
+        # roots, as before base URLs were taken as given: answers cached from
+        # http://h:8000/v1 stay found.
         return {"backend": "openai", "model": self.served_model,
-                "endpoints": sorted(self.endpoints)}
+                "endpoints": sorted(server_root(e) for e in self.endpoints)}
 
     def render_chat(self, user: str, system: str | None,
                     before: Sequence[Exchange] = ()) -> list[dict[str, str]]:
@@ -239,7 +242,7 @@ class OpenAIBackend:
                     priority: str, read: Callable[[Any], Any]) -> Any:
         body = {"model": self.served_model, "messages": prompt, "max_tokens": max_tokens,
                 **fields}
-        return await self._post("/v1/chat/completions", body,
+        return await self._post("/chat/completions", body,
                                 self._estimate(prompt, max_tokens), priority, read)
 
     async def _generate(self, request: GenerationRequest) -> BackendResult:
@@ -303,7 +306,7 @@ class OpenAIBackend:
         /v1/completions' prompt_logprobs (vLLM's, and llmdb serve's)."""
         body = {"model": self.served_model, "prompt": ids, "max_tokens": 1, "temperature": 0,
                 "prompt_logprobs": 0}
-        logprobs = await self._post("/v1/completions", body, len(ids) + 1, priority,
+        logprobs = await self._post("/completions", body, len(ids) + 1, priority,
                                     lambda data: answers.prompt_logprobs(data, ids))
         if logprobs is None:
             raise _needs_logprobs(", ".join(self.endpoints), "prompt_logprobs")

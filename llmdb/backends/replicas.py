@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import httpx
 from aiolimiter import AsyncLimiter
 
-from .endpoints import base_url
+from .endpoints import base_url, route_url
 from .openai_answers import MalformedAnswer
 
 log = logging.getLogger(__name__)
@@ -79,12 +79,12 @@ class Replica:
     def __init__(self, url: str, headers: dict[str, str], limits: ReplicaLimits):
         self.url = base_url(url)
         self.client = httpx.AsyncClient(
-            base_url=self.url, headers=headers,
+            headers=headers,
             timeout=httpx.Timeout(limits.timeout_s, connect=min(10.0, limits.timeout_s)),
             limits=httpx.Limits(max_connections=limits.max_concurrency))
         self.in_flight = 0
         self.down_until = 0.0
-        self.answered: Counter[str] = Counter()  # path -> requests it answered with 200
+        self.answered: Counter[str] = Counter()  # URL path -> requests it answered with 200
         self.dispatched = 0
         self.unreachable = 0  # requests lost here with the connection (and sent elsewhere)
         self.failures = 0  # requests failed in a row (5xx, 408, timeouts)
@@ -164,10 +164,10 @@ class _TooLong(Exception):
     """An answer longer than MAX_ANSWER_BYTES."""
 
 
-async def _exchange(client: httpx.AsyncClient, path: str, body: dict[str, Any]
+async def _exchange(client: httpx.AsyncClient, url: str, body: dict[str, Any]
                     ) -> httpx.Response:
-    """POST body to path; the answer read whole, up to MAX_ANSWER_BYTES."""
-    request = client.build_request("POST", path, json=body)
+    """POST body to url; the answer read whole, up to MAX_ANSWER_BYTES."""
+    request = client.build_request("POST", url, json=body)
     response = await client.send(request, stream=True)
     chunks, size = [], 0
     try:
@@ -253,8 +253,9 @@ class ReplicaPool:
 
     async def post(self, path: str, body: dict[str, Any], tokens: int = 0,
                    priority: str = "BE", read: Callable[[Any], T] = lambda data: data) -> T:
-        """What `read` makes of the JSON answer of the first replica that gives one (a
-        MalformedAnswer from it is the request's error, naming that replica); EndpointError
+        """What `read` makes of the JSON answer of the first replica that gives one to `path`
+        (an API route such as /chat/completions, or a server route: endpoints.route_url); a
+        MalformedAnswer from it is the request's error, naming that replica; EndpointError
         otherwise.
         An RT (interactive) request takes the rate limits' next turn and the next free slot
         before any waiting BE (bulk) one, so a query beside a bulk job does not queue behind
@@ -268,11 +269,12 @@ class ReplicaPool:
             if self._tpm is not None:
                 await self._tpm.take(tokens, interactive)
             replica, alone = await self._acquire(interactive)
+            url = route_url(replica.url, path)
             try:
                 # The whole exchange, not only each read (httpx's timeout): an answer that
                 # trickles in never timed out.
                 async with asyncio.timeout(self.limits.timeout_s):
-                    response = await _exchange(replica.client, path, body)
+                    response = await _exchange(replica.client, url, body)
             except _UNREACHABLE as e:
                 last = f"{replica.url} is unreachable ({type(e).__name__}: {e})"
                 replica.unreachable += 1
@@ -291,9 +293,9 @@ class ReplicaPool:
                 replica.failures += 1
             except httpx.HTTPError as e:  # (an answer the client cannot read, a bad header)
                 raise EndpointError(self._redact(
-                    f"{replica.url}{path} failed: {type(e).__name__}: {e}")) from None
+                    f"{url} failed: {type(e).__name__}: {e}")) from None
             except _TooLong:
-                raise EndpointError(f"{replica.url}{path} answered with more than "
+                raise EndpointError(f"{url} answered with more than "
                                     f"{MAX_ANSWER_BYTES:,} bytes") from None
             finally:
                 await self._release(replica)
@@ -302,19 +304,19 @@ class ReplicaPool:
                     failed = response.status_code == 408 or response.status_code >= 500
                     replica.failures = replica.failures + 1 if failed else 0
                 if response.status_code == 200:
-                    replica.answered[path] += 1
+                    replica.answered[httpx.URL(url).path] += 1
                     try:
                         data = response.json()
                     except ValueError:
                         raise EndpointError(self._redact(
-                            f"{replica.url}{path} answered with invalid JSON: "
+                            f"{url} answered with invalid JSON: "
                             f"{response.text[:100]!r}")) from None
                     try:
                         return read(data)
                     except MalformedAnswer as e:
                         raise EndpointError(self._redact(
-                            f"{replica.url}{path} answered {e}: {str(data)[:200]}")) from None
-                last = self._redact(f"{replica.url}{path} answered {response.status_code}: "
+                            f"{url} answered {e}: {str(data)[:200]}")) from None
+                last = self._redact(f"{url} answered {response.status_code}: "
                                     f"{_message(response)}")
                 if not _retried(response):
                     raise EndpointError(last)

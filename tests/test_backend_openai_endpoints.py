@@ -1,0 +1,72 @@
+"""Where the openai backend sends requests and what it says when they fail: base URLs taken
+as given (Gemini's, a proxy's prefix), every endpoint named when all are down, and an API key
+rotated in the environment while the process runs. Against scripted endpoints
+(tests/openai_stub.py); no model runs here."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("uvicorn", reason="uvicorn is not installed")
+
+import llmdb  # noqa: E402
+from llmdb.backends.endpoints import base_url  # noqa: E402
+from llmdb.backends.openai import OpenAIBackend  # noqa: E402
+
+from .openai_stub import StubEndpoint, chat_answer, generate  # noqa: E402
+
+
+def test_base_urls_are_taken_as_given_and_a_bare_host_gets_v1():
+    assert base_url("https://generativelanguage.googleapis.com/v1beta/openai/") == \
+        "https://generativelanguage.googleapis.com/v1beta/openai"
+    assert base_url(" https://h/api/v1/ ") == "https://h/api/v1"
+    assert base_url("http://h:8000") == base_url("http://h:8000/") == "http://h:8000/v1"
+    assert base_url("http://[::1]:8000") == "http://[::1]:8000/v1"
+
+
+async def _echo(path, body):
+    if path.endswith("/tokenize"):
+        return 200, {}, {"count": 2, "tokens": [1, 2]}
+    return 200, {}, chat_answer(f"echo: {body['messages'][-1]['content']}")
+
+
+def test_a_base_url_with_a_path_is_used_as_given(backends):
+    """Gemini's OpenAI endpoint (.../v1beta/openai) was taken for a server root: every row
+    went to .../v1beta/openai/v1/chat/completions, a 404."""
+    with StubEndpoint(_echo, api_path="/v1beta/openai") as stub:
+        result = generate(backends([stub.url]))
+        assert (result.error, result.text) == (None, "echo: hello")
+        assert [s.path for s in stub.seen] == ["/v1beta/openai/chat/completions"]
+
+
+def test_a_proxy_prefix_keeps_vllms_tokenize_beside_its_v1(backends):
+    with StubEndpoint(_echo, tokenize=True, api_path="/team-a/vllm/v1") as stub:
+        backend = backends([stub.url])
+        assert generate(backend).text == "echo: hello"
+        assert backend.count_tokens(["two tokens"]) == [2]
+        assert [s.path for s in stub.seen] == ["/team-a/vllm/v1/chat/completions",
+                                               "/team-a/vllm/tokenize"]
+
+
+def test_a_bare_host_is_served_under_v1(backends):
+    with StubEndpoint(_echo) as stub:
+        bare = stub.url.removesuffix("/v1")
+        assert generate(backends([bare])).text == "echo: hello"
+        assert [s.path for s in stub.seen] == ["/v1/chat/completions"]
+
+
+def test_cache_identity_of_a_v1_server_is_its_root():
+    """Answers cached before base URLs were taken as given are found under the same key."""
+    for url in ("http://h:8000/v1", "http://h:8000"):
+        b = OpenAIBackend("m", [url])
+        assert b.identity()["endpoints"] == ["http://h:8000"]
+        b.close()
+    gemini = OpenAIBackend("m", ["https://g.example/v1beta/openai"])
+    assert gemini.identity()["endpoints"] == ["https://g.example/v1beta/openai"]
+    gemini.close()
+
+
+def test_a_connection_takes_a_base_url_with_a_path():
+    with StubEndpoint(_echo, api_path="/v1beta/openai") as stub:
+        con = llmdb.connect(backend="openai", endpoints=[stub.url], cache=False)
+        assert con.sql("SELECT llm_complete('hi')").fetchall() == [("echo: hi",)]
