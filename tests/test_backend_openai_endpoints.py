@@ -13,7 +13,7 @@ import llmdb  # noqa: E402
 from llmdb.backends.endpoints import base_url  # noqa: E402
 from llmdb.backends.openai import OpenAIBackend  # noqa: E402
 
-from .openai_stub import StubEndpoint, chat_answer, generate  # noqa: E402
+from .openai_stub import StubEndpoint, chat_answer, free_port, generate  # noqa: E402
 
 
 def test_base_urls_are_taken_as_given_and_a_bare_host_gets_v1():
@@ -22,6 +22,15 @@ def test_base_urls_are_taken_as_given_and_a_bare_host_gets_v1():
     assert base_url(" https://h/api/v1/ ") == "https://h/api/v1"
     assert base_url("http://h:8000") == base_url("http://h:8000/") == "http://h:8000/v1"
     assert base_url("http://[::1]:8000") == "http://[::1]:8000/v1"
+
+
+def _script(*answers):
+    """A handler answering with `answers` in turn, then the last one forever."""
+    answers = list(answers)
+
+    async def handler(path, body):
+        return answers.pop(0) if len(answers) > 1 else answers[0]
+    return handler
 
 
 async def _echo(path, body):
@@ -70,3 +79,32 @@ def test_a_connection_takes_a_base_url_with_a_path():
     with StubEndpoint(_echo, api_path="/v1beta/openai") as stub:
         con = llmdb.connect(backend="openai", endpoints=[stub.url], cache=False)
         assert con.sql("SELECT llm_complete('hi')").fetchall() == [("echo: hi",)]
+
+
+def test_all_endpoints_down_names_each_and_its_cause(backends):
+    """The error named only the endpoint tried last: of three replicas down, the user saw
+    one, and could not tell a dead server from an overloaded one."""
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    overloaded = _script((503, {}, {"error": {"message": "the engine is overloaded"}}))
+    with StubEndpoint(overloaded) as busy, StubEndpoint(_echo, api_path="/gone") as gone:
+        gone.stop()  # (its port refuses connections from now on)
+        result = generate(backends([dead, busy.url, gone.url], max_retries=3))
+    assert result.finish_reason == "error"
+    error = result.error
+    assert error.startswith("no endpoint answered (gave up after 4 attempts): ")
+    assert f"{dead} is unreachable (ConnectError" in error
+    assert f"{busy.url}/chat/completions answered 503: the engine is overloaded" in error
+    assert f"{gone.url} is unreachable (ConnectError" in error
+
+
+def test_an_endpoint_this_row_did_not_reach_is_named_with_why(backends):
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    overloaded = _script((503, {}, {"error": {"message": "overloaded"}}))
+    with StubEndpoint(overloaded) as busy, StubEndpoint(overloaded) as spare:
+        backend = backends([dead, busy.url, spare.url], max_retries=0)
+        generate(backend)  # takes the dead one out of rotation
+        error = generate(backend).error
+    assert error.startswith("no endpoint answered (gave up after 1 attempts): ")
+    assert f"{dead} is out of rotation: {dead} is unreachable (ConnectError" in error
+    assert error.count("answered 503: overloaded") == 1
+    assert error.count(" was not tried") == 1

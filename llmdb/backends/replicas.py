@@ -84,6 +84,7 @@ class Replica:
             limits=httpx.Limits(max_connections=limits.max_concurrency))
         self.in_flight = 0
         self.down_until = 0.0
+        self.down_cause = ""  # why it last left the rotation
         self.answered: Counter[str] = Counter()  # URL path -> requests it answered with 200
         self.dispatched = 0
         self.unreachable = 0  # requests lost here with the connection (and sent elsewhere)
@@ -261,7 +262,7 @@ class ReplicaPool:
         before any waiting BE (bulk) one, so a query beside a bulk job does not queue behind
         its rows."""
         retries = 0
-        last = "no attempt"
+        causes: dict[Replica, str] = {}  # what this request last met at each replica
         interactive = priority == "RT"
         while True:
             if self._rpm is not None:
@@ -277,14 +278,16 @@ class ReplicaPool:
                     response = await _exchange(replica.client, url, body)
             except _UNREACHABLE as e:
                 last = f"{replica.url} is unreachable ({type(e).__name__}: {e})"
+                if _certificate_refused(e):
+                    last += (" (its certificate failed verification: for a private CA, set "
+                             "SSL_CERT_FILE to its certificate)")
+                causes[replica] = last
                 replica.unreachable += 1
                 await self._take_out(replica, last)
                 if not alone:  # others are up: resubmit there at once, no retry spent
                     continue
                 if _certificate_refused(e):  # (no retry mends that)
-                    raise EndpointError(f"{last} (its certificate failed verification: for a "
-                                        "private CA, set SSL_CERT_FILE to its certificate)"
-                                        ) from None
+                    raise self._failed(causes) from None
                 response = None
             except (httpx.TimeoutException, TimeoutError) as e:
                 last = f"{replica.url} did not answer in {self.limits.timeout_s:g} s " \
@@ -320,17 +323,30 @@ class ReplicaPool:
                                     f"{_message(response)}")
                 if not _retried(response):
                     raise EndpointError(last)
+            causes[replica] = last
             if replica.failures >= FAILURES_OUT:
                 await self._take_out(replica, f"{replica.failures} requests failed in a row, "
                                               f"the last: {last}")
             if retries >= self.limits.max_retries:
-                raise EndpointError(f"{last} (gave up after {retries + 1} attempts)")
+                raise self._failed(causes, f" (gave up after {retries + 1} attempts)")
             wait = retry_after(response) if response is not None else None
             if wait is None:
                 wait = min(self.limits.max_backoff_s, self.limits.backoff_s * 2 ** retries)
                 wait *= random.uniform(0.5, 1.0)  # spread out the retries of many rows
             retries += 1
             await asyncio.sleep(min(wait, self.limits.max_retry_after_s))
+
+    def _failed(self, causes: dict[Replica, str], tail: str = "") -> EndpointError:
+        """A request's error once it gives up: with several replicas, each one and what
+        this request met there, or why it was not tried (the last cause alone hid a dead
+        server behind an overloaded one)."""
+        if len(self.replicas) == 1:
+            return EndpointError(causes[self.replicas[0]] + tail)
+        now = time.monotonic()
+        each = [causes.get(r) or (f"{r.url} was not tried" if r.up(now) else
+                                  f"{r.url} is out of rotation: {r.down_cause}")
+                for r in self.replicas]
+        return EndpointError(f"no endpoint answered{tail}: {'; '.join(each)}")
 
     def _redact(self, text: str) -> str:
         return text.replace(self._api_key, "***") if self._api_key else text
@@ -374,6 +390,7 @@ class ReplicaPool:
                 log.warning("taking %s out of rotation for %.0f s: %s", replica.url,
                             self.limits.down_s, why)
             replica.down_until = time.monotonic() + self.limits.down_s
+            replica.down_cause = why
             self._changed.notify_all()
 
     async def aclose(self) -> None:
