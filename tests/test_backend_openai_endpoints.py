@@ -108,3 +108,27 @@ def test_an_endpoint_this_row_did_not_reach_is_named_with_why(backends):
     assert f"{dead} is out of rotation: {dead} is unreachable (ConnectError" in error
     assert error.count("answered 503: overloaded") == 1
     assert error.count(" was not tried") == 1
+
+
+def test_a_key_rotated_in_the_environment_is_taken_after_a_401(backends, monkeypatch):
+    """The key was read once, when the backend was made (and the process shares one backend
+    per endpoints): after a rotation every row failed with 401 until a restart. Now a 401
+    reads the variable again and, if it changed, the row is sent again with the new key."""
+    valid = {"key": "sk-old-1111"}
+    monkeypatch.setenv("STUB_KEY", "sk-old-1111")
+    with StubEndpoint(_echo) as stub:
+        async def check_key(path, body):
+            sent = stub.seen[-1].headers["authorization"].removeprefix("Bearer ")
+            if sent != valid["key"]:
+                return 401, {}, {"error": {"message": f"invalid key {sent}"}}
+            return await _echo(path, body)
+
+        stub.handler = check_key
+        backend = backends([stub.url], api_key_env="STUB_KEY", max_retries=0)
+        assert generate(backend).text == "echo: hello"
+        valid["key"] = "sk-new-2222"  # rotated at the provider: the old key is refused
+        assert generate(backend).error.endswith("answered 401: invalid key ***")
+        monkeypatch.setenv("STUB_KEY", "sk-new-2222\n")  # and in the environment
+        assert generate(backend).text == generate(backend).text == "echo: hello"
+        sent = [s.headers["authorization"] for s in stub.seen]
+        assert sent == ["Bearer sk-old-1111"] * 3 + ["Bearer sk-new-2222"] * 2

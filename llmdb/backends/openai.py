@@ -16,8 +16,9 @@ An endpoint without them (hosted chat APIs) fails those rows with an error namin
 
 Requests run on one asyncio loop in a thread of their own; ReplicaPool (replicas.py) picks
 the replica, applies the limits and retries, and fails over when a replica dies. The API key
-is read from the environment variable named by the caller and kept only in the HTTP
-clients' headers: never in a registry file, a result-cache key, a log line or an error.
+is read from the environment variable named by the caller (again after a 401, for a rotated
+key) and kept only by the pool for the requests' headers: never in a registry file, a
+result-cache key, a log line or an error.
 """
 
 from __future__ import annotations
@@ -93,13 +94,15 @@ class OpenAIBackend:
         self.served_model = served_model or name
         self.send_priority = send_priority
         self.endpoints = base_urls(endpoints)
-        key = _api_key(api_key_env, self.endpoints) if api_key_env else None
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._futures: dict[str, Future] = {}
         self._results: dict[str, BackendResult] = {}
         self._tokenized: dict[str, asyncio.Future] = {}  # JSON of a /tokenize body -> ids
         self._has_tokenize: bool | None = None
+        # Read here (a missing key fails the connection, not its rows), and again by the pool
+        # after a 401: a key rotated in the environment is taken without a restart.
+        key = (lambda: _api_key(api_key_env, self.endpoints)) if api_key_env else None
         self.pool = ReplicaPool(self.endpoints, ReplicaLimits(**limits), api_key=key)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,

@@ -76,10 +76,9 @@ class ReplicaLimits:
 
 
 class Replica:
-    def __init__(self, url: str, headers: dict[str, str], limits: ReplicaLimits):
+    def __init__(self, url: str, limits: ReplicaLimits):
         self.url = base_url(url)
         self.client = httpx.AsyncClient(
-            headers=headers,
             timeout=httpx.Timeout(limits.timeout_s, connect=min(10.0, limits.timeout_s)),
             limits=httpx.Limits(max_connections=limits.max_concurrency))
         self.in_flight = 0
@@ -165,10 +164,11 @@ class _TooLong(Exception):
     """An answer longer than MAX_ANSWER_BYTES."""
 
 
-async def _exchange(client: httpx.AsyncClient, url: str, body: dict[str, Any]
-                    ) -> httpx.Response:
-    """POST body to url; the answer read whole, up to MAX_ANSWER_BYTES."""
-    request = client.build_request("POST", url, json=body)
+async def _exchange(client: httpx.AsyncClient, url: str, body: dict[str, Any],
+                    key: str | None) -> httpx.Response:
+    """POST body to url, with the API key; the answer read whole, up to MAX_ANSWER_BYTES."""
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    request = client.build_request("POST", url, json=body, headers=headers)
     response = await client.send(request, stream=True)
     chunks, size = [], 0
     try:
@@ -238,15 +238,19 @@ def _retried(response: httpx.Response) -> bool:
 
 
 class ReplicaPool:
-    def __init__(self, urls: list[str], limits: ReplicaLimits, api_key: str | None = None):
-        """api_key: sent as `Authorization: Bearer KEY`, and cut out of every error text (a
-        server may quote what it was sent)."""
+    def __init__(self, urls: list[str], limits: ReplicaLimits,
+                 api_key: Callable[[], str] | None = None):
+        """api_key reads the API key, sent as `Authorization: Bearer KEY`: once here, and
+        again after a 401, so that a key rotated where it comes from (the environment) is
+        taken without a restart. Every key read is cut out of every error text (a server
+        may quote what it was sent)."""
         if not urls:
             raise ValueError("the openai backend needs at least one endpoint URL")
         self.limits = limits
-        self._api_key = api_key
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.replicas = [Replica(u, headers, limits) for u in urls]
+        self._read_key = api_key
+        self._key = api_key() if api_key else None
+        self._keys_read = {self._key} if self._key else set()
+        self.replicas = [Replica(u, limits) for u in urls]
         self._changed = asyncio.Condition()
         self._rpm = _Limiter(limits.requests_per_minute) if limits.requests_per_minute else None
         self._tpm = _Limiter(limits.tokens_per_minute) if limits.tokens_per_minute else None
@@ -271,11 +275,12 @@ class ReplicaPool:
                 await self._tpm.take(tokens, interactive)
             replica, alone = await self._acquire(interactive)
             url = route_url(replica.url, path)
+            key = self._key
             try:
                 # The whole exchange, not only each read (httpx's timeout): an answer that
                 # trickles in never timed out.
                 async with asyncio.timeout(self.limits.timeout_s):
-                    response = await _exchange(replica.client, url, body)
+                    response = await _exchange(replica.client, url, body, key)
             except _UNREACHABLE as e:
                 last = f"{replica.url} is unreachable ({type(e).__name__}: {e})"
                 if _certificate_refused(e):
@@ -303,6 +308,8 @@ class ReplicaPool:
             finally:
                 await self._release(replica)
             if response is not None:
+                if response.status_code == 401 and self._key_rotated(key):
+                    continue  # (sent again at once, with the new key: no retry spent)
                 if response.status_code != 429:  # (rate limited: the replica works)
                     failed = response.status_code == 408 or response.status_code >= 500
                     replica.failures = replica.failures + 1 if failed else 0
@@ -348,8 +355,22 @@ class ReplicaPool:
                 for r in self.replicas]
         return EndpointError(f"no endpoint answered{tail}: {'; '.join(each)}")
 
+    def _key_rotated(self, sent: str | None) -> bool:
+        """After a 401: whether the key read now differs from the one sent (it is sent from
+        now on). A 401 with an unchanged key, or none to read, is the row's error."""
+        if self._read_key is None:
+            return False
+        try:
+            self._key = self._read_key()
+        except ValueError:  # (unset or unusable now: the key sent stays)
+            return False
+        self._keys_read.add(self._key)
+        return self._key != sent
+
     def _redact(self, text: str) -> str:
-        return text.replace(self._api_key, "***") if self._api_key else text
+        for key in self._keys_read:
+            text = text.replace(key, "***")
+        return text
 
     async def _acquire(self, interactive: bool) -> tuple[Replica, bool]:
         """The least busy replica in rotation with a free slot (waiting for one; a bulk
