@@ -43,7 +43,7 @@ def _check_new_name(name: str) -> None:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from llmdb.backends.remote_models import add_remote_model, remote_models
+    from llmdb.backends.remote_models import add_remote_model, remote_models, remove_remote_model
 
     if args.action == "add":
         _check_new_name(args.name)
@@ -67,10 +67,11 @@ def _models(args: argparse.Namespace) -> int:
         print(f"registered {args.name} -> {path}{was}")
     elif args.action == "remove":
         if args.name in remote_models():
-            # (remote_models.py, beside the endpoints' registry, has no removal yet)
-            raise ValueError(f"{args.name!r} is a remote model; llmdb models remove takes "
-                             f"model files")
-        print(f"removed {args.name} (was {unregister_model(args.name)})")
+            e = remove_remote_model(args.name)
+            print(f"removed {args.name} (was {', '.join(e['endpoints'])} as "
+                  f"{e['served_model']})")
+        else:
+            print(f"removed {args.name} (was {unregister_model(args.name)})")
     else:
         for name, path in sorted(registered_models().items()):
             print(f"{name}\t{path}")
@@ -382,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="the model's name at the endpoints (default: NAME)")
     msub.add_parser("list", help="list registered models")
     rm = msub.add_parser("remove", help="forget a registered model file (the file stays; "
-                         "engines that loaded it keep running)")
+                         "engines that loaded it keep running) or remote model")
     rm.add_argument("name")
     models.set_defaults(func=_models)
 

@@ -9,12 +9,11 @@ never the key itself.
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
 
-from llmdb.engine.registry import DEFAULT_MODEL, config_file, registered_models
+from llmdb.engine.registry import DEFAULT_MODEL, config_file, locked_update, registered_models
 
 from .endpoints import base_urls
 
@@ -25,14 +24,17 @@ def remote_models_file() -> Path:
     return config_file().with_name("remote_models.json")
 
 
-def remote_models() -> dict[str, dict[str, Any]]:
-    f = remote_models_file()
+def _read(f: Path) -> dict[str, dict[str, Any]]:
     if not f.exists():
         return {}
     try:
         return json.loads(f.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"the remote model registry {f} is not valid JSON: {e}") from e
+
+
+def remote_models() -> dict[str, dict[str, Any]]:
+    return _read(remote_models_file())
 
 
 def add_remote_model(name: str, endpoints: list[str], api_key_env: str | None = None,
@@ -48,11 +50,14 @@ def add_remote_model(name: str, endpoints: list[str], api_key_env: str | None = 
                          "digits, _), not the key itself")
     entry = {"endpoints": [u.strip() for u in endpoints], "api_key_env": api_key_env,
              "served_model": served_model or name}
-    models = remote_models()
-    models[name] = entry
-    f = remote_models_file()
-    f.parent.mkdir(parents=True, exist_ok=True)
-    tmp = f.with_suffix(".tmp")
-    tmp.write_text(json.dumps(models, indent=2))
-    os.replace(tmp, f)
+    with locked_update(remote_models_file(), _read) as models:
+        models[name] = entry
     return entry
+
+
+def remove_remote_model(name: str) -> dict[str, Any]:
+    """Drop NAME; returns its entry. Backends made for it keep running."""
+    with locked_update(remote_models_file(), _read) as models:
+        if name not in models:
+            raise ValueError(f"no remote model is registered as {name!r}")
+        return models.pop(name)
