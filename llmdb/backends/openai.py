@@ -13,6 +13,9 @@ log-probabilities, which not every endpoint gives:
   prompt's tokens (from vLLM's /tokenize, which llmdb serve also has), scored by
   /v1/completions with prompt_logprobs: the same ids the local engine scores.
 An endpoint without them (hosted chat APIs) fails those rows with an error naming it.
+A base model (base_model=True: no chat template, as the registry says) is sent plain text:
+llm_complete's prompt goes to /completions to be continued, as the local engine continues a
+base model's; the chat functions, which need an instruction-tuned model, are refused.
 
 Requests run on one asyncio loop in a thread of their own; ReplicaPool (replicas.py) picks
 the replica, applies the limits and retries, and fails over when a replica dies. The API key
@@ -81,18 +84,21 @@ def _api_key(variable: str, endpoints: list[str]) -> str:
 
 class OpenAIBackend:
     def __init__(self, name: str, endpoints: Sequence[str], *, api_key_env: str | None = None,
-                 served_model: str | None = None, send_priority: bool = False, **limits: Any):
+                 served_model: str | None = None, send_priority: bool = False,
+                 base_model: bool = False, **limits: Any):
         """`name` is the model's name in SQL; `served_model` the one sent to the endpoints
         (default: the same). Interactive (RT) rows take free replica slots before bulk (BE)
         ones here; send_priority also tells the servers, as vLLM's `priority` field (bulk
         rows 1, interactive 0: lower runs first; llmdb serve reads priority > 0 as bulk).
         Off by default: hosted APIs reject the field, and vLLM refuses a non-zero priority
-        unless it runs with --scheduling-policy priority. Limits: ReplicaLimits' fields."""
+        unless it runs with --scheduling-policy priority. base_model: the served model has no
+        chat template (its prompts go to /completions). Limits: ReplicaLimits' fields."""
         if isinstance(endpoints, str):
             endpoints = [endpoints]
         self.name = name
         self.served_model = served_model or name
         self.send_priority = send_priority
+        self.base_model = base_model
         self.endpoints = base_urls(endpoints)
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -124,10 +130,25 @@ class OpenAIBackend:
 
     def render_chat(self, user: str, system: str | None,
                     before: Sequence[Exchange] = ()) -> list[dict[str, str]]:
+        if self.base_model:
+            raise ValueError(f"{self._base_model}: llm_filter and llm_classify ask it chat "
+                             f"questions, which need an instruction-tuned model (llm_complete "
+                             f"continues plain text on it)")
         return chat_messages(user, system, before)
 
-    def render_completion(self, prompt: str, system: str | None) -> list[dict[str, str]]:
-        return chat_messages(prompt, system)
+    def render_completion(self, prompt: str, system: str | None) -> Prompt:
+        """The chat; for a base model the prompt's text, which its endpoints' /completions
+        continue."""
+        if not self.base_model:
+            return chat_messages(prompt, system)
+        if system is not None:
+            raise ValueError(f"{self._base_model}: it takes no system prompt (put the "
+                             f"instruction in the prompt)")
+        return prompt
+
+    @property
+    def _base_model(self) -> str:
+        return f"{self.name} is a base model (registered as one, at {', '.join(self.endpoints)})"
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         """Exact where the endpoints have /tokenize (vLLM, llmdb serve), all texts asked at
@@ -150,7 +171,10 @@ class OpenAIBackend:
     def submit(self, request: ModelRequest, on_finish: Callable[[], None]) -> str:
         if not isinstance(request, GenerationRequest | ScoreRequest | ChoiceRequest):
             raise TypeError(f"unknown request type {type(request).__name__}")
-        if not isinstance(request.prompt, list):
+        if self.base_model:
+            if not (isinstance(request, GenerationRequest) and isinstance(request.prompt, str)):
+                raise ValueError(f"{self._base_model}: it continues plain text only")
+        elif not isinstance(request.prompt, list):
             raise ValueError("the openai backend sends chat messages, not final text")
         handle = f"openai-{next(self._ids)}"
         future = asyncio.run_coroutine_threadsafe(self._serve(request), self._loop)
@@ -257,6 +281,13 @@ class OpenAIBackend:
                     "stop": bool(p.stop), "stop_token_ids": bool(p.stop_token_ids),
                     "ignore_eos": p.ignore_eos}
         fields.update({k: getattr(p, k) for k, on in optional.items() if on})
+        if self.base_model:
+            body = {"model": self.served_model, "prompt": request.prompt,
+                    "max_tokens": p.max_tokens, **fields}
+            return await self._post("/completions", body,
+                                    self._estimate(request.prompt, p.max_tokens),
+                                    request.priority,
+                                    lambda data: _generation_result(data, answers.text))
         return await self._chat(request.prompt, fields, p.max_tokens, request.priority,
                                 _generation_result)
 
@@ -361,10 +392,12 @@ class OpenAIBackend:
         return full[n]
 
 
-def _generation_result(data: Any) -> BackendResult:
+def _generation_result(data: Any, text: Callable[[dict[str, Any]], str] = answers.chat_text
+                       ) -> BackendResult:
+    """A chat completion's result (text=answers.text: a completion's)."""
     choice = answers.first_choice(data)
     prompt_tokens, generated, cached = answers.usage(data)
-    return BackendResult(text=answers.chat_text(choice),
+    return BackendResult(text=text(choice),
                          finish_reason=_FINISH.get(choice.get("finish_reason"), "stop"),
                          prompt_tokens=prompt_tokens, generated_tokens=generated,
                          cached_tokens=cached)

@@ -2,8 +2,8 @@
 
 Kept beside the engine's registry of model files (remote_models.json in the same config
 directory) but apart from it: the engine knows files, not URLs. An entry holds the endpoint
-URLs, the served model name and the NAME of the environment variable that holds the API key,
-never the key itself.
+URLs, the served model name, whether it is a base model (base_model, only when it is) and the
+NAME of the environment variable that holds the API key, never the key itself.
 """
 
 from __future__ import annotations
@@ -38,8 +38,10 @@ def remote_models() -> dict[str, dict[str, Any]]:
 
 
 def add_remote_model(name: str, endpoints: list[str], api_key_env: str | None = None,
-                     served_model: str | None = None) -> dict[str, Any]:
-    """Store NAME -> endpoints; a name registered as a model file cannot be reused."""
+                     served_model: str | None = None, base_model: bool = False
+                     ) -> dict[str, Any]:
+    """Store NAME -> endpoints; a name registered as a model file cannot be reused.
+    base_model: the served model has no chat template (OpenAIBackend's base_model)."""
     if name == DEFAULT_MODEL or name in registered_models():
         raise ValueError(f"{name!r} is already registered as a model file")
     if not endpoints:
@@ -49,7 +51,7 @@ def add_remote_model(name: str, endpoints: list[str], api_key_env: str | None = 
         raise ValueError("--api-key-env takes the NAME of an environment variable (letters, "
                          "digits, _), not the key itself")
     entry = {"endpoints": [u.strip() for u in endpoints], "api_key_env": api_key_env,
-             "served_model": served_model or name}
+             "served_model": served_model or name, **({"base_model": True} if base_model else {})}
     with locked_update(remote_models_file(), _read) as models:
         models[name] = entry
     return entry
