@@ -83,9 +83,11 @@ class StubEndpoint:
         self.port = free_port()
         self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}{api_path}"
         cert, key = tls or (None, None)
+        # A request the stub holds (a hung server's) is cut off 1 s into the shutdown.
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
                                                     log_level="warning", ssl_certfile=cert,
-                                                    ssl_keyfile=key))
+                                                    ssl_keyfile=key,
+                                                    timeout_graceful_shutdown=1))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20

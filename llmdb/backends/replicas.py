@@ -9,6 +9,8 @@ no row, and since a request counts once it is answered, none is counted twice. A
 that fails FAILURES_OUT requests in a row (5xx, 408, timeouts) leaves the rotation too.
 429, 408 and 5xx answers are retried after the server's Retry-After, else after an
 exponential backoff with jitter; any other 4xx is the request's own error, never retried.
+A request held by a replica that has stopped answering is sent to an idle one too, the first
+answer winning (hedging.py): a hung server does not hold its rows for timeout_s.
 
 httpx rather than the openai client: the openai client retries inside each call (on the same
 endpoint, with its own backoff), which would hide a dead replica from the failover above, and
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import logging
+import math
 import random
 import ssl
 import time
@@ -32,6 +35,7 @@ import httpx
 from aiolimiter import AsyncLimiter
 
 from .endpoints import base_url, route_url
+from .hedging import StallRule
 from .openai_answers import MalformedAnswer
 
 log = logging.getLogger(__name__)
@@ -40,6 +44,8 @@ T = TypeVar("T")
 # A connection that fails like this means the replica is gone, not that the request is bad.
 _UNREACHABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
                 httpx.ReadError, httpx.WriteError)
+# A request lost with its replica's connection, or not answered in time.
+_LOST = (*_UNREACHABLE, httpx.TimeoutException, TimeoutError)
 # A replica that fails this many requests in a row (5xx, 408, no answer in time) leaves the
 # rotation as an unreachable one does: a server whose engine died answers 500 to everything,
 # and each row sent there paid a backoff before going elsewhere.
@@ -65,6 +71,11 @@ class ReplicaLimits:
     max_backoff_s: float = 30.0
     max_retry_after_s: float = 300.0  # a Retry-After beyond this is cut to it
     down_s: float = 30.0  # how long an unreachable replica stays out of rotation
+    # A request held by a replica that has answered nothing for stall_factor x the slowest
+    # recent answer, and at least stall_s, is sent to an idle replica too (hedging.py);
+    # None: never, a hung replica holds its requests for timeout_s.
+    stall_s: float | None = 10.0
+    stall_factor: float = 3.0
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1:
@@ -73,6 +84,11 @@ class ReplicaLimits:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
+        if self.stall_s is not None and self.stall_s <= 0:
+            raise ValueError(f"stall_s must be positive (None: no hedged requests), got "
+                             f"{self.stall_s}")
+        if self.stall_factor < 1:
+            raise ValueError(f"stall_factor must be >= 1, got {self.stall_factor}")
 
 
 class Replica:
@@ -87,7 +103,8 @@ class Replica:
         self.answered: Counter[str] = Counter()  # URL path -> requests it answered with 200
         self.dispatched = 0
         self.unreachable = 0  # requests lost here with the connection (and sent elsewhere)
-        self.failures = 0  # requests failed in a row (5xx, 408, timeouts)
+        self.failures = 0  # requests failed in a row (5xx, 408, timeouts, stalls)
+        self.last_answer = 0.0  # when it last answered a request (time.monotonic())
 
     def up(self, now: float) -> bool:
         return self.down_until <= now
@@ -162,6 +179,15 @@ def _certificate_refused(e: BaseException | None) -> bool:
 
 class _TooLong(Exception):
     """An answer longer than MAX_ANSWER_BYTES."""
+
+
+class _Lost(Exception):
+    """A copy of a request lost with its replica's connection, or not answered in time: the
+    cause in words, the replica's bookkeeping done (ReplicaPool._lost)."""
+
+    def __init__(self, cause: str, error: BaseException):
+        super().__init__(cause)
+        self.cause, self.error = cause, error
 
 
 async def _exchange(client: httpx.AsyncClient, url: str, body: dict[str, Any],
@@ -255,6 +281,9 @@ class ReplicaPool:
         self._rpm = _Limiter(limits.requests_per_minute) if limits.requests_per_minute else None
         self._tpm = _Limiter(limits.tokens_per_minute) if limits.tokens_per_minute else None
         self._rt_waiting = 0  # interactive requests waiting for a slot: bulk ones let them by
+        self._waiting = 0  # requests waiting for a slot: no hedged copy takes one from them
+        self._stall = StallRule(limits.stall_s, limits.stall_factor) \
+            if limits.stall_s is not None else None
 
     async def post(self, path: str, body: dict[str, Any], tokens: int = 0,
                    priority: str = "BE", read: Callable[[Any], T] = lambda data: data) -> T:
@@ -269,50 +298,31 @@ class ReplicaPool:
         causes: dict[Replica, str] = {}  # what this request last met at each replica
         interactive = priority == "RT"
         while True:
-            if self._rpm is not None:
-                await self._rpm.take(1, interactive)
-            if self._tpm is not None:
-                await self._tpm.take(tokens, interactive)
-            replica, alone = await self._acquire(interactive)
-            url = route_url(replica.url, path)
+            await self._take_budget(tokens, interactive)
+            replica = await self._acquire(interactive)
             key = self._key
-            try:
-                # The whole exchange, not only each read (httpx's timeout): an answer that
-                # trickles in never timed out.
-                async with asyncio.timeout(self.limits.timeout_s):
-                    response = await _exchange(replica.client, url, body, key)
-            except _UNREACHABLE as e:
-                last = f"{replica.url} is unreachable ({type(e).__name__}: {e})"
-                if _certificate_refused(e):
-                    last += (" (its certificate failed verification: for a private CA, set "
-                             "SSL_CERT_FILE to its certificate)")
-                causes[replica] = last
-                replica.unreachable += 1
-                await self._take_out(replica, last)
-                if not alone:  # others are up: resubmit there at once, no retry spent
-                    continue
-                if _certificate_refused(e):  # (no retry mends that)
-                    raise self._failed(causes) from None
-                response = None
-            except (httpx.TimeoutException, TimeoutError) as e:
-                last = f"{replica.url} did not answer in {self.limits.timeout_s:g} s " \
-                       f"({type(e).__name__})"
-                response = None
-                replica.failures += 1
-            except httpx.HTTPError as e:  # (an answer the client cannot read, a bad header)
+            replica, answer = await self._answer(replica, path, body, key, tokens, interactive)
+            url = route_url(replica.url, path)
+            response = None
+            if isinstance(answer, _Lost):
+                last = causes[replica] = answer.cause
+                if isinstance(answer.error, _UNREACHABLE):
+                    if any(r.up(time.monotonic()) for r in self.replicas):
+                        continue  # others are up: resubmit there at once, no retry spent
+                    if _certificate_refused(answer.error):  # (no retry mends that)
+                        raise self._failed(causes) from None
+            elif isinstance(answer, httpx.HTTPError):  # (an answer the client cannot read)
                 raise EndpointError(self._redact(
-                    f"{url} failed: {type(e).__name__}: {e}")) from None
-            except _TooLong:
+                    f"{url} failed: {type(answer).__name__}: {answer}")) from None
+            elif isinstance(answer, _TooLong):
                 raise EndpointError(f"{url} answered with more than "
                                     f"{MAX_ANSWER_BYTES:,} bytes") from None
-            finally:
-                await self._release(replica)
-            if response is not None:
+            elif isinstance(answer, BaseException):
+                raise answer
+            else:
+                response = answer
                 if response.status_code == 401 and self._key_rotated(key):
                     continue  # (sent again at once, with the new key: no retry spent)
-                if response.status_code != 429:  # (rate limited: the replica works)
-                    failed = response.status_code == 408 or response.status_code >= 500
-                    replica.failures = replica.failures + 1 if failed else 0
                 if response.status_code == 200:
                     replica.answered[httpx.URL(url).path] += 1
                     try:
@@ -326,14 +336,10 @@ class ReplicaPool:
                     except MalformedAnswer as e:
                         raise EndpointError(self._redact(
                             f"{url} answered {e}: {str(data)[:200]}")) from None
-                last = self._redact(f"{url} answered {response.status_code}: "
-                                    f"{_message(response)}")
+                last = causes[replica] = self._redact(
+                    f"{url} answered {response.status_code}: {_message(response)}")
                 if not _retried(response):
                     raise EndpointError(last)
-            causes[replica] = last
-            if replica.failures >= FAILURES_OUT:
-                await self._take_out(replica, f"{replica.failures} requests failed in a row, "
-                                              f"the last: {last}")
             if retries >= self.limits.max_retries:
                 raise self._failed(causes, f" (gave up after {retries + 1} attempts)")
             wait = retry_after(response) if response is not None else None
@@ -342,6 +348,133 @@ class ReplicaPool:
                 wait *= random.uniform(0.5, 1.0)  # spread out the retries of many rows
             retries += 1
             await asyncio.sleep(min(wait, self.limits.max_retry_after_s))
+
+    async def _take_budget(self, tokens: int, interactive: bool) -> None:
+        if self._rpm is not None:
+            await self._rpm.take(1, interactive)
+        if self._tpm is not None:
+            await self._tpm.take(tokens, interactive)
+
+    async def _send(self, replica: Replica, path: str, body: dict[str, Any], key: str | None,
+                    hedge_tokens: int | None = None, interactive: bool = False
+                    ) -> httpx.Response:
+        """One copy of a request on a replica whose slot it holds (released here). A hedged
+        copy (hedge_tokens: the request's estimate) takes its rate-limit budget first: the
+        provider counts it too."""
+        url = route_url(replica.url, path)
+        # What the answer says of the replica is noted before its slot is free: a failing
+        # replica gets no new row meanwhile.
+        try:
+            if hedge_tokens is not None:
+                await self._take_budget(hedge_tokens, interactive)
+            sent = time.monotonic()
+            # The whole exchange, not only each read (httpx's timeout): an answer that
+            # trickles in never timed out.
+            async with asyncio.timeout(self.limits.timeout_s):
+                response = await _exchange(replica.client, url, body, key)
+            replica.last_answer = time.monotonic()
+            status = response.status_code
+            if status == 200 and self._stall is not None:
+                self._stall.observe(path, replica.last_answer - sent)
+            if status == 408 or status >= 500:
+                await self._count_failure(replica, self._redact(
+                    f"{url} answered {status}: {_message(response)}"))
+            elif status != 429:  # (rate limited: the replica works)
+                replica.failures = 0
+            return response
+        except _LOST as e:
+            raise _Lost(await self._lost(replica, e), e) from None
+        finally:
+            await self._release(replica)
+
+    async def _answer(self, first: Replica, path: str, body: dict[str, Any], key: str | None,
+                      tokens: int, interactive: bool
+                      ) -> tuple[Replica, httpx.Response | BaseException]:
+        """The first answer to the request from `first` (whose slot it holds), or, once that
+        replica has stalled, from the copy sent to another (hedging.py): that replica and
+        its response, or what failed there. A copy whose connection fails while the other
+        runs is noted, and the other awaited."""
+        sent = time.monotonic()
+        copies = {asyncio.ensure_future(self._send(first, path, body, key)): first}
+        hedged = False
+        try:
+            while True:
+                wait = None if hedged or self._stall is None else \
+                    self._until_stalled(first, sent, path)
+                done, _ = await asyncio.wait(copies, timeout=wait,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    replica = copies.pop(task)
+                    error = task.exception()
+                    if copies and isinstance(error, _Lost):
+                        continue
+                    if copies and replica is not first:  # the copy won: first had stalled
+                        await self._count_failure(first, f"{first.url} answered nothing in "
+                                                         f"{time.monotonic() - sent:.1f} s")
+                    return replica, task.result() if error is None else error
+                if not hedged and not done and self._until_stalled(first, sent, path) == 0:
+                    other = self._hedge_to(first, path)
+                    if other is not None:
+                        log.info("%s answered nothing for %.1f s: the request is sent to %s "
+                                 "too", first.url, time.monotonic() - sent, other.url)
+                        copies[asyncio.ensure_future(self._send(
+                            other, path, body, key, tokens, interactive))] = other
+                        hedged = True
+        finally:
+            for task in copies:  # (the copy that lost)
+                task.cancel()
+            await asyncio.gather(*copies, return_exceptions=True)
+
+    def _until_stalled(self, replica: Replica, sent: float, path: str) -> float:
+        """Seconds until the replica has answered nothing for the stall time since the
+        request was sent; once it has, 0 if a copy may go now (hedging.py), else a while
+        before looking again."""
+        stall = self._stall.stall_s(path) if self._stall is not None else math.inf
+        quiet = time.monotonic() - max(sent, replica.last_answer)
+        if quiet < stall:
+            return stall - quiet
+        return 0.0 if self._hedge_to(replica, path, reserve=False) else min(1.0, stall / 4)
+
+    def _hedge_to(self, stalled: Replica, path: str, reserve: bool = True) -> Replica | None:
+        """A replica that takes a copy of a request held by a stalled one at no row's
+        expense (its slot reserved): in rotation, not stalled, with a free slot, while no
+        request waits for one."""
+        if self._waiting or self._stall is None:
+            return None
+        now = time.monotonic()
+        stall = self._stall.stall_s(path)
+        idle = [r for r in self.replicas if r is not stalled and r.up(now)
+                and r.in_flight < self.limits.max_concurrency
+                and (r.in_flight == 0 or now - r.last_answer < stall)]
+        if not idle:
+            return None
+        r = min(idle, key=lambda r: (r.in_flight, r.dispatched))
+        if reserve:
+            r.in_flight += 1
+            r.dispatched += 1
+        return r
+
+    async def _lost(self, replica: Replica, error: BaseException) -> str:
+        """What a lost connection or a timeout means for a replica, and its cause in words:
+        unreachable, it leaves the rotation; timed out, it failed once more."""
+        if isinstance(error, _UNREACHABLE):
+            cause = f"{replica.url} is unreachable ({type(error).__name__}: {error})"
+            if _certificate_refused(error):
+                cause += (" (its certificate failed verification: for a private CA, set "
+                          "SSL_CERT_FILE to its certificate)")
+            replica.unreachable += 1
+            await self._take_out(replica, cause)
+            return cause
+        cause = f"{replica.url} did not answer in {self.limits.timeout_s:g} s " \
+                f"({type(error).__name__})"
+        await self._count_failure(replica, cause)
+        return cause
+
+    async def _count_failure(self, replica: Replica, cause: str) -> None:
+        replica.failures += 1
+        if replica.failures >= FAILURES_OUT:
+            await self._take_out(replica, f"{replica.failures} requests failed in a row, "
+                                          f"the last: {cause}")
 
     def _failed(self, causes: dict[Replica, str], tail: str = "") -> EndpointError:
         """A request's error once it gives up: with several replicas, each one and what
@@ -372,12 +505,13 @@ class ReplicaPool:
             text = text.replace(key, "***")
         return text
 
-    async def _acquire(self, interactive: bool) -> tuple[Replica, bool]:
+    async def _acquire(self, interactive: bool) -> Replica:
         """The least busy replica in rotation with a free slot (waiting for one; a bulk
-        request also while an interactive one waits), and whether it is the only one left.
-        With none in rotation, all are tried again."""
+        request also while an interactive one waits). With none in rotation, all are tried
+        again."""
         async with self._changed:
             self._rt_waiting += interactive
+            self._waiting += 1
             try:
                 while True:
                     now = time.monotonic()
@@ -388,7 +522,7 @@ class ReplicaPool:
                         r = min(free, key=lambda r: (r.in_flight, r.dispatched))
                         r.in_flight += 1
                         r.dispatched += 1
-                        return r, len(up) <= 1
+                        return r
                     back = [r.down_until - now for r in self.replicas if not r.up(now)]
                     try:  # a replica coming back into rotation frees slots too
                         await asyncio.wait_for(self._changed.wait(),
@@ -397,6 +531,7 @@ class ReplicaPool:
                         pass
             finally:
                 self._rt_waiting -= interactive
+                self._waiting -= 1
                 if interactive:
                     self._changed.notify_all()  # bulk requests may go again
 
