@@ -11,7 +11,7 @@ log-probabilities, which not every endpoint gives:
   through prompt_logprobs where the endpoints have /tokenize.
 - ScoreRequest (llm_classify): the continuation's tokens and the end of turn appended to the
   prompt's tokens (from vLLM's /tokenize, which llmdb serve also has), scored by
-  /v1/completions with prompt_logprobs: the same ids the local engine scores.
+  /completions with prompt_logprobs: the same ids the local engine scores.
 An endpoint without them (hosted chat APIs) fails those rows with an error naming it.
 A base model (base_model=True: no chat template, as the registry says) is sent plain text:
 llm_complete's prompt goes to /completions to be continued, as the local engine continues a
@@ -148,7 +148,7 @@ class OpenAIBackend:
 
     @property
     def _base_model(self) -> str:
-        return f"{self.name} is a base model (registered as one, at {', '.join(self.endpoints)})"
+        return f"{self.name} is a base model (served at {', '.join(self.endpoints)})"
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         """Exact where the endpoints have /tokenize (vLLM, llmdb serve), all texts asked at
@@ -337,7 +337,7 @@ class OpenAIBackend:
 
     async def _prompt_logprobs(self, ids: list[int], priority: str) -> list[float]:
         """Each token's log-probability after the ones before it (the first's is 0), from
-        /v1/completions' prompt_logprobs (vLLM's, and llmdb serve's)."""
+        /completions' prompt_logprobs (vLLM's, and llmdb serve's)."""
         body = {"model": self.served_model, "prompt": ids, "max_tokens": 1, "temperature": 0,
                 "prompt_logprobs": 0}
         logprobs = await self._post("/completions", body, len(ids) + 1, priority,
