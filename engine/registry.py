@@ -6,9 +6,10 @@ import fcntl
 import importlib.util
 import json
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from typing import Any
 
 import platformdirs
 
@@ -50,19 +51,22 @@ def _read_registry(f: Path) -> dict[str, str]:
 
 
 @contextmanager
-def _registry_for_update() -> Iterator[dict[str, str]]:
-    """The user's registry, to change in place: read and written back under an exclusive
-    lock, so that two `llmdb models add` at once both land (each read the file before the
-    other wrote it, and the later write dropped the earlier name)."""
-    f = config_file()
+def locked_update(f: Path, read: Callable[[Path], dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """A registry file (what `read` makes of it), to change in place: read and written back
+    under an exclusive lock, so that two `llmdb models add` at once both land (each read the
+    file before the other wrote it, and the later write dropped the earlier name)."""
     f.parent.mkdir(parents=True, exist_ok=True)
     with open(f.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # (released when the file closes)
-        models = _read_registry(f)
+        models = read(f)
         yield models
         tmp = f.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(models, indent=2))
         os.replace(tmp, f)  # atomic: a reader without the lock sees the old file or the new
+
+
+def _registry_for_update() -> AbstractContextManager[dict[str, str]]:
+    return locked_update(config_file(), _read_registry)
 
 
 def registered_models() -> dict[str, str]:

@@ -43,7 +43,7 @@ def _check_new_name(name: str) -> None:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from llmdb.backends.remote_models import add_remote_model, remote_models
+    from llmdb.backends.remote_models import add_remote_model, remote_models, remove_remote_model
 
     if args.action == "add":
         _check_new_name(args.name)
@@ -51,14 +51,16 @@ def _models(args: argparse.Namespace) -> int:
         if args.path is not None:
             raise ValueError("give a model PATH or --endpoint URLs, not both")
         entry = add_remote_model(args.name, args.endpoint, args.api_key_env,
-                                 args.served_model_name)
+                                 args.served_model_name, args.base_model)
         print(f"registered {args.name} -> {', '.join(entry['endpoints'])}")
     elif args.action == "add":
         if args.path is None:
             raise ValueError("give the model's PATH (a GGUF file or HF directory) or "
                              "--endpoint URL")
-        if args.api_key_env or args.served_model_name:
-            raise ValueError("--api-key-env and --served-model-name go with --endpoint")
+        if args.api_key_env or args.served_model_name or args.base_model:
+            raise ValueError("--api-key-env, --served-model-name and --base-model go with "
+                             "--endpoint (a model file's chat template says whether it is a "
+                             "base model)")
         if args.name in remote_models():
             raise ValueError(f"{args.name!r} is already registered as a remote model")
         before = registered_models().get(args.name)
@@ -67,16 +69,19 @@ def _models(args: argparse.Namespace) -> int:
         print(f"registered {args.name} -> {path}{was}")
     elif args.action == "remove":
         if args.name in remote_models():
-            # (remote_models.py, beside the endpoints' registry, has no removal yet)
-            raise ValueError(f"{args.name!r} is a remote model; llmdb models remove takes "
-                             f"model files")
-        print(f"removed {args.name} (was {unregister_model(args.name)})")
+            e = remove_remote_model(args.name)
+            print(f"removed {args.name} (was {', '.join(e['endpoints'])} as "
+                  f"{e['served_model']})")
+        else:
+            print(f"removed {args.name} (was {unregister_model(args.name)})")
     else:
         for name, path in sorted(registered_models().items()):
             print(f"{name}\t{path}")
         for name, e in sorted(remote_models().items()):
             key = f" (API key in ${e['api_key_env']})" if e.get("api_key_env") else ""
-            print(f"{name}\topenai: {', '.join(e['endpoints'])} as {e['served_model']}{key}")
+            base = " (a base model)" if e.get("base_model") else ""
+            print(f"{name}\topenai: {', '.join(e['endpoints'])} as {e['served_model']}{base}"
+                  f"{key}")
     return 0
 
 
@@ -379,16 +384,20 @@ def main(argv: list[str] | None = None) -> int:
     add.add_argument("name")
     add.add_argument("path", nargs="?", help="a GGUF file or HF directory")
     add.add_argument("--endpoint", action="append", default=[],
-                     help="an OpenAI-compatible server's URL (llmdb serve, vLLM, a hosted API); "
-                          "repeat it for replicas")
+                     help="an OpenAI-compatible server's base URL (llmdb serve, vLLM, a hosted "
+                          "API), used as given; a bare host gets /v1. Repeat it for replicas")
     add.add_argument("--api-key-env", default=None,
                      help="the environment variable that holds the endpoints' API key (the "
                           "key itself is never stored)")
     add.add_argument("--served-model-name", default=None,
                      help="the model's name at the endpoints (default: NAME)")
+    add.add_argument("--base-model", action="store_true",
+                     help="the endpoints serve a base model (no chat template): llm_complete "
+                          "continues its prompt through /completions; llm_filter and "
+                          "llm_classify are refused")
     msub.add_parser("list", help="list registered models")
     rm = msub.add_parser("remove", help="forget a registered model file (the file stays; "
-                         "engines that loaded it keep running)")
+                         "engines that loaded it keep running) or remote model")
     rm.add_argument("name")
     models.set_defaults(func=_models)
 

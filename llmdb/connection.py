@@ -330,7 +330,12 @@ def connect(database: str = ":memory:", model: str = "smollm2-135m", **options: 
     hosted APIs, as replicas) and api_key_env='VAR' (the variable holding the key) runs the
     calls there instead; its options: served_model, max_concurrency (per endpoint),
     requests_per_minute, tokens_per_minute, timeout_s, max_retries, send_priority (vLLM's
-    priority field on bulk rows; interactive rows take free slots first either way).
+    priority field on bulk rows; interactive rows take free slots first either way),
+    base_model (a model without a chat template: llm_complete's prompt is continued as
+    plain text through /completions; the chat functions are refused), stall_s and
+    stall_factor (a row held by an endpoint that has answered nothing for stall_factor x
+    the slowest recent answer, at least stall_s, is sent to an idle one too; stall_s=None:
+    never).
     backend may also be a
     Backend object (for `model`). Connections of a process with the same model, endpoints
     and options share their HTTP clients, concurrency and rate limits. Without backend=, a

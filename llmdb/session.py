@@ -30,7 +30,8 @@ from .result_cache import DEFAULT_MAX_BYTES, ResultCache, open_cache
 # Options of the openai backend (OpenAIBackend's, and ReplicaLimits' in replicas.py), besides
 # endpoints and api_key_env.
 REMOTE_OPTIONS = ("served_model", "max_concurrency", "requests_per_minute", "tokens_per_minute",
-                  "timeout_s", "max_retries", "send_priority")
+                  "timeout_s", "max_retries", "send_priority", "base_model", "stall_s",
+                  "stall_factor")
 ON_ERROR = ("raise", "null")
 PROGRESS_MIN_ROWS = 32  # smaller jobs finish before a bar would be worth reading
 # The bar is redrawn at most this often, as rows finish. (By time alone: tqdm's default

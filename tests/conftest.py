@@ -33,6 +33,25 @@ def engine(engine_fp32: LLMEngine):
     assert engine_fp32.pool.num_free == engine_fp32.pool.num_blocks, "blocks leaked"
 
 
+@pytest.fixture
+def backends():
+    """make(endpoints, **options): an openai backend of "stub-model" with short backoffs,
+    closed after the test (tests/openai_stub.py serves the endpoints)."""
+    from llmdb.backends.openai import OpenAIBackend
+
+    made: list[OpenAIBackend] = []
+
+    def make(endpoints, **kw) -> OpenAIBackend:
+        b = OpenAIBackend("stub-model", endpoints, **{"backoff_s": 0.05, "max_backoff_s": 0.2,
+                                                      **kw})
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        b.close()
+
+
 # The SQL test modules' fixtures; a module opts in with
 # `pytestmark = pytest.mark.usefixtures("eng", "own_cache_dir")`.
 @pytest.fixture(scope="module")

@@ -53,9 +53,11 @@ class Seen:
 
 class StubEndpoint:
     def __init__(self, handler: Handler, tokenize: bool = False,
-                 tls: tuple[str, str] | None = None):
+                 tls: tuple[str, str] | None = None, api_path: str = "/v1"):
         """tokenize: the handler also answers vLLM's /tokenize (else a 404, as hosted APIs
-        answer). tls: (certificate file, key file) to serve HTTPS with."""
+        answer). tls: (certificate file, key file) to serve HTTPS with. api_path: where the
+        OpenAI API is (its url's path); /tokenize is beside it, as vLLM behind a proxy's
+        prefix has it (/prefix/v1, /prefix/tokenize)."""
         self.handler = handler
         self.seen: list[Seen] = []
         self.active = 0
@@ -75,14 +77,17 @@ class StubEndpoint:
                 return payload
             return JSONResponse(payload, status_code=status, headers=headers)
 
-        paths = ["/v1/chat/completions", "/v1/completions"] + ["/tokenize"] * tokenize
+        paths = [f"{api_path}/chat/completions", f"{api_path}/completions"] + \
+            [f"{api_path.removesuffix('/v1')}/tokenize"] * tokenize
         app = Starlette(routes=[Route(p, endpoint, methods=["POST"]) for p in paths])
         self.port = free_port()
-        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}/v1"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}{api_path}"
         cert, key = tls or (None, None)
+        # A request the stub holds (a hung server's) is cut off 1 s into the shutdown.
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
                                                     log_level="warning", ssl_certfile=cert,
-                                                    ssl_keyfile=key))
+                                                    ssl_keyfile=key,
+                                                    timeout_graceful_shutdown=1))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20
@@ -99,6 +104,19 @@ class StubEndpoint:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def generate(backend: Any, prompt: str = "hello", max_tokens: int = 4) -> Any:
+    """One chat generation through an openai backend: its BackendResult."""
+    from llmdb.backends import GenerationRequest
+    from llmdb.engine.params import SamplingParams
+
+    done = threading.Event()
+    req = GenerationRequest([{"role": "user", "content": prompt}],
+                            SamplingParams(max_tokens=max_tokens))
+    handle = backend.submit(req, done.set)
+    assert done.wait(30), "the request never finished"
+    return backend.collect(handle)
 
 
 def self_signed_certificate(directory: Path) -> tuple[str, str]:

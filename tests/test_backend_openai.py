@@ -30,33 +30,9 @@ from .openai_stub import (  # noqa: E402
     StubEndpoint,
     chat_answer,
     free_port,
+    generate,
     self_signed_certificate,
 )
-
-FAST = {"backoff_s": 0.05, "max_backoff_s": 0.2}
-
-
-@pytest.fixture
-def backends():
-    made: list[OpenAIBackend] = []
-
-    def make(endpoints, **kw) -> OpenAIBackend:
-        b = OpenAIBackend("stub-model", endpoints, **{**FAST, **kw})
-        made.append(b)
-        return b
-
-    yield make
-    for b in made:
-        b.close()
-
-
-def _run(backend: OpenAIBackend, prompt: str = "hello", max_tokens: int = 4):
-    done = threading.Event()
-    req = GenerationRequest([{"role": "user", "content": prompt}],
-                            SamplingParams(max_tokens=max_tokens))
-    handle = backend.submit(req, done.set)
-    assert done.wait(30), "the request never finished"
-    return backend.collect(handle)
 
 
 def _script(*answers):
@@ -72,7 +48,7 @@ def test_429_with_retry_after_and_5xx_are_retried(backends):
     ok = (200, {}, chat_answer("fine"))
     with StubEndpoint(_script((429, {"Retry-After": "1"}, {"error": {"message": "slow down"}}),
                               (503, {}, {"error": {"message": "overloaded"}}), ok)) as stub:
-        result = _run(backends([stub.url]))
+        result = generate(backends([stub.url]))
     assert result.error is None and result.text == "fine"
     assert result.prompt_tokens == 5 and result.generated_tokens == 2
     t = [s.at for s in stub.seen]
@@ -94,7 +70,7 @@ def test_retry_after_forms():
 
 def test_gives_up_after_max_retries_naming_the_endpoint(backends):
     with StubEndpoint(_script((500, {}, {"error": {"message": "boom"}}))) as stub:
-        result = _run(backends([stub.url], max_retries=2))
+        result = generate(backends([stub.url], max_retries=2))
     assert len(stub.seen) == 3
     assert result.finish_reason == "error"
     assert f"127.0.0.1:{stub.port}/v1/chat/completions answered 500: boom" in result.error
@@ -127,7 +103,7 @@ def test_an_unreachable_replica_leaves_the_rotation(backends):
     dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
     with StubEndpoint(_script((200, {}, chat_answer("from the live one")))) as stub:
         backend = backends([dead, stub.url], max_retries=0)
-        results = [_run(backend, f"q{i}") for i in range(6)]
+        results = [generate(backend, f"q{i}") for i in range(6)]
         assert all(r.error is None and r.text == "from the live one" for r in results)
         assert len(stub.seen) == 6
         down, up = backend.pool.replicas
@@ -167,9 +143,10 @@ def test_a_replica_that_keeps_failing_leaves_the_rotation(backends, failing):
 
 def test_all_replicas_unreachable_is_a_clear_row_error(backends):
     dead = f"http://127.0.0.1:{free_port()}"
-    result = _run(backends([dead], max_retries=1))
+    result = generate(backends([dead], max_retries=1))
     assert result.finish_reason == "error"
-    assert f"{dead} is unreachable" in result.error and "gave up after 2 attempts" in result.error
+    assert f"{dead}/v1 is unreachable" in result.error
+    assert "gave up after 2 attempts" in result.error
 
 
 def test_concurrency_is_bounded_per_replica(backends):
@@ -336,7 +313,7 @@ def test_tokens_per_minute(backends):
         backend = backends([stub.url], tokens_per_minute=6000)
         t0 = time.monotonic()
         for _ in range(3):
-            assert _run(backend, "x", max_tokens=100).error is None
+            assert generate(backend, "x", max_tokens=100).error is None
         assert time.monotonic() - t0 >= 1.9  # the first fills the bucket; two more wait 1 s
 
 
@@ -346,7 +323,7 @@ def test_timeout_is_retried_then_the_rows_error(backends):
         return 200, {}, chat_answer("late")
 
     with StubEndpoint(stall) as stub:
-        result = _run(backends([stub.url], timeout_s=0.3, max_retries=1))
+        result = generate(backends([stub.url], timeout_s=0.3, max_retries=1))
     assert result.finish_reason == "error" and "did not answer in 0.3 s" in result.error
     assert len(stub.seen) == 2
 
@@ -378,14 +355,14 @@ def test_an_endpoint_without_logprobs_fails_llm_filter_naming_it(backends):
         con = llmdb.connect(backend=backends([stub.url]), cache=False)
         with pytest.raises(llmdb.LLMError) as e:
             con.sql("SELECT llm_filter('Is water wet?')").fetchall()
-    assert f"the endpoint http://127.0.0.1:{stub.port} returned no logprobs" in str(e.value)
+    assert f"the endpoint {stub.url} returned no logprobs" in str(e.value)
     assert "llm_filter and llm_classify need" in str(e.value)
 
 
 def test_an_endpoint_without_tokenize_fails_llm_classify_naming_it(backends):
     with StubEndpoint(_script((200, {}, chat_answer("yes")))) as stub:
         con = llmdb.connect(backend=backends([stub.url]), cache=False)
-        with pytest.raises(llmdb.LLMError, match=f"127.0.0.1:{stub.port} does not offer"):
+        with pytest.raises(llmdb.LLMError, match=f"{stub.url} does not offer"):
             con.sql("SELECT llm_classify('great', ['positive', 'negative'])").fetchall()
 
 
@@ -410,7 +387,7 @@ def test_a_key_read_with_a_line_break_is_sent_without_it(backends, monkeypatch):
     # error quoting it, which became every row's error.
     monkeypatch.setenv("STUB_KEY", "sk-stub-4711\n")
     with StubEndpoint(_script((200, {}, chat_answer("ok")))) as stub:
-        assert _run(backends([stub.url], api_key_env="STUB_KEY")).text == "ok"
+        assert generate(backends([stub.url], api_key_env="STUB_KEY")).text == "ok"
     assert stub.seen[0].headers["authorization"] == "Bearer sk-stub-4711"
     monkeypatch.setenv("STUB_KEY", "sk-stub\n4711")
     with pytest.raises(ValueError, match="STUB_KEY holds characters") as e:
@@ -424,12 +401,12 @@ def test_a_key_quoted_by_the_server_is_cut_from_errors(backends, monkeypatch):
     quoting = {"error": {"message": f"key {key} is over its quota"}}
     with StubEndpoint(_script((401, {}, quoting))) as stub:
         backend = backends([stub.url], api_key_env="STUB_KEY")
-        assert _run(backend).error.endswith("answered 401: key *** is over its quota")
+        assert generate(backend).error.endswith("answered 401: key *** is over its quota")
         stub.handler = _script((500, {}, quoting))
-        assert "key *** is over its quota" in _run(backends(
+        assert "key *** is over its quota" in generate(backends(
             [stub.url], api_key_env="STUB_KEY", max_retries=0)).error
         stub.handler = _script((200, {}, {"choices": f"not a list but {key}"}))
-        assert _run(backend).error.endswith("answered without choices: "
+        assert generate(backend).error.endswith("answered without choices: "
                                             "{'choices': 'not a list but ***'}")
         con = llmdb.connect(backend=backend, cache=False)
         with pytest.raises(llmdb.LLMError) as e:
@@ -458,7 +435,7 @@ def _answer_with(**fields) -> dict:
 ])
 def test_a_malformed_answer_is_the_rows_error_naming_the_replica(backends, answer, error):
     with StubEndpoint(_script((200, {}, answer))) as stub:
-        result = _run(backends([stub.url]))
+        result = generate(backends([stub.url]))
     assert result.finish_reason == "error"
     assert result.error.startswith(f"http://127.0.0.1:{stub.port}/v1/chat/completions {error}")
 
@@ -475,7 +452,7 @@ def test_what_an_answer_may_leave_out(backends):
         assert con.sql("SELECT llm_complete('hi', max_tokens := 4)").fetchall() == [("x",)]
         stub.handler = _script((200, {}, _answer_with(
             message={"role": "assistant", "content": None}, finish_reason="length")))
-        result = _run(backend)
+        result = generate(backend)
     assert (result.text, result.finish_reason, result.error) == ("", "length", None)
 
 
@@ -504,7 +481,7 @@ def test_an_answer_the_client_cannot_decode_names_the_replica(backends):
     # A body that says it is gzip and is not: httpx's DecodingError escaped as a bare
     # exception, naming no endpoint.
     with StubEndpoint(_script((200, {"Content-Encoding": "gzip"}, chat_answer("x")))) as stub:
-        result = _run(backends([stub.url]))
+        result = generate(backends([stub.url]))
     assert result.error.startswith(f"http://127.0.0.1:{stub.port}/v1/chat/completions failed: "
                                    "DecodingError")
 
@@ -513,7 +490,7 @@ def test_a_redirect_names_where_it_leads(backends):
     # (An http -> https proxy; not followed: the key would go on to wherever it points.)
     moved = (308, {"Location": "https://example.com/v1/chat/completions"}, {})
     with StubEndpoint(_script(moved)) as stub:
-        result = _run(backends([stub.url]))
+        result = generate(backends([stub.url]))
     assert result.error == (f"http://127.0.0.1:{stub.port}/v1/chat/completions answered 308: "
                             "a redirect to https://example.com/v1/chat/completions; give the "
                             "URL it redirects to as the endpoint")
@@ -564,9 +541,9 @@ def test_an_answer_trickling_in_past_timeout_s_is_timed_out(backends):
 
     with StubEndpoint(handler) as stub:
         t0 = time.monotonic()
-        result = _run(backends([stub.url], timeout_s=0.5, max_retries=0))
-    assert result.error == f"http://127.0.0.1:{stub.port} did not answer in 0.5 s " \
-        "(TimeoutError) (gave up after 1 attempts)"
+        result = generate(backends([stub.url], timeout_s=0.5, max_retries=0))
+    assert result.error == f"{stub.url} did not answer in 0.5 s (TimeoutError) (gave up " \
+        "after 1 attempts)"
     assert time.monotonic() - t0 < 2
 
 
@@ -587,9 +564,9 @@ def test_an_answer_over_the_size_limit_is_the_rows_error(backends, monkeypatch):
 
     with StubEndpoint(handler) as stub:
         backend = backends([stub.url])
-        assert _run(backend).text == "x" * 60_000
+        assert generate(backend).text == "x" * 60_000
         answer = json.dumps(chat_answer("x" * 120_000)).encode()  # 1 kB gzipped
-        assert _run(backend).error == (f"http://127.0.0.1:{stub.port}/v1/chat/completions "
+        assert generate(backend).error == (f"http://127.0.0.1:{stub.port}/v1/chat/completions "
                                        "answered with more than 100,000 bytes")
 
 
@@ -600,15 +577,15 @@ def test_a_certificate_that_fails_verification_is_not_retried(backends, tmp_path
     cert, key = self_signed_certificate(tmp_path)
     with StubEndpoint(_script((200, {}, chat_answer("over TLS"))), tls=(cert, key)) as stub:
         t0 = time.monotonic()
-        result = _run(backends([stub.url]))
+        result = generate(backends([stub.url]))
         assert time.monotonic() - t0 < 5
-        assert result.error.startswith(f"https://127.0.0.1:{stub.port} is unreachable "
-                                       "(ConnectError: [SSL: CERTIFICATE_VERIFY_FAILED]")
+        assert result.error.startswith(f"{stub.url} is unreachable (ConnectError: [SSL: "
+                                       "CERTIFICATE_VERIFY_FAILED]")
         assert result.error.endswith("(its certificate failed verification: for a private "
                                      "CA, set SSL_CERT_FILE to its certificate)")
         monkeypatch.setenv("SSL_CERT_FILE", cert)
         trusting = backends([stub.url])
-        assert _run(trusting).text == "over TLS"
+        assert generate(trusting).text == "over TLS"
         trusting.close()  # (its idle TLS connection held the stub's shutdown for 10 s)
 
 
@@ -619,7 +596,7 @@ def test_a_spent_quota_is_not_retried(backends):
                                   "and billing details.", "type": "insufficient_quota",
                        "code": "insufficient_quota"}}
     with StubEndpoint(_script((429, {}, spent))) as stub:
-        result = _run(backends([stub.url]))
+        result = generate(backends([stub.url]))
     assert result.error == (f"http://127.0.0.1:{stub.port}/v1/chat/completions answered 429: "
                             "You exceeded your current quota, please check your plan and "
                             "billing details.")

@@ -97,3 +97,21 @@ def test_explain_and_dataframes_take_the_same_prompt(con, engine):
     columns = [d[0] for d in explain.description]
     site = dict(zip(columns, explain.fetchall()[0], strict=True))
     assert site["prompt_tokens_est"] == 1 + len(engine.tokenizer.encode_plain("the sky is"))
+
+
+def test_the_vllm_backend_continues_a_base_models_prompt(engine):
+    """The in-process vLLM backend sent a base model's llm_complete as chat messages, which
+    a model without a template cannot encode; it now gives vLLM the token ids the local
+    engine continues. (vLLM does not install here: the backend is made without its engine,
+    and only the prompts it would give vLLM are checked.)"""
+    from llmdb.backends.vllm import VLLMBackend
+
+    backend = object.__new__(VLLMBackend)
+    backend.name, backend.tokenizer = "tinybase", engine.tokenizer
+    ids = backend.render_completion("the sky is", None)
+    assert ids == engine.tokenizer.encode_plain_prompt("the sky is")
+    assert backend._encode(ids) == ids
+    with pytest.raises(ValueError, match="tinybase is a base model.*llm_filter"):
+        backend.render_chat("is the sky blue?", None)
+    with pytest.raises(ValueError, match="tinybase is a base model.*system prompt"):
+        backend.render_completion("the sky is", "be brief")

@@ -121,3 +121,19 @@ def test_a_path_with_a_tilde_is_the_home_directory(config_dir, model_dir, tmp_pa
     shutil.copytree(model_dir, tmp_path / "my model")
     assert resolve_model("~/my model") == tmp_path / "my model"
     assert _engine("~/my model").config.num_layers == 2
+
+
+def test_remove_forgets_a_remote_model_and_says_what_it_was(config_dir, capsys):
+    """`models remove` refused a remote model: once added, its name could not be freed."""
+    from llmdb.backends.remote_models import remote_models
+
+    assert cli(["models", "add", "far", "--endpoint", "http://gpu1:8000/v1", "--endpoint",
+                "http://gpu2:8000", "--served-model-name", "org/big"]) == 0
+    assert cli(["models", "add", "near", "--endpoint", "http://gpu3:8000/v1"]) == 0
+    capsys.readouterr()
+    assert cli(["models", "remove", "far"]) == 0
+    assert capsys.readouterr().out == \
+        "removed far (was http://gpu1:8000/v1, http://gpu2:8000 as org/big)\n"
+    assert list(remote_models()) == ["near"]
+    assert cli(["models", "remove", "far"]) == 2
+    assert "no model file is registered as 'far'" in capsys.readouterr().err

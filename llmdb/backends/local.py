@@ -25,8 +25,8 @@ from .base import (
     RequestTokens,
     ScoreRequest,
     Simulation,
-    chat_messages,
 )
+from .own_tokenizer import chat_prompt, completion_prompt
 
 # Request ids of every LocalBackend (several may share an engine).
 _request_ids = itertools.count()
@@ -63,28 +63,10 @@ class LocalBackend:
 
     def render_chat(self, user: str, system: str | None,
                     before: Sequence[Exchange] = ()) -> list[dict[str, str]]:
-        """The chat messages; the engine encodes them with the template, row text as text."""
-        if not self.engine.tokenizer.has_chat_template:
-            raise ValueError(f"{self._base_model}: llm_filter and llm_classify ask it chat "
-                             f"questions, which need an instruction-tuned model (llm_complete "
-                             f"continues plain text on it)")
-        return chat_messages(user, system, before)
+        return chat_prompt(self.engine.tokenizer, self.name, user, system, before)
 
     def render_completion(self, prompt: str, system: str | None) -> Prompt:
-        """The chat; for a base model (no chat template) the prompt's own token ids, which it
-        continues as a completions endpoint would (the text encoded as data, so a marker
-        string in a row stays text)."""
-        tok = self.engine.tokenizer
-        if tok.has_chat_template:
-            return chat_messages(prompt, system)
-        if system is not None:
-            raise ValueError(f"{self._base_model}: it takes no system prompt (put the "
-                             f"instruction in the prompt)")
-        return tok.encode_plain_prompt(prompt)
-
-    @property
-    def _base_model(self) -> str:
-        return f"{self.name} is a base model (no chat template)"
+        return completion_prompt(self.engine.tokenizer, self.name, prompt, system)
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         return [len(self.engine.tokenizer.encode_plain(t)) for t in texts]

@@ -1,7 +1,8 @@
 """OpenAI-compatible endpoints (llmdb serve, vLLM, hosted APIs) as a backend.
 
-Generation goes to /v1/chat/completions with the row's chat messages, so the server applies
-its model's own template. Scoring needs log-probabilities, which not every endpoint gives:
+Generation goes to the endpoints' /chat/completions (under each base URL, endpoints.py) with
+the row's chat messages, so the server applies its model's own template. Scoring needs
+log-probabilities, which not every endpoint gives:
 - ChoiceRequest (llm_filter): the answer's first token with top_logprobs=20; each word's
   probability sums its one-token spellings (yes, Yes, " yes", ...) among them, as the
   local engine sums them over the whole vocabulary. A spelling outside the top 20 is less
@@ -10,13 +11,17 @@ its model's own template. Scoring needs log-probabilities, which not every endpo
   through prompt_logprobs where the endpoints have /tokenize.
 - ScoreRequest (llm_classify): the continuation's tokens and the end of turn appended to the
   prompt's tokens (from vLLM's /tokenize, which llmdb serve also has), scored by
-  /v1/completions with prompt_logprobs: the same ids the local engine scores.
+  /completions with prompt_logprobs: the same ids the local engine scores.
 An endpoint without them (hosted chat APIs) fails those rows with an error naming it.
+A base model (base_model=True: no chat template, as the registry says) is sent plain text:
+llm_complete's prompt goes to /completions to be continued, as the local engine continues a
+base model's; the chat functions, which need an instruction-tuned model, are refused.
 
 Requests run on one asyncio loop in a thread of their own; ReplicaPool (replicas.py) picks
 the replica, applies the limits and retries, and fails over when a replica dies. The API key
-is read from the environment variable named by the caller and kept only in the HTTP
-clients' headers: never in a registry file, a result-cache key, a log line or an error.
+is read from the environment variable named by the caller (again after a 401, for a rotated
+key) and kept only by the pool for the requests' headers: never in a registry file, a
+result-cache key, a log line or an error.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from .base import (
     ScoreRequest,
     chat_messages,
 )
-from .endpoints import base_urls
+from .endpoints import base_urls, server_root
 from .replicas import EndpointError, ReplicaLimits, ReplicaPool
 
 TOKENIZED_KEPT = 10_000  # /tokenize answers kept (prompts scored against several labels)
@@ -79,26 +84,31 @@ def _api_key(variable: str, endpoints: list[str]) -> str:
 
 class OpenAIBackend:
     def __init__(self, name: str, endpoints: Sequence[str], *, api_key_env: str | None = None,
-                 served_model: str | None = None, send_priority: bool = False, **limits: Any):
+                 served_model: str | None = None, send_priority: bool = False,
+                 base_model: bool = False, **limits: Any):
         """`name` is the model's name in SQL; `served_model` the one sent to the endpoints
         (default: the same). Interactive (RT) rows take free replica slots before bulk (BE)
         ones here; send_priority also tells the servers, as vLLM's `priority` field (bulk
         rows 1, interactive 0: lower runs first; llmdb serve reads priority > 0 as bulk).
         Off by default: hosted APIs reject the field, and vLLM refuses a non-zero priority
-        unless it runs with --scheduling-policy priority. Limits: ReplicaLimits' fields."""
+        unless it runs with --scheduling-policy priority. base_model: the served model has no
+        chat template (its prompts go to /completions). Limits: ReplicaLimits' fields."""
         if isinstance(endpoints, str):
             endpoints = [endpoints]
         self.name = name
         self.served_model = served_model or name
         self.send_priority = send_priority
+        self.base_model = base_model
         self.endpoints = base_urls(endpoints)
-        key = _api_key(api_key_env, self.endpoints) if api_key_env else None
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._futures: dict[str, Future] = {}
         self._results: dict[str, BackendResult] = {}
         self._tokenized: dict[str, asyncio.Future] = {}  # JSON of a /tokenize body -> ids
         self._has_tokenize: bool | None = None
+        # Read here (a missing key fails the connection, not its rows), and again by the pool
+        # after a 401: a key rotated in the environment is taken without a restart.
+        key = (lambda: _api_key(api_key_env, self.endpoints)) if api_key_env else None
         self.pool = ReplicaPool(self.endpoints, ReplicaLimits(**limits), api_key=key)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
@@ -112,16 +122,33 @@ class OpenAIBackend:
 
     def identity(self) -> dict[str, Any]:
         # What a remote server runs is not visible from here: its name and where it runs
-        # stand for it (the same name elsewhere may be other weights).
+        # stand for it (the same name elsewhere may be other weights). The servers by their
+        # roots, as before base URLs were taken as given: answers cached from
+        # http://h:8000/v1 stay found.
         return {"backend": "openai", "model": self.served_model,
-                "endpoints": sorted(self.endpoints)}
+                "endpoints": sorted(server_root(e) for e in self.endpoints)}
 
     def render_chat(self, user: str, system: str | None,
                     before: Sequence[Exchange] = ()) -> list[dict[str, str]]:
+        if self.base_model:
+            raise ValueError(f"{self._base_model}: llm_filter and llm_classify ask it chat "
+                             f"questions, which need an instruction-tuned model (llm_complete "
+                             f"continues plain text on it)")
         return chat_messages(user, system, before)
 
-    def render_completion(self, prompt: str, system: str | None) -> list[dict[str, str]]:
-        return chat_messages(prompt, system)
+    def render_completion(self, prompt: str, system: str | None) -> Prompt:
+        """The chat; for a base model the prompt's text, which its endpoints' /completions
+        continue."""
+        if not self.base_model:
+            return chat_messages(prompt, system)
+        if system is not None:
+            raise ValueError(f"{self._base_model}: it takes no system prompt (put the "
+                             f"instruction in the prompt)")
+        return prompt
+
+    @property
+    def _base_model(self) -> str:
+        return f"{self.name} is a base model (served at {', '.join(self.endpoints)})"
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         """Exact where the endpoints have /tokenize (vLLM, llmdb serve), all texts asked at
@@ -144,7 +171,10 @@ class OpenAIBackend:
     def submit(self, request: ModelRequest, on_finish: Callable[[], None]) -> str:
         if not isinstance(request, GenerationRequest | ScoreRequest | ChoiceRequest):
             raise TypeError(f"unknown request type {type(request).__name__}")
-        if not isinstance(request.prompt, list):
+        if self.base_model:
+            if not (isinstance(request, GenerationRequest) and isinstance(request.prompt, str)):
+                raise ValueError(f"{self._base_model}: it continues plain text only")
+        elif not isinstance(request.prompt, list):
             raise ValueError("the openai backend sends chat messages, not final text")
         handle = f"openai-{next(self._ids)}"
         future = asyncio.run_coroutine_threadsafe(self._serve(request), self._loop)
@@ -239,7 +269,7 @@ class OpenAIBackend:
                     priority: str, read: Callable[[Any], Any]) -> Any:
         body = {"model": self.served_model, "messages": prompt, "max_tokens": max_tokens,
                 **fields}
-        return await self._post("/v1/chat/completions", body,
+        return await self._post("/chat/completions", body,
                                 self._estimate(prompt, max_tokens), priority, read)
 
     async def _generate(self, request: GenerationRequest) -> BackendResult:
@@ -251,6 +281,13 @@ class OpenAIBackend:
                     "stop": bool(p.stop), "stop_token_ids": bool(p.stop_token_ids),
                     "ignore_eos": p.ignore_eos}
         fields.update({k: getattr(p, k) for k, on in optional.items() if on})
+        if self.base_model:
+            body = {"model": self.served_model, "prompt": request.prompt,
+                    "max_tokens": p.max_tokens, **fields}
+            return await self._post("/completions", body,
+                                    self._estimate(request.prompt, p.max_tokens),
+                                    request.priority,
+                                    lambda data: _generation_result(data, answers.text))
         return await self._chat(request.prompt, fields, p.max_tokens, request.priority,
                                 _generation_result)
 
@@ -300,10 +337,10 @@ class OpenAIBackend:
 
     async def _prompt_logprobs(self, ids: list[int], priority: str) -> list[float]:
         """Each token's log-probability after the ones before it (the first's is 0), from
-        /v1/completions' prompt_logprobs (vLLM's, and llmdb serve's)."""
+        /completions' prompt_logprobs (vLLM's, and llmdb serve's)."""
         body = {"model": self.served_model, "prompt": ids, "max_tokens": 1, "temperature": 0,
                 "prompt_logprobs": 0}
-        logprobs = await self._post("/v1/completions", body, len(ids) + 1, priority,
+        logprobs = await self._post("/completions", body, len(ids) + 1, priority,
                                     lambda data: answers.prompt_logprobs(data, ids))
         if logprobs is None:
             raise _needs_logprobs(", ".join(self.endpoints), "prompt_logprobs")
@@ -355,10 +392,12 @@ class OpenAIBackend:
         return full[n]
 
 
-def _generation_result(data: Any) -> BackendResult:
+def _generation_result(data: Any, text: Callable[[dict[str, Any]], str] = answers.chat_text
+                       ) -> BackendResult:
+    """A chat completion's result (text=answers.text: a completion's)."""
     choice = answers.first_choice(data)
     prompt_tokens, generated, cached = answers.usage(data)
-    return BackendResult(text=answers.chat_text(choice),
+    return BackendResult(text=text(choice),
                          finish_reason=_FINISH.get(choice.get("finish_reason"), "stop"),
                          prompt_tokens=prompt_tokens, generated_tokens=generated,
                          cached_tokens=cached)

@@ -38,6 +38,14 @@ def chat_text(choice: dict[str, Any]) -> str:
     return content or ""
 
 
+def text(choice: dict[str, Any]) -> str:
+    """A (text) completion's answer."""
+    value = choice.get("text")
+    if not isinstance(value, str):
+        raise MalformedAnswer("a choice without text (is it a completions API?)")
+    return value
+
+
 def usage(data: dict[str, Any]) -> tuple[int, int, int]:
     """Prompt, completion and prefix-cached prompt tokens; 0 for a count the server does not
     give (usage is reported, not relied on)."""

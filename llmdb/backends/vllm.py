@@ -4,7 +4,8 @@ The model is a Hugging Face directory; a GGUF model is exported to one by our lo
 (llmdb.engine.models.export.export_hf), so that vLLM runs the weights our engine runs.
 Prompts are encoded by llmdb's own tokenizer of that directory and given to vLLM as token
 ids: row text stays text (vLLM's chat path would read a marker string inside a row as the
-marker), and the same request means the same ids on every backend.
+marker), and the same request means the same ids on every backend. A base model's
+llm_complete is given as the token ids it continues (own_tokenizer.py), as the local engine's.
 
 Scoring, with the ids known here: a ScoreRequest is one request with prompt_logprobs over
 the continuation and the end of turn; a ChoiceRequest is one such request per one-token
@@ -32,10 +33,11 @@ from .base import (
     Exchange,
     GenerationRequest,
     ModelRequest,
+    Prompt,
     RequestTokens,
     ScoreRequest,
-    chat_messages,
 )
+from .own_tokenizer import chat_prompt, completion_prompt
 
 
 @dataclass
@@ -86,10 +88,10 @@ class VLLMBackend:
 
     def render_chat(self, user: str, system: str | None,
                     before: Sequence[Exchange] = ()) -> list[dict[str, str]]:
-        return chat_messages(user, system, before)
+        return chat_prompt(self.tokenizer, self.name, user, system, before)
 
-    def render_completion(self, prompt: str, system: str | None) -> list[dict[str, str]]:
-        return chat_messages(prompt, system)
+    def render_completion(self, prompt: str, system: str | None) -> Prompt:
+        return completion_prompt(self.tokenizer, self.name, prompt, system)
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         return [len(self.tokenizer.encode_plain(t)) for t in texts]
@@ -179,10 +181,12 @@ class VLLMBackend:
 
     # ---- the engine's thread -------------------------------------------------------------
 
-    def _encode(self, prompt: Any) -> list[int]:
+    def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special=True)
-        return self.tokenizer.encode_chat(prompt)
+        if prompt and all(isinstance(m, dict) for m in prompt):
+            return self.tokenizer.encode_chat(prompt)
+        return list(prompt)  # a base model's llm_complete: the ids render_completion made
 
     def _loop(self) -> None:
         running = True
