@@ -36,14 +36,17 @@ def test_the_engine_runs_priority_by_default(model_dir):
     assert eng.describe()["policy"] == "priority"
 
 
-@pytest.mark.parametrize("full", ["seats", "memory"])
-def test_an_rt_request_runs_at_once_behind_a_bulk_job(model_dir, full):
+@pytest.mark.parametrize("policy,full", [("priority", "seats"), ("priority", "memory"),
+                                         ("bros", "seats"), ("bros", "memory")])
+def test_an_rt_request_runs_at_once_behind_a_bulk_job(model_dir, policy, full):
     """40 BE requests fill the engine's seats (or its memory); an RT request added later
     gets its first token on the next step, one BE request giving up its place, and every
-    request still gets the tokens it gets alone."""
+    request still gets the tokens it gets alone. (bros: an RT request waited 14 steps for a
+    seat.)"""
     limits = ({"max_num_seqs": 4, "kv_cache_bytes": 1 << 20} if full == "seats"
               else {"max_num_seqs": 64, "kv_cache_bytes": 9 * 16 * 1024})  # 9 blocks
-    eng = LLMEngine(str(model_dir), dtype="fp32", threads=1, block_size=16, **limits)
+    eng = LLMEngine(str(model_dir), dtype="fp32", threads=1, block_size=16, policy=policy,
+                    **limits)
     bulk, interactive = _prompts(40), _prompts(1, first=3)[0]
     alone = [r.token_ids for r in eng.generate(bulk + [interactive], PARAMS)]
     preempted = []
@@ -69,13 +72,14 @@ def test_an_rt_request_runs_at_once_behind_a_bulk_job(model_dir, full):
     assert eng.scheduler.num_rt == 0
 
 
-def test_an_rt_request_that_cannot_fit_yet_evicts_nobody(model_dir):
+@pytest.mark.parametrize("policy", ["priority", "bros"])
+def test_an_rt_request_that_cannot_fit_yet_evicts_nobody(model_dir, policy):
     """An RT request holds most of a 10-block pool; a second one's prompt (5 blocks) does not
     fit even with every BE request's block freed. Evicting them anyway threw their work away
     each step the second one waited, and again each time they came back; now none is evicted
     until it can start (when the first ends), and every request gets the tokens it gets alone."""
     eng = LLMEngine(str(model_dir), dtype="fp32", threads=1, block_size=16, max_num_seqs=4,
-                    kv_cache_bytes=10 * 16 * 512, enable_prefix_caching=False)
+                    kv_cache_bytes=10 * 16 * 512, enable_prefix_caching=False, policy=policy)
     assert eng.pool.num_blocks == 10
     long_prompts = [[1] + [(3 * j + k) % 40 + 5 for j in range(79)] for k in range(2)]
     bulk = [[1, 5 + i % 40, 6, 7] for i in range(12)]

@@ -183,7 +183,7 @@ class Scheduler:
             # (a block of its prefix hit that they free it takes back: counted by
             # blocks_to_run as revived once they are gone, here as never freed)
             hits = set(self.prefix_hit(req)) if req.status is Status.WAITING else set()
-            free += self._units_freed_by(preempting, req.cache_type, hits)
+            free += self.units_freed_by(preempting, req.cache_type, hits)
         if self.policy.reserves_memory:
             gone = set(preempting)
             reserved = sum(self.reserved_blocks(r) for r in self.running
@@ -191,7 +191,7 @@ class Scheduler:
             free -= reserved * (2 if req.cache_type == "hidden" else 1)  # (in halves)
         return self.blocks_to_run(req, n) <= free
 
-    def _units_freed_by(self, reqs: Sequence[Request], cache_type: str, kept: set[int]) -> int:
+    def units_freed_by(self, reqs: Sequence[Request], cache_type: str, kept: set[int]) -> int:
         """Free units of `cache_type` that preempting these running requests would add: a
         block is freed when every reference to it is theirs (prefix hits share blocks), and
         not one of `kept`."""

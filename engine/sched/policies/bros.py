@@ -9,7 +9,8 @@ time seen so far. The smallest residual is the time budget of this iteration: RT
 while the cost model's step time stays within it; then BE requests (running first, then
 waiting, oldest first: no host tier yet, so every swap-in cost is zero and BROS's order is
 FIFO) fill the batch, or replace the least urgent RT request when the batch is full or over
-time. Batch size: starts at 128, doubles after an iteration whose RT loop did not stop on the
+time; an RT request that finds every seat taken takes a running BE request's. Batch size:
+starts at 128, doubles after an iteration whose RT loop did not stop on the
 time test (up to max_num_seqs), and resets to 128 when it did. RT requests may evict running
 BE requests for memory (BROS's preemptible blocks); BE requests only take free blocks.
 Repairs where the published loop stalls or collapses under overload: the time budget is the
@@ -153,6 +154,28 @@ class BROSPolicy(Policy):
         def in_time(extra: list[tuple[Request, int]]) -> bool:
             return cm.step_time(s.costs(chosen + extra)) <= budget_s
 
+        def take_seat(r: Request, n: int) -> bool:
+            """A waiting RT request that finds every seat taken takes the newest running BE
+            request's, preempted: BROS builds each batch afresh from all requests, so no BE
+            request holds a place an urgent RT one needs (here it waited 14 steps behind a
+            bulk job). Only where it can then run: the memory the running BE requests outside
+            the batch hold is enough, and a token of it fits the time (evicting for nothing
+            cost their work, and again each time they came back)."""
+            if (r.status is not Status.WAITING or r in out.preempted
+                    or s.waits_for_prefix(r)):
+                return False
+            chosen_ids = {c.request_id for c, _ in chosen}
+            bes = [b for b in reversed(s.running)
+                   if b.priority != "RT" and b.request_id not in chosen_ids]
+            hits = set(s.prefix_hit(r))
+            if not bes or s.blocks_to_run(r, n) > (s.pool.num_free - state["blocks"]
+                                                    + s.units_freed_by(bes, r.cache_type, hits)):
+                return False
+            if chosen and not in_time([(r, 1)]):
+                return False
+            evict(bes[0])
+            return True
+
         def take(r: Request, n: int, blocks: int) -> None:
             chosen.append((r, n))
             state["c"] -= n
@@ -182,7 +205,7 @@ class BROSPolicy(Policy):
             if len(chosen) >= self.batch_size:
                 break
             n = tokens(r)
-            if n <= 0 or not admissible(r):
+            if n <= 0 or not (admissible(r) or take_seat(r, n)):
                 continue
             blocks = s.blocks_to_run(r, n)
             while blocks > s.pool.num_free - state["blocks"]:  # FindPreemptBlock
