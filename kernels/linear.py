@@ -14,6 +14,7 @@ matmul of kernels/gpu/matmul.py, whose rows do not depend on the rows beside the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,14 +49,14 @@ class Linear:
     packed: torch.Tensor | None  # oneDNN's layout of the same weight
     bias: torch.Tensor | None
     out_features: int
-    batch_invariant: bool = False  # by kernels/gpu/matmul.py (Triton), never packed
+    # kernels/gpu/matmul.py's matmul where batch_invariant (then never packed), taken once
+    # here rather than imported on every call of the per-layer hot path.
+    invariant_matmul: Callable | None = None
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """out: a [rows, out_features] tensor to write into (a CUDA graph's shared buffer)."""
-        if self.batch_invariant:
-            from .gpu.matmul import matmul
-
-            return matmul(x, self.weight, self.bias, out)
+        if self.invariant_matmul is not None:
+            return self.invariant_matmul(x, self.weight, self.bias, out)
         rows = x.shape[0]
         extra = self._padding(rows) if x.device.type == "cpu" else 0
         if extra:  # (see SAME_BITS)
@@ -83,7 +84,9 @@ def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *,
     batch_invariant: by the Triton matmul (a GPU's, or the interpreter's in tests)."""
     weight = weight.contiguous()
     if batch_invariant:
-        return Linear(weight, None, bias, weight.shape[0], batch_invariant=True)
+        from .gpu.matmul import matmul  # (imports triton: only in this mode)
+
+        return Linear(weight, None, bias, weight.shape[0], invariant_matmul=matmul)
     if _can_pack(weight):
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, _ROWS_HINT)
         return Linear(None, packed, bias, weight.shape[0])
