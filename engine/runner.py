@@ -109,15 +109,15 @@ class ModelRunner:
                                   self.kv_cache.layers, inputs.hidden, self.kv_cache.hidden)
 
     @torch.inference_mode()
-    def convert_to_kv(self, converted: list[tuple[Request, list[int]]]) -> None:
+    def convert_to_kv(self, converted: list[tuple[Request, list[int], int]]) -> None:
         """K/V projected from the hidden states in the old blocks of requests switched to the
         KV cache (Scheduler.convert_to_kv), written into their new blocks: one gather and one
         projection per layer for all of them."""
         bs = self.block_size
         rows, slots, positions = [], [], []
-        for req, old_units in converted:
-            pos = np.arange(req.num_computed, dtype=np.int64)
-            rows.append(hidden_rows(old_units, pos, bs))
+        for req, old_units, first in converted:
+            pos = np.arange(first, req.num_computed, dtype=np.int64)
+            rows.append(hidden_rows(old_units, pos - first, bs))
             table = np.asarray(req.block_ids, dtype=np.int64)
             slots.append(table[pos // bs] * bs + pos % bs)
             positions.append(pos)
@@ -130,13 +130,13 @@ class ModelRunner:
             write_kv(k_cache, v_cache, k, v, slots_t)
 
     def execute(self, scheduled: list[tuple[Request, int]],
-                converted: list[tuple[Request, list[int]]] = ()) -> StepOutput:
+                converted: list[tuple[Request, list[int], int]] = ()) -> StepOutput:
         """Run one step and read its results (launch, then collect)."""
         return self.collect(self.launch(scheduled, converted))
 
     @torch.inference_mode()
     def launch(self, scheduled: list[tuple[Request, int]],
-               converted: list[tuple[Request, list[int]]] = ()) -> LaunchedStep:
+               converted: list[tuple[Request, list[int], int]] = ()) -> LaunchedStep:
         """Start one step (after the KV conversions the scheduler decided, if any): on a GPU
         everything is queued and this returns at once. A token still pending on the host
         (PENDING_TOKEN) is the previous launch's sample, taken on the device."""
@@ -193,7 +193,8 @@ class ModelRunner:
                 inputs.hidden = HiddenBatch.build(
                     sum(qlens[:num_kv]), hidden_qlens,
                     [a + q for a, q in zip(starts[num_kv:], hidden_qlens, strict=True)],
-                    tables[num_kv:], self.block_size, self.device)
+                    tables[num_kv:], self.block_size, self.device,
+                    [req.num_kv_prefix for req, _ in scheduled[num_kv:]])
             if self.device.type == "cuda" and inputs.batch.max_query_len == 1:
                 inputs.batch.num_splits = attention_splits(
                     len(scheduled), self.model.config.num_kv_heads, self.device,

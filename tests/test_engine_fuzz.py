@@ -31,7 +31,8 @@ and checks
 - after every step the pool agrees with the requests: reference counts equal the block
   tables' uses, free blocks are exactly the unreferenced ones, a shared block is a published
   full block whose tokens are each sharer's own, a block still to be written is its
-  request's alone, hidden halves match the pool's masks, waiting requests hold nothing, no
+  request's alone, hidden halves match the pool's masks (a hidden request's KV prefix is
+  published blocks it shares), waiting requests hold nothing, no
   block table covers less than its computed tokens;
 - in the end every block is free, every reference count zero, the scheduler's queues and
   in-flight prefix claims empty; no request is lost or duplicated (one result each, one
@@ -506,7 +507,16 @@ def pool_problems(eng: LLMEngine) -> list[str]:
         if r.status is not Status.RUNNING:
             problems.append(f"{r.request_id} holds blocks as {r.status}")
         if r.cache_type == "hidden":
-            for u in r.block_ids:
+            # Its KV prefix: published blocks, read and never written.
+            for i, b in enumerate(r.block_ids[: r.num_kv_prefix]):
+                refs[b] += 1
+                users.setdefault(b, []).append((r, i))
+                if b not in pool._hash_of:
+                    problems.append(f"{r.request_id}'s KV prefix block {b} is unpublished")
+            if r.num_kv_prefix * bs > r.num_computed:
+                problems.append(f"{r.request_id}: a KV prefix of {r.num_kv_prefix} blocks "
+                                f"with {r.num_computed} tokens computed")
+            for u in r.block_ids[r.num_kv_prefix :]:
                 half, b = divmod(u, nb)
                 if masks.get(b, 0) & (1 << half):
                     problems.append(f"half {u} used twice")
@@ -557,9 +567,9 @@ def pool_problems(eng: LLMEngine) -> list[str]:
         if pool._hash_of.get(b) != h or len(pool._tokens_of.get(b, ())) != bs:
             problems.append(f"prefix cache entry {b} is inconsistent")
     for r in s.waiting:
-        if r.block_ids or r.num_computed:
+        if r.block_ids or r.num_computed or r.num_kv_prefix:
             problems.append(f"waiting {r.request_id} holds {len(r.block_ids)} blocks, "
-                            f"{r.num_computed} computed")
+                            f"{r.num_computed} computed, a KV prefix of {r.num_kv_prefix}")
         if r.status is not Status.WAITING:
             problems.append(f"{r.request_id} is {r.status} in the waiting queue")
     return problems

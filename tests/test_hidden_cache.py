@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -69,10 +70,12 @@ GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
 def _generate(eng: LLMEngine, prompts: list[list[int]], types: list[str],
               switch: dict[int, list[str]] | None = None,
-              params: SamplingParams = GREEDY, project: bool = False) -> list[list[int]]:
-    """Greedy tokens of each prompt served with the given cache types; switch maps a step
-    number to the types running requests switch to then: by discard and recompute, or for
-    hidden -> KV with `project`, by projecting their hidden states (Scheduler.convert_to_kv)."""
+              params: SamplingParams = GREEDY, project: bool = False,
+              logprobs: bool = False) -> list:
+    """Greedy tokens of each prompt served with the given cache types (with `logprobs`, and
+    each token's log-probability); switch maps a step number to the types running requests
+    switch to then: by discard and recompute, or for hidden -> KV with `project`, by
+    projecting their hidden states (Scheduler.convert_to_kv)."""
     ids = [eng.add_request(p, params) for p in prompts]
     reqs = [eng._requests[i] for i in ids]
     for req, kind in zip(reqs, types, strict=True):
@@ -100,7 +103,10 @@ def _generate(eng: LLMEngine, prompts: list[list[int]], types: list[str],
     if switch:
         assert switched, "nothing was switched"
     assert eng.pool.num_free == eng.pool.num_blocks, "blocks leaked"
-    return [eng.wait(i).token_ids for i in ids]
+    results = [eng.wait(i) for i in ids]
+    if logprobs:
+        return [(r.token_ids, [lp for lp, _ in r.logprobs]) for r in results]
+    return [r.token_ids for r in results]
 
 
 # ---- kernels ----------------------------------------------------------------------------------
@@ -220,6 +226,55 @@ def test_attention_over_reprojected_kv_equals_kv_cache():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_attention_over_a_kv_prefix_and_reprojected_kv_equals_kv_cache():
+    """Sequences whose first blocks are KV blocks (a prefix-cache hit) and the rest hidden
+    states: their K/V come from the KV cache for the prefix and are re-projected, at their
+    own positions, for the rest only; the queries' attention equals that over the same K/V
+    cached. Beside them, sequences without a prefix."""
+    from llmdb.engine.models.hidden_attention import mixed_attention
+
+    torch.manual_seed(0)
+    heads, d, hidden, num_blocks = 4, 8, 32, 24
+    wk, wv = torch.randn(heads * d, hidden) / 6, torch.randn(heads * d, hidden) / 6
+
+    def reproject(h, pos):  # (position-dependent, as RoPE is)
+        shift = pos.to(h.dtype)[:, None, None] / 10
+        return (h @ wk.T).view(-1, heads, d) + shift, (h @ wv.T).view(-1, heads, d) - shift
+
+    ctx, qlens, prefixes = [13, 17, 8, 9], [3, 1, 2, 9], [2, 4, 0, 0]
+    store = torch.zeros(2 * num_blocks * BLOCK, hidden)
+    k_main, v_main = (torch.zeros(num_blocks * BLOCK, heads, d) for _ in "kv")
+    free = list(range(num_blocks))
+    random.Random(3).shuffle(free)
+    states = [torch.randn(c, hidden) for c in ctx]
+    tables = []
+    for s, c, q, npre in zip(states, ctx, qlens, prefixes, strict=True):
+        first = npre * BLOCK
+        kv_blocks = [free.pop() for _ in range(npre)]
+        units = [num_blocks + free.pop() for _ in range(-(-(c - first) // BLOCK))]  # K halves
+        pos = torch.arange(first)
+        slots = torch.tensor(kv_blocks, dtype=torch.int64)[pos // BLOCK] * BLOCK + pos % BLOCK
+        write_kv(k_main, v_main, *reproject(s[:first], pos), slots)
+        write_hidden(store, s[first : c - q], torch.from_numpy(
+            hidden_rows(units, np.arange(c - q - first), BLOCK)))
+        tables.append(kv_blocks + units)
+    q = torch.randn(sum(qlens), heads, d)
+    new = torch.cat([s[c - ql :] for s, c, ql in zip(states, ctx, qlens, strict=True)])
+    hb = HiddenBatch.build(0, qlens, ctx, tables, BLOCK, kv_prefixes=prefixes)
+    assert len(hb.context_rows) == sum(-(-c // BLOCK) * BLOCK for c in ctx) - 6 * BLOCK
+    empty = AttentionBatch.build([], [], [], BLOCK)
+    got = mixed_attention(q, new, (k_main, v_main), empty, d**-0.5, paged_attention_reference,
+                          hb, store, reproject)
+    k_cache, v_cache = torch.zeros(256, heads, d), torch.zeros(256, heads, d)
+    kv_tables = [list(range(i * 16, i * 16 + -(-c // BLOCK))) for i, c in enumerate(ctx)]
+    batch = AttentionBatch.build(qlens, ctx, kv_tables, BLOCK)
+    for i, s in enumerate(states):
+        write_kv(k_cache, v_cache, *reproject(s, torch.arange(len(s))),
+                 batch.context_slots(i))
+    want = paged_attention_reference(q, k_cache, v_cache, batch, d**-0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 # ---- the engine ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", [*MODELS, "tiny-qwen2-mha", "tiny-qwen3-mha",
@@ -238,6 +293,41 @@ def test_hidden_mode_generates_the_kv_tokens(name, model_dirs):
     # Projection, with half of the requests still in hidden mode beside them.
     assert _generate(eng, prompts, ["hidden"] * 6, switch={5: ["kv", "hidden"] * 3},
                      project=True) == want
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_hidden_requests_read_a_shared_prefix_where_it_is_cached(name, model_dirs):
+    """Six prompts share 24 tokens (6 blocks). The first, in KV form, computes and publishes
+    them; the others, in hidden form, find them in use in the prefix cache and read their K/V
+    there: they hold those 6 blocks shared and half blocks for their own tokens only, and
+    generate the tokens of an engine without a hidden cache. Also when KV requests are
+    switched to hidden form (discarded and readmitted: they find the prefix again) and back
+    (by projection, keeping the prefix; or discarded and recomputed)."""
+    rng = random.Random(6)
+    shared = [rng.randrange(4, 280) for _ in range(24)]
+    prompts = [shared + [rng.randrange(4, 280) for _ in range(rng.randrange(1, 9))]
+               for _ in range(6)]
+    want = [r.token_ids for r in _engine(model_dirs[name], hidden_cache=False).generate(
+        prompts, GREEDY)]
+    eng = _engine(model_dirs[name])
+    prefixes: dict[str, int] = {}
+
+    def watch(out: SchedulerOutput) -> None:
+        for r, _ in out.scheduled:
+            if r.cache_type == "hidden":
+                prefixes[r.request_id] = max(prefixes.get(r.request_id, 0), r.num_kv_prefix)
+                assert r.num_kv_prefix == 0 or eng.pool.shared_refs > 0
+
+    eng.scheduler.observers.append(watch)
+    five_hidden = ["kv"] + ["hidden"] * 5
+    for types, switch, project in [
+            (five_hidden, None, False),
+            (five_hidden, {4: ["kv"] * 3}, True),
+            (five_hidden, {4: ["kv"] * 3}, False),
+            (["kv"] * 6, {3: five_hidden}, False)]:
+        prefixes.clear()
+        assert _generate(eng, prompts, types, switch, project=project) == want
+        assert sorted(prefixes.values()) == [6] * 5, prefixes
 
 
 def test_reference_attention_serves_hidden_mode(model_dirs):
@@ -275,6 +365,19 @@ def test_triton_path_serves_hidden_mode(name, model_dirs):
     assert _generate(eng, prompts, ["kv", "hidden", "hidden"], params=params) == want
     assert _generate(eng, prompts, ["hidden"] * 3, switch={2: ["kv"] * 3}, params=params,
                      project=True) == want
+    if name == "tiny-opt":
+        # Hidden requests reading 2 shared blocks from the KV cache: the same tokens and
+        # log-probabilities (the tokens alone did not notice those blocks' K/V zeroed).
+        shared = [prompts[0] + p[:3] for p in prompts]
+        with_logprobs = replace(params, logprobs=0)
+        want = _generate(eng, shared, ["kv"] * 3, params=with_logprobs, logprobs=True)
+        prefixes = []
+        eng.scheduler.observers.append(lambda out: prefixes.extend(
+            r.num_kv_prefix for r, _ in out.scheduled if r.cache_type == "hidden"))
+        got = _generate(eng, shared, ["kv", "hidden", "hidden"], params=with_logprobs,
+                        logprobs=True)
+        assert [t for t, _ in got] == [t for t, _ in want] and 2 in prefixes
+        torch.testing.assert_close([lp for _, lp in got], [lp for _, lp in want])
 
 
 def test_gqa_model_keeps_kv_only(model_dirs):

@@ -4,7 +4,8 @@ The KV-cache sequences' queries come first and attend over the paged KV cache as
 The hidden-cache sequences (Apt-Serve) store this step's QKV-projection inputs in their
 blocks, then their whole context's hidden states are gathered, re-projected to K/V (RoPE at
 each token's own position where the model has it) into a scratch paged cache, and their
-queries attend over that with the same kernel. The models supply the re-projection.
+queries attend over that with the same kernel; a KV prefix of theirs (prefix-cache hits) is
+copied into the scratch from the KV cache. The models supply the re-projection.
 
 The scratch cache holds each context at its own positions, so a sliding window means the
 same there. (The whole context is re-projected even where a window reads only its last keys:
@@ -47,6 +48,7 @@ def mixed_attention(q: torch.Tensor, h: torch.Tensor, kv_layer: tuple[torch.Tens
     nk = hidden.first_row
     write_hidden(store, h[nk:], hidden.new_rows)
     k, v = reproject(gather_hidden(store, hidden.context_rows), hidden.context_positions)
+    k, v = hidden.scratch(k, kv_layer[0]), hidden.scratch(v, kv_layer[1])
     o_hidden = attention(q[nk:], k, v, hidden.attention, scale, window=window, softcap=softcap)
     if nk == 0:
         return o_hidden

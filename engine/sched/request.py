@@ -52,7 +52,11 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     num_registered: int = 0
     num_cached_tokens: int | None = None
-    cache_type: str = "kv"  # "kv" or "hidden" (Apt-Serve; the simulator only, for now)
+    cache_type: str = "kv"  # "kv" or "hidden" (Apt-Serve's hidden cache)
+    # A hidden-cache request's first block_ids that are KV blocks of the prefix cache: a
+    # cached prompt prefix whose K/V it reads where they are (shared, never re-projected);
+    # its other block_ids are half blocks of hidden states. 0 for a KV-cache request.
+    num_kv_prefix: int = 0
     finish_reason: str | None = None
     error: str | None = None
     # Sampling noise seed (params.seed, or one the engine drew): see sampling.py.

@@ -26,8 +26,9 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens)
     preempted: list[Request] = field(default_factory=list)
     # Hidden-cache requests switched to the KV cache this step: (request, its old hidden
-    # halves). The executor projects their K/V from those blocks before the step runs.
-    converted: list[tuple[Request, list[int]]] = field(default_factory=list)
+    # halves, the position of their first token: the tokens before it are a KV prefix it
+    # keeps). The executor projects their K/V from those halves before the step runs.
+    converted: list[tuple[Request, list[int], int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -81,9 +82,9 @@ class Scheduler:
         # it. A waiting request whose next block is one of them waits for it to be
         # published instead of computing the same prefix in parallel.
         self._computing: dict[int, str] = {}
-        # Requests switched hidden -> KV by projection in the last schedule() (their step
-        # re-projects their context once: costs()).
-        self._converted: set[str] = set()
+        # Requests switched hidden -> KV by projection in the last schedule(), and the tokens
+        # each projects once in its step (costs()).
+        self._converted: dict[str, int] = {}
         # Called with each schedule()'s output, before anything runs it: how tests and the
         # bound's recording of a policy (research/schedules.py) watch the decisions.
         self.observers: list[Callable[[SchedulerOutput], None]] = []
@@ -120,8 +121,13 @@ class Scheduler:
 
     def memory_held(self, req: Request) -> float:
         """The request's memory in blocks (a hidden request's halves count half)."""
-        held = len(req.block_ids)
-        return held * self.hidden_ratio if req.cache_type == "hidden" else held
+        return self.memory_of(req, len(req.block_ids))
+
+    def memory_of(self, req: Request, units: int) -> float:
+        """`units` of the request's blocks in blocks: its KV prefix whole, halves by half."""
+        if req.cache_type != "hidden":
+            return units
+        return req.num_kv_prefix + (units - req.num_kv_prefix) * self.hidden_ratio
 
     def max_request_tokens(self) -> int:
         """The most tokens one request can ever hold in the pool: as hidden states where the
@@ -142,19 +148,25 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         if req.cache_type == "hidden":
-            self.pool.free_halves(req.block_ids)
+            self.pool.free(req.block_ids[: req.num_kv_prefix])
+            self.pool.free_halves(req.block_ids[req.num_kv_prefix :])
         else:
             self.pool.free(req.block_ids)
         req.block_ids = []
+        req.num_kv_prefix = 0
 
     def _blocks_needed(self, req: Request, n: int) -> int:
         return max(0, self.pool.blocks_for(req.num_computed + n) - len(req.block_ids))
 
     def costs(self, scheduled: list[tuple[Request, int]]) -> list[Chunk]:
         """The cost model's view of a batch (before its tokens are computed)."""
-        return [Chunk(r.num_computed, n, r.is_decode,
-                      r.num_computed if r.cache_type == "hidden" or r.request_id in self._converted
-                      else 0) for r, n in scheduled]
+        return [Chunk(r.num_computed, n, r.is_decode, self._reprojected(r)) for r, n in scheduled]
+
+    def _reprojected(self, req: Request) -> int:
+        """Context tokens whose K/V the request's step re-projects from hidden states."""
+        if req.cache_type == "hidden":
+            return req.num_computed - req.num_kv_prefix * self.pool.block_size
+        return self._converted.get(req.request_id, 0)
 
     def reserved_blocks(self, req: Request) -> int:
         """Blocks set aside for a running request beyond those it holds (policy estimate)."""
@@ -167,7 +179,8 @@ class Scheduler:
             return self._blocks_needed(req, n)
         hits = self.prefix_hit(req)
         cached = len(hits) * self.pool.block_size
-        # Reviving an unreferenced cached block takes it off the free list too.
+        # Reviving an unreferenced cached block takes it off the free list too (a hidden
+        # request revives none: _cached_blocks).
         revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)
         need = self.pool.blocks_for(cached + n) - len(hits)
         if self.policy.reserves_memory:
@@ -199,7 +212,8 @@ class Scheduler:
         halves: list[int] = []
         for r in reqs:
             if r.cache_type == "hidden":
-                halves.extend(r.block_ids)
+                refs.update(r.block_ids[: r.num_kv_prefix])
+                halves.extend(r.block_ids[r.num_kv_prefix :])
             else:
                 refs.update(r.block_ids)
         blocks = sum(1 for b, k in refs.items() if k == self.pool.ref_count[b] and b not in kept)
@@ -230,7 +244,7 @@ class Scheduler:
 
     def waits_for_prefix(self, req: Request) -> bool:
         """Is the next block of this waiting request's prompt being computed by another?"""
-        if not self._computing or req.cache_type != "kv":
+        if not self._computing:
             return False
         i = len(self.prefix_hit(req))
         if i >= self._prompt_blocks(req):
@@ -253,10 +267,10 @@ class Scheduler:
         return self._hits[req.request_id]
 
     def shared_prompt_blocks(self, reqs: Iterable[Request]) -> Iterator[int]:
-        """For each of these waiting KV-cache requests in turn, how many of its full prompt
-        blocks it would not add to the pool: prefix hits on blocks running requests hold, and
-        blocks an earlier one of `reqs` has too (the earlier one counts those). 0 where
-        prefix caching is off."""
+        """For each of these waiting requests in turn, how many of its full prompt blocks it
+        would not add to the pool: prefix hits on blocks running requests hold, and blocks an
+        earlier one of `reqs` has too (the earlier one counts those). 0 where prefix caching
+        is off."""
         ref, seen = self.pool.ref_count, set()
         for r in reqs:
             if not self.pool.enable_prefix_caching:
@@ -272,18 +286,24 @@ class Scheduler:
             yield shared
 
     def set_cache_type(self, req: Request, kind: str) -> None:
-        """The cache type a waiting request is to be admitted with: its prefix hit is looked up
-        again (KV blocks; a hidden-cache request has none)."""
+        """The cache type a waiting request is to be admitted with (its prefix hit is looked up
+        again: the prefix cache's blocks are K/V whatever the type, and a hidden-cache request
+        reads them where they are)."""
         req.cache_type = kind
         self._hits.pop(req.request_id, None)
 
     def _cached_blocks(self, req: Request) -> list[int]:
+        """The prefix hit. A hidden-cache request takes only blocks in use: they cost it
+        nothing, where reviving an unused cached block as K/V would cost it twice the memory
+        of its own hidden states (a request that fits the pool only as hidden states would
+        then never fit)."""
         hits: list[int] = []
-        if self.pool.enable_prefix_caching and not req.num_computed and req.cache_type == "kv":
+        if self.pool.enable_prefix_caching and not req.num_computed:
             num_blocks = self._prompt_blocks(req)
+            in_use_only = req.cache_type == "hidden"
             for i, h in enumerate(self._hashes(req, num_blocks)[:num_blocks]):
                 b = self.pool.lookup(h, self._block_tokens(req, i))
-                if b is None:
+                if b is None or (in_use_only and not self.pool.ref_count[b]):
                     break
                 hits.append(b)
         return hits
@@ -335,6 +355,8 @@ class Scheduler:
                     self.pool.touch(b)
                 req.block_ids, req.num_registered = list(hits), len(hits)
                 req.num_computed = len(hits) * self.pool.block_size
+                if req.cache_type == "hidden":
+                    req.num_kv_prefix = len(hits)
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = req.num_computed
             req.status = Status.RUNNING
@@ -441,19 +463,22 @@ class Scheduler:
         write) before the step writes anything."""
         if req.status is not Status.RUNNING or req.cache_type != "hidden":
             raise ValueError(f"{req.request_id} is not a running hidden-cache request")
-        need = self.pool.blocks_for(req.num_computed)
-        if need > self.pool.num_free + self.pool.blocks_freed_by(req.block_ids):
+        prefix = req.block_ids[: req.num_kv_prefix]  # (K/V already: kept as they are)
+        old = req.block_ids[req.num_kv_prefix :]
+        need = self.pool.blocks_for(req.num_computed) - len(prefix)
+        if need > self.pool.num_free + self.pool.blocks_freed_by(old):
             return False
-        old = req.block_ids
-        self._release(req)
-        req.block_ids = self.pool.allocate(need)
+        self.pool.free_halves(old)
+        req.block_ids = prefix + self.pool.allocate(need)
+        req.num_kv_prefix = 0
         self._hits.clear()
         req.cache_type = "kv"
         # Projected K/V are not published as prefix blocks: published blocks hold exactly
         # what a prefill computes.
         req.num_registered = req.num_computed // self.pool.block_size
-        out.converted.append((req, old))
-        self._converted.add(req.request_id)
+        first = len(prefix) * self.pool.block_size
+        out.converted.append((req, old, first))
+        self._converted[req.request_id] = req.num_computed - first
         return True
 
     def preempt(self, out: SchedulerOutput, req: Request) -> None:

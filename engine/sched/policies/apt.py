@@ -91,7 +91,7 @@ class AptPolicy(Policy):
         if prefill_iter:
             queue = list(s.waiting)[: s.max_num_seqs - len(s.running)]
             budget -= sum(_memory_claimed(s, r) for r in s.running)
-            for r in queue:  # (its type is chosen again below; its prefix hit is KV blocks)
+            for r in queue:  # (its type is chosen again below)
                 s.set_cache_type(r, "kv")
         else:
             queue = list(s.running)
@@ -105,14 +105,21 @@ class AptPolicy(Policy):
         full = [(t + bs - 1) // bs for t in tokens]  # KV blocks, rounded up
         m = full
         if prefill_iter and pool.enable_prefix_caching:
-            # In KV form a shared prompt prefix takes the pool's memory once (a hit on blocks
-            # in use adds to shared_refs). Counted whole, shared prompts looked too large for
-            # their K/V: apt kept them as hidden states, which have no prefix hits, and
-            # recomputed every prompt.
+            # A shared prompt prefix takes the pool's memory once (a hit on blocks in use
+            # adds to shared_refs), in either form: a hidden-cache request reads the prefix
+            # cache's K/V where they are. Counted whole, shared prompts looked too large for
+            # their K/V: apt kept them as hidden states and recomputed every prompt.
             m = [b - shared for b, shared in zip(full, s.shared_prompt_blocks(queue),
                                                   strict=True)]
         if s.hidden_ratio:
-            h = [b * s.hidden_ratio for b in full]  # the same count of half blocks
+            ratio = s.hidden_ratio
+            if prefill_iter:
+                # The same count of half blocks, less the shared prefix. (A hit on an unused
+                # cached block costs a whole block: counted as halves, as its own are.)
+                h = [b * ratio for b in m]
+            else:  # a hidden request's KV prefix counts whole, as memory_held counts it
+                h = [r.num_kv_prefix + (b - r.num_kv_prefix) * ratio
+                     for r, b in zip(queue, full, strict=True)]
         else:
             h = [b + 1 for b in m]  # h > m: no hidden option
         rho = (s.cost_model.rho if s.cost_model is not None else 0.0) * bs
@@ -174,8 +181,7 @@ def _memory_claimed(s: Scheduler, r: Request) -> float:
     requests no longer fit the pool together and decode iterations evicted them."""
     if r.is_decode:
         return s.memory_held(r)
-    blocks = s.pool.blocks_for(r.num_tokens)
-    return blocks * s.hidden_ratio if r.cache_type == "hidden" else blocks
+    return s.memory_of(r, s.pool.blocks_for(r.num_tokens))
 
 
 def _victims(queue: list[Request], values: list[float], picked: dict[int, str]
@@ -246,8 +252,8 @@ class FCFSHybridPolicy(FCFSPolicy):
     def assign_cache_types(s: Scheduler) -> None:
         """KV for each waiting request, in order, while its KV cache fits what the ones
         before it left free; hidden where only that fits; the rest wait in KV form. A prompt
-        prefix shared through the prefix cache takes KV blocks once (counted whole, a shared
-        prompt was given a hidden cache where its K/V fitted, and lost its prefix hit)."""
+        prefix shared through the prefix cache takes KV blocks once, in either form (counted
+        whole, a shared prompt was given a hidden cache where its K/V fitted)."""
         free = s.pool.free_space()
         waiting = [r for r in s.waiting if not r.num_computed]  # (none holds blocks)
         for r in waiting:
@@ -256,6 +262,6 @@ class FCFSHybridPolicy(FCFSPolicy):
             units = s.pool.blocks_for(r.num_tokens)  # KV blocks or as many hidden halves
             if free.take_blocks(units - shared):
                 continue
-            if not free.take_halves(units):
+            if not free.take_halves(units - shared):
                 break
             s.set_cache_type(r, "hidden")
