@@ -116,12 +116,15 @@ def capacity(path: Path, args, mode: str) -> dict:
             cm, coefficients={**cm.coefficients, "hidden_tokens": 0.0})
     rng = np.random.default_rng(args.seed)
     vocab = eng.config.vocab_size
+    # Every prompt starts with the same tokens, as the rows of one SQL call share its
+    # template's instruction (--shared-prefix; 0: none).
+    shared = rng.integers(4, vocab, args.shared_prefix).tolist()
     # Lengths spread over [x/2, 3x/2] so that requests finish at different steps and the
     # pool stays full (a batch of equal requests fills and drains in waves).
     for _ in range(args.capacity_requests):
         prompt = int(rng.integers(args.prompt // 2, args.prompt * 3 // 2 + 1))
         output = int(rng.integers(args.output // 2, args.output * 3 // 2 + 1))
-        rid = eng.add_request(rng.integers(4, vocab, prompt).tolist(),
+        rid = eng.add_request(shared + rng.integers(4, vocab, prompt).tolist(),
                               SamplingParams(max_tokens=output, ignore_eos=True))
         if all_hidden:  # fcfs keeps a request's cache type, preempted and readmitted too
             eng._requests[rid].cache_type = "hidden"
@@ -143,7 +146,8 @@ def capacity(path: Path, args, mode: str) -> dict:
     return {
         "name": "hybrid_capacity", "mode": mode, "shape": args.shape,
         "cache_mb": args.cache_mb, "kv_blocks": eng.pool.num_blocks,
-        "requests": args.capacity_requests, "prompt": args.prompt, "output": args.output,
+        "requests": args.capacity_requests, "shared_prefix": args.shared_prefix,
+        "prompt": args.prompt, "output": args.output,
         "steps": len(running), "mean_running": round(statistics.mean(running), 2),
         "max_running": max(running), "mean_tokens_held": round(statistics.mean(tokens)),
         "hidden_share": round(statistics.mean(hidden_share), 3),
@@ -272,7 +276,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--modes", nargs="+", choices=list(CAPACITY_MODES),
                     default=list(CAPACITY_MODES), help="capacity: the modes to run")
     ap.add_argument("--capacity-requests", type=int, default=64)
-    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=64, help="capacity: each prompt's own tokens")
+    ap.add_argument("--shared-prefix", type=int, default=0,
+                    help="capacity: tokens every prompt starts with (a SQL template's)")
     ap.add_argument("--output", type=int, default=64)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--scale", type=float, default=0.25, help="slo: ShareGPT lengths times")

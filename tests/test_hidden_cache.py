@@ -531,6 +531,41 @@ def _computed_and_cached(path: Path, policy: str, prompts: list[list[int]]
             [r.token_ids for r in results])
 
 
+def test_apt_keeps_more_requests_on_a_shared_prefix_with_hidden_states(model_dirs):
+    """32 prompts share 32 tokens (8 blocks) and have 8-16 of their own; a pool of 40 blocks.
+    apt weighing memory alone (re-projection free, as bench/hybrid.py's memory-only mode):
+    with KV caches only it runs at most 12 together; with the hidden cache its requests read
+    the prefix one KV request published and store only their own tokens as hidden states,
+    and it runs 19. Before, a hidden request had no prefix hit, and apt ran at most 11
+    with the hidden cache too. The tokens are the KV-only engine's."""
+    path = model_dirs["tiny-opt"]
+    rng = random.Random(9)
+    shared = [rng.randrange(4, 280) for _ in range(32)]
+    prompts = [shared + [rng.randrange(4, 280) for _ in range(rng.randrange(8, 17))]
+               for _ in range(32)]
+    block_bytes = 2 * 3 * 64 * 4 * BLOCK  # K and V, 3 layers, hidden 64, fp32
+
+    def serve(hidden_cache: bool) -> tuple[int, list[list[int]]]:
+        eng = LLMEngine(str(path), device="cpu", dtype="float32", block_size=BLOCK,
+                        kv_cache_bytes=40 * block_bytes, policy="apt", hidden_cache=hidden_cache)
+        cm = eng.scheduler.cost_model
+        eng.scheduler.cost_model = replace(cm, coefficients={**cm.coefficients,
+                                                             "hidden_tokens": 0.0})
+        ids = [eng.add_request(p, SamplingParams(max_tokens=8, ignore_eos=True))
+               for p in prompts]
+        most = 0
+        while eng.has_unfinished:
+            eng.step()
+            most = max(most, len(eng.scheduler.running))
+        assert eng.pool.num_free == eng.pool.num_blocks and eng.pool.shared_refs == 0
+        return most, [eng.wait(i).token_ids for i in ids]
+
+    kv_most, want = serve(hidden_cache=False)
+    hybrid_most, got = serve(hidden_cache=True)
+    assert got == want
+    assert hybrid_most >= 1.5 * kv_most, (hybrid_most, kv_most)
+
+
 @pytest.mark.parametrize(("policy", "base"), [("apt", "sarathi"), ("fcfs-hybrid", "fcfs")])
 def test_shared_prompt_prefixes_stay_in_the_kv_cache(model_dirs, policy, base):
     """24 prompts share 32 tokens (8 blocks): as K/V they take 8 blocks once and a few each,

@@ -285,6 +285,16 @@ class Scheduler:
                 seen.add(h)
             yield shared
 
+    def prefix_blocks_in_use(self, req: Request) -> int:
+        """The leading blocks of this waiting request's prefix hit that requests hold now:
+        those a hidden-cache request would read (_cached_blocks)."""
+        ref, n = self.pool.ref_count, 0
+        for b in self.prefix_hit(req):
+            if not ref[b]:
+                break
+            n += 1
+        return n
+
     def set_cache_type(self, req: Request, kind: str) -> None:
         """The cache type a waiting request is to be admitted with (its prefix hit is looked up
         again: the prefix cache's blocks are K/V whatever the type, and a hidden-cache request

@@ -114,9 +114,11 @@ class AptPolicy(Policy):
         if s.hidden_ratio:
             ratio = s.hidden_ratio
             if prefill_iter:
-                # The same count of half blocks, less the shared prefix. (A hit on an unused
-                # cached block costs a whole block: counted as halves, as its own are.)
-                h = [b * ratio for b in m]
+                # The same count of half blocks, less the prefix it would read from blocks in
+                # use (a hidden request publishes nothing, so blocks shared with another
+                # waiting request are shared only if that one takes the KV cache).
+                h = [(b - s.prefix_blocks_in_use(r)) * ratio
+                     for r, b in zip(queue, full, strict=True)]
             else:  # a hidden request's KV prefix counts whole, as memory_held counts it
                 h = [r.num_kv_prefix + (b - r.num_kv_prefix) * ratio
                      for r, b in zip(queue, full, strict=True)]
@@ -252,8 +254,9 @@ class FCFSHybridPolicy(FCFSPolicy):
     def assign_cache_types(s: Scheduler) -> None:
         """KV for each waiting request, in order, while its KV cache fits what the ones
         before it left free; hidden where only that fits; the rest wait in KV form. A prompt
-        prefix shared through the prefix cache takes KV blocks once, in either form (counted
-        whole, a shared prompt was given a hidden cache where its K/V fitted)."""
+        prefix shared through the prefix cache takes KV blocks once (counted whole, a shared
+        prompt was given a hidden cache where its K/V fitted); a hidden-cache request reads
+        the blocks of its prefix in use."""
         free = s.pool.free_space()
         waiting = [r for r in s.waiting if not r.num_computed]  # (none holds blocks)
         for r in waiting:
@@ -262,6 +265,6 @@ class FCFSHybridPolicy(FCFSPolicy):
             units = s.pool.blocks_for(r.num_tokens)  # KV blocks or as many hidden halves
             if free.take_blocks(units - shared):
                 continue
-            if not free.take_halves(units - shared):
+            if not free.take_halves(units - s.prefix_blocks_in_use(r)):
                 break
             s.set_cache_type(r, "hidden")
