@@ -9,6 +9,7 @@ reference's logits, tests/helpers.py). `make test-gpu` runs this file.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -172,6 +173,31 @@ def test_hybrid_cache_under_apt_keeps_tokens(model_dirs, name):
         gpu.step()
         kinds |= {r.cache_type for r in gpu.scheduler.running}
     assert kinds == {"kv", "hidden"}, kinds
+    _check(cpu, prompts, [gpu.wait(i) for i in ids])
+    _all_free(gpu)
+
+
+def test_hidden_requests_read_a_shared_prefix_from_the_kv_cache(model_dirs):
+    """OPT under apt weighing memory alone, prompts sharing 48 tokens: hidden-cache requests
+    read the prefix one KV request published (its K/V copied into their scratch on the
+    device), store only their own tokens, and keep the CPU engine's tokens."""
+    path = model_dirs["opt"]
+    cpu = _engine(path, "cpu")
+    gpu = _engine(path, "cuda", kv_cache_bytes=40 * gpu_block_bytes(cpu), policy="apt")
+    cm = gpu.scheduler.cost_model
+    gpu.scheduler.cost_model = replace(cm, coefficients={**cm.coefficients,
+                                                         "hidden_tokens": 0.0})
+    rng = random.Random(4)
+    shared = [rng.randrange(5, cpu.config.vocab_size) for _ in range(48)]
+    prompts = [shared + own for own in _prompts(16, seed=9, vocab=cpu.config.vocab_size,
+                                                max_len=40)]
+    prefixes: list[int] = []
+    gpu.scheduler.observers.append(lambda out: prefixes.extend(
+        r.num_kv_prefix for r, _ in out.scheduled if r.cache_type == "hidden"))
+    ids = [gpu.add_request(p, GEN) for p in prompts]
+    while gpu.has_unfinished:
+        gpu.step()
+    assert max(prefixes, default=0) > 0, "no hidden request read the prefix"
     _check(cpu, prompts, [gpu.wait(i) for i in ids])
     _all_free(gpu)
 
