@@ -17,10 +17,11 @@
 #                                       # split-KV): its cost, to decide the GPU default
 #   bash bench/gpu_session.sh hybrid-capacity       # issue 12: OPT-13B, an A100-40GB's cache
 #   bash bench/gpu_session.sh hybrid-capacity-apt   #   (apt's modes of the same)
+#   bash bench/gpu_session.sh hybrid-shared         # issue 12: prompts sharing a prefix
 #   bash bench/gpu_session.sh hybrid-fcfs           # issue 12: SLO attainment vs rate, fcfs,
 #   bash bench/gpu_session.sh hybrid-apt            # then apt (one call each: ~5 min apiece)
 set -euo pipefail
-step=${1:?"which step: tests, smollm2, llama1b, llama7b, bulk, host, invariant, hybrid-capacity, hybrid-capacity-apt, hybrid-fcfs or hybrid-apt"}
+step=${1:?"which step: tests, smollm2, llama1b, llama7b, bulk, host, invariant, hybrid-capacity, hybrid-capacity-apt, hybrid-shared, hybrid-fcfs or hybrid-apt"}
 out=${OUT:-/tmp/llmdb-gpu-out}
 mkdir -p "$out"
 
@@ -86,6 +87,14 @@ hybrid-capacity | hybrid-capacity-apt)
     python3 bench/hybrid.py --device cuda --only capacity --shape opt-13b --cache-mb 12000 \
         --capacity-requests 256 --prompt 96 --output 96 --modes "${modes[@]}" \
         | tee -a "$out/hybrid.jsonl"
+    ;;
+hybrid-shared)
+    # Rows of one SQL call: every prompt starts with the same 256 tokens, which hidden-cache
+    # requests read from a KV request's blocks (apt with the engine's cost model, then
+    # memory alone).
+    python3 bench/hybrid.py --device cuda --only capacity --shape opt-13b --cache-mb 12000 \
+        --capacity-requests 256 --shared-prefix 256 --prompt 64 --output 96 \
+        --modes apt_kv apt_hybrid apt_hybrid_memory_only | tee -a "$out/hybrid.jsonl"
     ;;
 hybrid-fcfs | hybrid-apt)
     python3 bench/hybrid.py --device cuda --only slo --slo-shape opt-13b --slo-cache-mb 12000 \
