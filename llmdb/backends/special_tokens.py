@@ -10,8 +10,8 @@ template, so each special-token string in the text sent is broken instead, by a 
 visible characters; no tokenizer matches the marker whole.
 
 Why U+2060 rather than ZERO WIDTH SPACE (U+200B): both cost the same tokens on the tokenizers
-measured (SmolLM2's BPE: 2 each; Mistral's Tekken, a tiktoken-style BPE like Llama 3's and
-Qwen's, and its SentencePiece vocabularies: 1 each, the marker's own tokens unchanged when
+measured (SmolLM2's BPE: 2 a marker; Mistral's Tekken, a tiktoken-style BPE like Llama 3's
+and Qwen's, and its SentencePiece vocabularies: 1 or 2, the marker's own tokens unchanged when
 inserted after the first character), but SentencePiece's nmt_nfkc normalization rewrites
 U+200B as a space and keeps U+2060.
 
@@ -24,8 +24,10 @@ added_tokens_decoder, mistral_common's SpecialTokens):
 - Named tags: `<s>` `</s>` `<unk>` `<pad>` (SentencePiece: Llama 2, Mistral), Gemma's `<bos>`
   `<eos>` `<mask>` `<start_of_turn>` `<end_of_turn>`, its image/audio/function tags and
   `<unusedN>`, `<think>` `<tool_call>` `<tool_response>` and their closing tags (Qwen 2.5/3,
-  DeepSeek-R1, SmolLM3: matched whole although not marked special), Tekken's `<SPECIAL_N>`,
-  Cohere's `<BOS_TOKEN>` `<EOS_TOKEN>`, GLM's `<sop>` `<eop>`.
+  DeepSeek-R1: matched whole although not marked special), StarCoder's (`<file_sep>`,
+  `<jupyter_code>`, `<fim_prefix>`, ...: SmolLM2 has them too), Code Llama's `<PRE>` `<SUF>`
+  `<MID>` `<EOT>`, Tekken's `<SPECIAL_N>`, Cohere's `<BOS_TOKEN>` `<EOS_TOKEN>`, GLM's `<sop>`
+  `<eop>`.
 - Bracketed control tokens: Mistral's (mistral_common 1.12's SpecialTokens: [INST],
   [SYSTEM_PROMPT], [TOOL_CALLS], [THINK], ...), Gemma's [@BOS@], GLM's [gMASK] and [sMASK],
   and Llama 2's plain-text `<<SYS>>` `<</SYS>>`.
@@ -42,6 +44,8 @@ WORD_JOINER = "\u2060"
 _TAG_NAMES = (
     "s", "unk", "pad", "bos", "eos", "mask", "sop", "eop", "escape",
     "think", "tool_call", "tool_response",
+    "repo_?name", "file_sep", "filename", "gh_stars", r"issue_\w+", r"jupyter_\w+",
+    "empty_output", r"fim_\w+", r"commit_\w+", "PRE", "SUF", "MID", "EOT",
     r"(?:start|end)_of_\w+", r"(?:start|end)_function_\w+", r"\w+_soft_token", r"unused\d+",
     r"SPECIAL_\d+", "BOS_TOKEN", "EOS_TOKEN",
 )
