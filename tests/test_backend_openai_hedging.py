@@ -154,3 +154,43 @@ def test_a_copy_goes_only_where_it_costs_no_row():
     assert pool._hedge_to(stalled, "/chat/completions") is other and other.in_flight == 2
     assert pool._hedge_to(stalled, "/chat/completions") is None  # (that slot is taken now)
     asyncio.run(pool.aclose())
+
+
+def test_the_stall_time_scales_with_the_tokens_a_request_asks_for():
+    """Recent answers of 2 tokens in 0.5 s say nothing of how long 2,000 take: the held
+    request's max_tokens scales the slowest answer's time (never down)."""
+    rule = StallRule(floor_s=1, factor=3)
+    for _ in range(5):
+        rule.observe("/chat/completions", 0.5, tokens=2)
+    assert rule.stall_s("/chat/completions", tokens=2000) == pytest.approx(1500)
+    assert rule.stall_s("/chat/completions", tokens=1) == 1.5  # (shorter: unscaled)
+    assert rule.stall_s("/chat/completions") == 1.5
+    rule.observe("/chat/completions", 8.0, tokens=400)  # the slowest sets the rate
+    assert rule.stall_s("/chat/completions", tokens=2000) == pytest.approx(120)
+    rule.observe("/tokenize", 0.01)  # no tokens generated: never scaled, the floor holds
+    assert rule.stall_s("/tokenize", tokens=2000) == 1
+
+
+def test_a_long_request_on_a_busy_replica_is_not_copied(backends):
+    """Before, the stall time was 3 x the slowest recent answer whatever the held request
+    asked: after short answers (0.05 s), a row asking 2,000 tokens of a replica generating
+    them for 2 s was copied to the idle replica at 0.3 s and paid twice. The short answers
+    asked for 2,000 tokens too, and stopped after 2: what they generated counts."""
+    async def handler(path, body):
+        await asyncio.sleep(2.0 if body["messages"][-1]["content"] == "long" else 0.05)
+        return 200, {}, chat_answer("ok")  # (usage: 2 tokens generated)
+
+    def row(content: str) -> str:
+        done = threading.Event()
+        handle = backend.submit(GenerationRequest([{"role": "user", "content": content}],
+                                                  SamplingParams(max_tokens=2000)), done.set)
+        assert done.wait(30)
+        return handle
+
+    with StubEndpoint(handler) as a, StubEndpoint(handler) as b:
+        backend = backends([a.url, b.url], stall_s=0.2, stall_factor=3)
+        for i in range(4):
+            assert backend.collect(row(f"r{i}")).error is None
+        assert backend.collect(row("long")).error is None
+        copies = [s for s in a.seen + b.seen if s.body["messages"][-1]["content"] == "long"]
+        assert len(copies) == 1, "the long row was sent twice"

@@ -13,6 +13,9 @@ log-probabilities, which not every endpoint gives:
   prompt's tokens (from vLLM's /tokenize, which llmdb serve also has), scored by
   /completions with prompt_logprobs: the same ids the local engine scores.
 An endpoint without them (hosted chat APIs) fails those rows with an error naming it.
+A server renders the chat and tokenizes it with special tokens parsed: every text sent from
+the query has its special-token strings broken first (special_tokens.py), so that a row's
+`<|im_end|>` stays text there as it does in the local engine.
 A base model (base_model=True: no chat template, as the registry says) is sent plain text:
 llm_complete's prompt goes to /completions to be continued, as the local engine continues a
 base model's; the chat functions, which need an instruction-tuned model, are refused.
@@ -50,6 +53,7 @@ from .base import (
 )
 from .endpoints import base_urls, server_root
 from .replicas import EndpointError, ReplicaLimits, ReplicaPool
+from .special_tokens import neutralize
 
 TOKENIZED_KEPT = 10_000  # /tokenize answers kept (prompts scored against several labels)
 TOP_LOGPROBS = 20  # the most OpenAI's API and vLLM's default allow
@@ -263,7 +267,7 @@ class OpenAIBackend:
                     read: Callable[[Any], Any]) -> Any:
         if self.send_priority and priority == "BE":
             body = {**body, "priority": 1}
-        return await self.pool.post(path, body, tokens, priority, read)
+        return await self.pool.post(path, _as_data(body), tokens, priority, read)
 
     async def _chat(self, prompt: Prompt, fields: dict[str, Any], max_tokens: int,
                     priority: str, read: Callable[[Any], Any]) -> Any:
@@ -367,7 +371,8 @@ class OpenAIBackend:
         try:
             # No model runs for it, and its answer is shared: it never queues behind
             # bulk generations (and carries no priority field, which /tokenize lacks).
-            tokens = await self.pool.post("/tokenize", {"model": self.served_model, **body},
+            tokens = await self.pool.post("/tokenize",
+                                          _as_data({"model": self.served_model, **body}),
                                           priority="RT", read=answers.tokens)
         except EndpointError as e:
             if " answered 404" in str(e) or " answered 405" in str(e):
@@ -390,6 +395,21 @@ class OpenAIBackend:
             raise EndpointError(f"cannot tell the end-of-turn token of the model at "
                                 f"{', '.join(self.endpoints)} from its chat template")
         return full[n]
+
+
+def _as_data(body: dict[str, Any]) -> dict[str, Any]:
+    """The body with the query's text in it (messages' contents, a text prompt) neutralized
+    (special_tokens.py): the server parses special tokens in what it renders and tokenizes,
+    and a row's `<|im_end|>` would end its turn there. Only what is sent changes: result-cache
+    keys stay made of the text as written."""
+    sent = dict(body)
+    if "messages" in body:
+        sent["messages"] = [{**m, "content": neutralize(m["content"])}
+                            if isinstance(m.get("content"), str) else m
+                            for m in body["messages"]]
+    if isinstance(body.get("prompt"), str):
+        sent["prompt"] = neutralize(body["prompt"])
+    return sent
 
 
 def _generation_result(data: Any, text: Callable[[dict[str, Any]], str] = answers.chat_text

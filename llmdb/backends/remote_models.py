@@ -18,6 +18,7 @@ from llmdb.engine.registry import DEFAULT_MODEL, config_file, locked_update, reg
 from .endpoints import base_urls
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_FIELDS = ("endpoints", "api_key_env", "served_model", "base_model")
 
 
 def remote_models_file() -> Path:
@@ -28,9 +29,62 @@ def _read(f: Path) -> dict[str, dict[str, Any]]:
     if not f.exists():
         return {}
     try:
-        return json.loads(f.read_text())
+        models = json.loads(f.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"the remote model registry {f} is not valid JSON: {e}") from e
+    if not isinstance(models, dict):
+        raise ValueError(f"the remote model registry {f} holds {_json_type(models)}, not an "
+                         "object of model names and their entries")
+    for name, entry in models.items():
+        _check_entry(entry, f"the remote model registry {f}, entry {name!r}")
+        entry.setdefault("served_model", name)
+    return models
+
+
+def _check_entry(entry: Any, where: str) -> None:
+    """Raises ValueError, starting with `where`, unless `entry` has the shape
+    add_remote_model writes: the file is edited by hand too, and a wrong shape failed a
+    later query with a KeyError or a TypeError far from its cause."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where} is {_json_type(entry)}, not an object")
+    unknown = sorted(entry.keys() - set(_FIELDS))
+    if unknown:
+        raise ValueError(f"{where} has the field {unknown[0]!r}, which is none of "
+                         f"{', '.join(_FIELDS)}")
+    endpoints = entry.get("endpoints")
+    if not (isinstance(endpoints, list) and endpoints
+            and all(isinstance(u, str) for u in endpoints)):
+        what = "has no 'endpoints'" if endpoints is None else \
+            f"has 'endpoints' {_json_type(endpoints)}"
+        raise ValueError(f"{where} {what}: give a list of one or more endpoint URL strings")
+    try:
+        base_urls(endpoints)
+    except ValueError as e:
+        raise ValueError(f"{where}, 'endpoints': {e}") from None
+    key = entry.get("api_key_env")
+    if key is not None and not (isinstance(key, str) and _ENV_NAME.match(key)):
+        # (its value is not repeated: it may be the key itself, pasted in)
+        raise ValueError(f"{where} has an 'api_key_env' that is not the NAME of an "
+                         "environment variable (letters, digits, _) or null")
+    served = entry.get("served_model")
+    if served is not None and not (isinstance(served, str) and served):
+        raise ValueError(f"{where} has 'served_model' {_json_type(served)}: give the model "
+                         "name the endpoints serve, as a string")
+    if not isinstance(entry.get("base_model", False), bool):
+        raise ValueError(f"{where} has 'base_model' {_json_type(entry['base_model'])}: give "
+                         "true or false")
+
+
+def _json_type(value: Any) -> str:
+    """What a JSON value is, in words."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value == "":
+        return "an empty string"
+    kinds = {dict: "an object", list: "a list", str: "a string"}
+    return kinds.get(type(value), "a number")
 
 
 def remote_models() -> dict[str, dict[str, Any]]:

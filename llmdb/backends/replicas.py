@@ -20,6 +20,7 @@ scoring needs endpoints outside the OpenAI API (vLLM's /tokenize, prompt_logprob
 from __future__ import annotations
 
 import asyncio
+import datetime
 import email.utils
 import logging
 import math
@@ -36,7 +37,7 @@ from aiolimiter import AsyncLimiter
 
 from .endpoints import base_url, route_url
 from .hedging import StallRule
-from .openai_answers import MalformedAnswer
+from .openai_answers import MalformedAnswer, usage
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -72,8 +73,9 @@ class ReplicaLimits:
     max_retry_after_s: float = 300.0  # a Retry-After beyond this is cut to it
     down_s: float = 30.0  # how long an unreachable replica stays out of rotation
     # A request held by a replica that has answered nothing for stall_factor x the slowest
-    # recent answer, and at least stall_s, is sent to an idle replica too (hedging.py);
-    # None: never, a hung replica holds its requests for timeout_s.
+    # recent answer (scaled up to the request's max_tokens), and at least stall_s, is sent
+    # to an idle replica too (hedging.py); None: never, a hung replica holds its requests
+    # for timeout_s.
     stall_s: float | None = 10.0
     stall_factor: float = 3.0
 
@@ -250,6 +252,17 @@ def _message(response: httpx.Response) -> str:
     return response.text[:200] or response.reason_phrase
 
 
+def _max_tokens(body: dict[str, Any]) -> int:
+    """The most tokens a request asks the server to generate (0: none, /tokenize)."""
+    n = body.get("max_tokens")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
+
+
+def _generated(data: Any, body: dict[str, Any]) -> int:
+    """The tokens an answer generated: its usage's, else the most it was asked for."""
+    return (usage(data)[1] if isinstance(data, dict) else 0) or _max_tokens(body)
+
+
 def _retried(response: httpx.Response) -> bool:
     """Whether an error answer may go otherwise when asked again: 408, 429 and 5xx, except
     OpenAI's 429 for a spent quota or budget (insufficient_quota), which no wait mends."""
@@ -331,6 +344,9 @@ class ReplicaPool:
                         raise EndpointError(self._redact(
                             f"{url} answered with invalid JSON: "
                             f"{response.text[:100]!r}")) from None
+                    if self._stall is not None:
+                        self._stall.observe(path, response.elapsed.total_seconds(),
+                                            _generated(data, body))
                     try:
                         return read(data)
                     except MalformedAnswer as e:
@@ -373,9 +389,8 @@ class ReplicaPool:
             async with asyncio.timeout(self.limits.timeout_s):
                 response = await _exchange(replica.client, url, body, key)
             replica.last_answer = time.monotonic()
+            response.elapsed = datetime.timedelta(seconds=replica.last_answer - sent)
             status = response.status_code
-            if status == 200 and self._stall is not None:
-                self._stall.observe(path, replica.last_answer - sent)
             if status == 408 or status >= 500:
                 await self._count_failure(replica, self._redact(
                     f"{url} answered {status}: {_message(response)}"))
@@ -395,12 +410,13 @@ class ReplicaPool:
         its response, or what failed there. A copy whose connection fails while the other
         runs is noted, and the other awaited."""
         sent = time.monotonic()
+        asked = _max_tokens(body)
         copies = {asyncio.ensure_future(self._send(first, path, body, key)): first}
         hedged = False
         try:
             while True:
                 wait = None if hedged or self._stall is None else \
-                    self._until_stalled(first, sent, path)
+                    self._until_stalled(first, sent, path, asked)
                 done, _ = await asyncio.wait(copies, timeout=wait,
                                              return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
@@ -412,7 +428,8 @@ class ReplicaPool:
                         await self._count_failure(first, f"{first.url} answered nothing in "
                                                          f"{time.monotonic() - sent:.1f} s")
                     return replica, task.result() if error is None else error
-                if not hedged and not done and self._until_stalled(first, sent, path) == 0:
+                if not hedged and not done and \
+                        self._until_stalled(first, sent, path, asked) == 0:
                     other = self._hedge_to(first, path)
                     if other is not None:
                         log.info("%s answered nothing for %.1f s: the request is sent to %s "
@@ -425,11 +442,11 @@ class ReplicaPool:
                 task.cancel()
             await asyncio.gather(*copies, return_exceptions=True)
 
-    def _until_stalled(self, replica: Replica, sent: float, path: str) -> float:
-        """Seconds until the replica has answered nothing for the stall time since the
-        request was sent; once it has, 0 if a copy may go now (hedging.py), else a while
-        before looking again."""
-        stall = self._stall.stall_s(path) if self._stall is not None else math.inf
+    def _until_stalled(self, replica: Replica, sent: float, path: str, asked: int) -> float:
+        """Seconds until the replica has answered nothing for the stall time of a request
+        asking `asked` tokens since it was sent; once it has, 0 if a copy may go now
+        (hedging.py), else a while before looking again."""
+        stall = self._stall.stall_s(path, asked) if self._stall is not None else math.inf
         quiet = time.monotonic() - max(sent, replica.last_answer)
         if quiet < stall:
             return stall - quiet
