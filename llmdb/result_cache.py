@@ -13,9 +13,9 @@ answers under 64-character keys took 2.8x their bytes, so a cache held to 1 GiB 
 grew to 2.8 GiB of file. So each write checks the pages in use (the file's header, whoever
 wrote before), a trim scales the entries' bytes by the pages they fill, the WAL is
 checkpointed at a sixteenth of the limit (at most SQLite's default 4 MiB) and truncated to
-that, writes and a trim's deletions go in transactions that each fit the WAL's share, a WAL
-left over its share is cut back at once, and a file created here returns its freed pages to
-the file system (auto_vacuum=INCREMENTAL).
+that, writes and a trim's deletions go in transactions that each fit that point, a WAL left
+over its share (two such points) is cut back at once, and a file created here returns its
+freed pages to the file system (auto_vacuum=INCREMENTAL).
 """
 
 from __future__ import annotations
