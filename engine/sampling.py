@@ -158,7 +158,10 @@ def _draw(scaled: torch.Tensor, params: list[SamplingParams], keys: torch.Tensor
         kept = (~drop).sum(-1)
         mass = _cumsum(exp, invariant).gather(1, (kept - 1)[:, None])[:, 0]
         if width < vocab and any(p.top_p < 1.0 and not p.top_k for p in params):
-            mass = torch.where(top_k > 0, mass, scaled.exp().sum(-1))
+            # The whole row's, as a cumulative sum's last: one order a row. (torch's sum
+            # splits a row alone between threads, and not a row among many: at 49,152
+            # logits, 2 threads, half the rows' totals differed in the last bits.)
+            mass = torch.where(top_k > 0, mass, scaled.exp().cumsum(-1)[:, -1])
         probs = exp / mass[:, None]
         before = _cumsum(probs, invariant) - probs
         # Each token's mass before it, that of its run of equal values' first token.

@@ -12,6 +12,7 @@ model is asked when it is collected, about the rows that reach the call (see _ap
 from __future__ import annotations
 
 import functools
+import inspect
 import numbers
 import weakref
 from collections.abc import Callable, Iterator
@@ -210,6 +211,15 @@ def columns_read(function: str, args: tuple, options: dict[str, Any]) -> list[st
     if function == "complete" and options.get("fields"):
         return list(options["fields"])
     return value_text.template_fields(first) if isinstance(first, str) else []
+
+
+def columns_added(function: str, args: tuple, options: dict[str, Any]) -> dict[str, str]:
+    """The columns llmdb.<function>(df, *args, **options) adds, by the option naming each
+    (output may be positional, and has a default)."""
+    call = inspect.signature(globals()[function]).bind(None, *args, **options)
+    call.apply_defaults()
+    return _added(output=call.arguments.get("output"),
+                  error_column=call.arguments.get("error_column"))
 
 
 def _columns(df: Any, names: list[str]) -> dict[str, list]:

@@ -82,6 +82,12 @@ class ColumnsMissingInWorker(_ToTheDriver, KeyError):
     KeyError."""
 
 
+class ColumnTakenInWorker(_ToTheDriver, ValueError):
+    """A column the call adds (output, error_column) that a batch has already: as for
+    ColumnsMissingInWorker, the single-process call's ValueError naming it, where Ray's
+    wrapper of it said only that the UDF failed."""
+
+
 class RowMapper:
     """One worker: a session (its engine loads on the first batch) and the DataFrame function
     its batches go through. Ray constructs it in the worker process."""
@@ -93,6 +99,7 @@ class RowMapper:
         self.args = args
         self.call, session_options = _split_options(function, options)
         self.columns = dataframe.columns_read(function, args, options)
+        self.added = dataframe.columns_added(function, args, options)
         # Ray Data shows the job's progress; a bar per worker would interleave with it.
         session_options.setdefault("progress", False)
         self.session = Session(Options.from_kwargs(**session_options))
@@ -104,6 +111,11 @@ class RowMapper:
         except KeyError as e:
             _raise_as_is()
             raise ColumnsMissingInWorker(e.args[0]) from e
+        try:
+            dataframe.check_new_columns(self.added, batch.column_names)
+        except ValueError as e:
+            _raise_as_is()
+            raise ColumnTakenInWorker(str(e)) from e
         failed_before = self.session.total.errors
         try:
             out = self.function(batch, *self.args, session=self.session, **self.call)
@@ -213,4 +225,6 @@ def to_arrow(ds: ray.data.Dataset) -> pa.Table:
         raise LLMError(e.message) from None  # (Ray's traceback: the worker's, not the row's)
     except ColumnsMissingInWorker as e:
         raise KeyError(e.message) from None
+    except ColumnTakenInWorker as e:
+        raise ValueError(e.message) from None
     return pa.concat_tables(tables) if tables else pa.table({})

@@ -13,8 +13,9 @@ answers under 64-character keys took 2.8x their bytes, so a cache held to 1 GiB 
 grew to 2.8 GiB of file. So each write checks the pages in use (the file's header, whoever
 wrote before), a trim scales the entries' bytes by the pages they fill, the WAL is
 checkpointed at a sixteenth of the limit (at most SQLite's default 4 MiB) and truncated to
-that, a trim deletes and gives pages back in steps that each fit the WAL, and a file created
-here returns its freed pages to the file system (auto_vacuum=INCREMENTAL).
+that, writes and a trim's deletions go in transactions that each fit that point, a WAL left
+over its share (two such points) is cut back at once, and a file created here returns its
+freed pages to the file system (auto_vacuum=INCREMENTAL).
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ from llmdb.kernels.host import cache_dir
 
 DEFAULT_MAX_BYTES = 1 << 30
 MAX_WAL_BYTES = 4 << 20  # SQLite's default checkpoint point (1,000 pages of 4 KiB)
+# Pages a row takes in a transaction, less its value's overflow pages: one of the table and
+# one of each index.
+_ROW_PAGES = 3
+_WAL_HEADER, _FRAME_HEADER = 32, 24  # (bytes: the WAL holds frames, each a page and these)
+BUSY_TIMEOUT_MS = 30_000
 TRIM_TO = 0.9  # of the limit, so that a trim is followed by many writes before the next
 # Pages of a file with no entries: its schema, the table and the table's two indexes (and,
 # with auto_vacuum, a pointer map).
@@ -66,8 +72,8 @@ class ResultCache:
         self._lock = threading.Lock()
         # One connection shared by this process's threads, serialized by the lock;
         # other processes coordinate through SQLite's own locking (busy_timeout).
-        self._db = sqlite3.connect(self.path, timeout=30, check_same_thread=False,
-                                   isolation_level=None)
+        self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000,
+                                   check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")  # (takes effect in a new file)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
@@ -77,14 +83,17 @@ class ResultCache:
         self._db.execute(f"PRAGMA wal_autocheckpoint={self._wal_pages}")
         self._db.execute(f"PRAGMA journal_size_limit={wal_bytes}")
         self._step = max(1, self._wal_pages // 4)  # entries or pages a trim's transaction
+        # The WAL passes its checkpoint point by the transaction that reaches it (a
+        # put_many's are split to fit the point, a trim's are quarters of it), so it takes
+        # two.
+        self._wal_share = _WAL_HEADER + 2 * self._wal_pages * (self._page_size + _FRAME_HEADER)
         self._db.executescript(_SCHEMA)
         self._vacuums = self._pragma("auto_vacuum") != 0
         self._empty_pages = _EMPTY_PAGES + self._vacuums
         # The entries' share of the limit, in bytes of pages: less the file's fixed pages
-        # and the WAL, which passes its checkpoint point by the transaction that reaches it
-        # (trims write in quarters of a WAL), so it takes two. (Less the -shm file too: see
-        # _budget.)
-        self._fixed_budget = max_bytes - 2 * wal_bytes - self._empty_pages * self._page_size
+        # and the WAL's share. (Less the -shm file too: see _budget.)
+        self._fixed_budget = max_bytes - self._wal_share - self._empty_pages * self._page_size
+        self._wal = self.path.with_name(self.path.name + "-wal")
         self._shm = self.path.with_name(self.path.name + "-shm")
 
     def _budget(self) -> int:
@@ -122,27 +131,70 @@ class ResultCache:
         self.put_many([(key, value)])
 
     def put_many(self, items: list[tuple[str, Any]], delete: Sequence[str] = ()) -> None:
-        """Store these (key, value) pairs and remove the `delete` keys, in one transaction."""
+        """Store these (key, value) pairs and remove the `delete` keys. The rows go in
+        transactions that each fit the WAL's checkpoint point (a row alone if it does not),
+        the deletions with the first (a row and the partial entry it replaces: one)."""
         now = time.time()
         rows = []
         for key, value in items:
             blob = json.dumps(value, separators=(",", ":"))
             rows.append((key, blob, len(blob) + len(key), now))
         with self._lock:
-            self._db.execute("BEGIN")  # (autocommit otherwise: a commit per row)
-            try:
-                self._db.executemany("INSERT OR REPLACE INTO results (key, value, size, "
-                                     "last_used) VALUES (?,?,?,?)", rows)
-                self._db.executemany("DELETE FROM results WHERE key = ?", [(k,) for k in delete])
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
-            # Checked at every write, from the file (two pragmas that read its header), not
-            # counted by this object: processes that each wrote fewer rows than a count's
-            # period (a job of 200 rows per `llmdb sql`) never trimmed a shared file at all.
-            if self._used_bytes() > self._budget():
-                self._trim()
+            deleting = [(k,) for k in delete]
+            for part in self._fitting_parts(rows):
+                self._write(part, deleting)
+                deleting = []
+                # Checked at every write, from the file (two pragmas that read its header),
+                # not counted by this object: processes that each wrote fewer rows than a
+                # count's period (a job of 200 rows per `llmdb sql`) never trimmed a shared
+                # file at all.
+                if self._used_bytes() > self._budget():
+                    self._trim()
+            self._keep_wal_in_share()
+
+    def _fitting_parts(self, rows: list[tuple[str, str, int, float]]) -> list[list]:
+        """`rows` in runs whose pages fit the WAL's checkpoint point. (Written in one
+        transaction, 400 rows at a 200 KB limit left a WAL of 28 pages, where its share is
+        6: 1.3x the limit on disk.)"""
+        parts: list[list] = [[]]
+        pages = 0
+        for row in rows:
+            need = _ROW_PAGES + row[2] // self._page_size
+            if parts[-1] and pages + need > self._wal_pages:
+                parts.append([])
+                pages = 0
+            parts[-1].append(row)
+            pages += need
+        return parts
+
+    def _write(self, rows: list[tuple[str, str, int, float]], delete: list[tuple[str]]) -> None:
+        self._db.execute("BEGIN")  # (autocommit otherwise: a commit per row)
+        try:
+            self._db.executemany("INSERT OR REPLACE INTO results (key, value, size, "
+                                 "last_used) VALUES (?,?,?,?)", rows)
+            self._db.executemany("DELETE FROM results WHERE key = ?", delete)
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def _keep_wal_in_share(self) -> None:
+        """A transaction larger than the checkpoint point leaves the WAL file over its
+        share until the next write restarts it: cut it back now. Below a limit of about
+        800 KB even one row's can be (a page split wrote 12 pages, where the point is 3 at
+        200 KB), and so can another process's. Without waiting for other processes' readers
+        (busy_timeout 0): with one reading, the checkpoint stops short and a later write
+        cuts the WAL back."""
+        try:
+            if self._wal.stat().st_size <= self._wal_share:
+                return
+        except FileNotFoundError:
+            return
+        self._db.execute("PRAGMA busy_timeout=0")
+        try:
+            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        finally:
+            self._db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
 
     def _used_bytes(self) -> int:
         """Bytes of the pages holding entries. (Free pages are left out: a file made before
@@ -193,6 +245,7 @@ class ResultCache:
         with self._lock:
             n = self._db.execute("DELETE FROM results").rowcount
             self._give_back()
+            self._keep_wal_in_share()
             return n
 
     def stats(self) -> dict[str, int]:

@@ -394,14 +394,41 @@ def test_exported_windows_run_in_transformers(name, hf_dirs, engines, tmp_path):
         assert_close(engine.logits(ids), ref_logits(exported, ids), f"{name} exported")
 
 
-@pytest.mark.parametrize("windows, message", [
-    ((8, 0, 8, 0), r"MistralForCausalLM, whose config slides every.*context in layers \[1, 3\]"),
-    ((8, 4, 8, 4), r"one sliding window, not one a layer \(4, 8\)"),
-])
-def test_export_refuses_windows_a_config_cannot_hold(hf_dirs, tmp_path, windows, message):
+@torch.inference_mode()
+def test_exported_qwen2_windows_hold_without_layer_types(hf_dirs, engines, tmp_path):
+    """Older vLLM reads which of a Qwen2's layers slide from max_window_layers (those from
+    it on), not from layer_types; missing, it is 28: no layer of this 4-layer model would
+    slide. The export writes it; transformers reads it where layer_types is missing, so
+    with layer_types dropped it must slide the engine's layers: its logits over prompts
+    longer than the window are the engine's."""
     from llmdb.engine.models.export import export_hf
 
-    loaded = load_model(hf_dirs["mistral-window"])
+    loaded = load_model(hf_dirs["qwen2-window"])
+    assert loaded.config.layer_windows == (0, 0, 5, 5)
+    out = export_hf(loaded, tmp_path / "hf", dtype=torch.float32)
+    assert json.loads((out / "config.json").read_text())["max_window_layers"] == 2
+    d = edit_config(out, tmp_path / "no-layer-types", lambda cfg: cfg.pop("layer_types"))
+    exported = transformers.AutoModelForCausalLM.from_pretrained(
+        d, dtype=torch.float32, attn_implementation="eager").eval()
+    assert _transformers_windows(exported.config) == loaded.config.layer_windows
+    assert load_model(d).config.layer_windows == loaded.config.layer_windows
+    engine = engines("qwen2-window", "cpu")
+    for ids in _sequences(seed=9)[2:]:  # 53 and 240 tokens, over a window of 5
+        assert_close(engine.logits(ids), ref_logits(exported, ids), "qwen2 exported")
+
+
+@pytest.mark.parametrize("name, windows, message", [
+    ("mistral-window", (8, 0, 8, 0),
+     r"MistralForCausalLM, whose config slides every.*context in layers \[1, 3\]"),
+    ("mistral-window", (8, 4, 8, 4), r"one sliding window, not one a layer \(4, 8\)"),
+    ("qwen2-window", (0, 5, 0, 5),
+     r"Qwen2ForCausalLM, whose max_window_layers slides .* \(1\) on: .* layers \[2\]"),
+])
+def test_export_refuses_windows_a_config_cannot_hold(hf_dirs, tmp_path, name, windows,
+                                                      message):
+    from llmdb.engine.models.export import export_hf
+
+    loaded = load_model(hf_dirs[name])
     loaded.config = dataclasses.replace(loaded.config, layer_windows=windows)
     with pytest.raises(ValueError, match=message):
         export_hf(loaded, tmp_path / "hf")

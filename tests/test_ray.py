@@ -179,6 +179,44 @@ def test_a_column_missing_from_a_dataset_of_unknown_schema_is_llmdbs_error(local
     assert type(got.value) is KeyError and str(got.value) == str(in_process.value)
 
 
+def test_a_column_taken_in_a_dataset_of_unknown_schema_is_llmdbs_error(local_ray):
+    """Rows that already have the column the call adds, where map_rows cannot see it: the
+    first batch fails with the single-process call's ValueError naming the column, not
+    Ray's "UDF failed to process a data block"."""
+    taken = _rows().append_column("completion", pa.array(["mine"] * len(NAMES)))
+    rows = ray.data.from_arrow(taken).map_batches(lambda b: b, batch_format="pyarrow")
+    assert rows.schema(fetch_if_missing=False) is None
+    with pytest.raises(ValueError) as in_process:
+        llmdb.complete(taken, "Hi {name}.")
+    out = llmdb.ray.map_rows(rows, "complete", "Hi {name}.", **OPTIONS)
+    with pytest.raises(ValueError) as got:
+        llmdb.ray.to_arrow(out)
+    assert type(got.value) is ValueError and str(got.value) == str(in_process.value)
+    assert "already has a column 'completion': output='completion'" in str(got.value)
+
+
+@pytest.mark.parametrize("function,args,options,taken", [
+    ("complete", ("Hi {name}.",), {}, "completion"),  # the default output
+    ("complete", ("Hi {name}.", "id"), {}, "id"),  # output given by position
+    ("classify", ("name", ["a", "b"]), {}, "label"),
+    ("filter", ("{name}?",), {"error_column": "id"}, "id"),
+    ("complete", ("Hi {name}.",), {"output": "out", "error_column": "name"}, "name")])
+def test_a_worker_refuses_a_column_the_batch_has_already(function, args, options, taken):
+    """The worker's own check (the batch function itself, no Ray): the single-process
+    call's error, raised as it is to Ray (a UserCodeException, so that Ray does not wrap
+    it)."""
+    batch = _rows() if taken in _rows().column_names else _rows().append_column(
+        taken, pa.array(["mine"] * len(NAMES)))
+    with pytest.raises(ValueError) as in_process:
+        getattr(llmdb, function)(batch, *args, cache=False, **options)
+    mapper = llmdb.ray.RowMapper(function, args, {**OPTIONS, **options, "cache": False})
+    with pytest.raises(ValueError) as got:
+        mapper(batch)
+    assert isinstance(got.value, ray.exceptions.UserCodeException)
+    assert got.value.message == str(in_process.value)
+    assert f"already has a column {taken!r}" in got.value.message
+
+
 LONG = "word " * 9000  # longer than the model's context: the row fails at submit
 TEMPLATE = "Write a one-line greeting for {name}."
 

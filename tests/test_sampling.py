@@ -235,3 +235,38 @@ def test_a_row_without_a_finite_maximum_gives_greedys_token(whole_sort, path, mo
         assert got[1:6] == greedy[1:6]
         alone = [_draw(logits[i:i + 1], params[i:i + 1], keys[i:i + 1])[0] for i in (0, 6, 7)]
         assert [got[0], got[6], got[7]] == alone
+
+
+def test_a_top_p_draw_at_49k_vocabulary_does_not_depend_on_the_batch(monkeypatch):
+    """The torch path's total of a row's probabilities, where only the tokens in reach are
+    sorted: torch's sum over 49,152 logits with 2 threads splits a row alone between them,
+    and not a row of a batch, and the totals differed in the last bits (for half of 256
+    random rows). Here one row, a leader and a second token out-drawing it (this key), over
+    a tail out of reach; top_p swept over the 64 fp32 values around the leader's share, which
+    is where the cut between keeping the second token and dropping it falls. Drawn alone and
+    as 64 rows (one a top_p) the draws must be the same, bit for bit."""
+    monkeypatch.setattr(sampling, "load_library", lambda: None)  # the torch path
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        vocab, leader, second = 49_152, 17, 901
+        g = torch.Generator().manual_seed(0)
+        row = -20.0 + torch.randn(vocab, generator=g)  # (out of reach: mass 1e-4 in all)
+        row[leader], row[second] = 0.0, -0.1
+        # A key whose noise draws the second token where both are kept.
+        key = next(k for k in (row_key(2, i) for i in range(100))
+                   if reference_draw(row, SamplingParams(temperature=1.0), k,
+                                     keep=torch.isin(torch.arange(vocab),
+                                                     torch.tensor([leader, second]))) == second)
+        share = torch.tensor(1.0) / row.exp().sum()
+        top_ps = [share]
+        for _ in range(32):
+            top_ps = [torch.nextafter(top_ps[0], torch.tensor(0.0)), *top_ps,
+                      torch.nextafter(top_ps[-1], torch.tensor(1.0))]
+        params = [SamplingParams(temperature=1.0, top_p=float(p)) for p in top_ps[:64]]
+        batch = _draw(row.expand(64, vocab).contiguous(), params, [key] * 64)
+        alone = [_draw(row[None, :], [p], [key])[0] for p in params]
+    finally:
+        torch.set_num_threads(threads)
+    assert batch == alone
+    assert set(alone) == {leader, second}  # (the sweep crosses the cut)

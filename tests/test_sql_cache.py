@@ -172,6 +172,27 @@ def test_size_limit_holds_for_many_short_writers(tmp_path):
         <= limit
 
 
+@pytest.mark.parametrize("rows_per_put", [1, 400])
+def test_size_limit_holds_after_every_put_at_a_small_limit(tmp_path, rows_per_put):
+    """At 200 KB the WAL's sixteenth of the limit is 3 pages, where one row's transaction
+    writes up to 12 (a split) and a put_many of 400 rows wrote 28 (1.3x the limit after
+    it). The files, WAL and -shm included, are within the limit after every put: no
+    margin."""
+    limit = 200_000
+    path = tmp_path / "small.sqlite"
+    files = [path, tmp_path / "small.sqlite-wal", tmp_path / "small.sqlite-shm"]
+    cache = ResultCache(path, max_bytes=limit)
+    keys = [request_key("row", i) for i in range(4000)]
+    worst = 0
+    for i in range(0, len(keys), rows_per_put):
+        cache.put_many([(key, "answer " * 5) for key in keys[i : i + rows_per_put]])
+        worst = max(worst, sum(f.stat().st_size for f in files if f.exists()))
+    assert worst <= limit
+    assert len(cache.get_many(keys[-100:])) == 100  # the newest kept: evicted to 90%
+    assert cache.stats()["entries"] > 250
+    cache.close()
+
+
 # ---- what the key covers -------------------------------------------------------------------
 
 BASE = "llm_complete('Name a color.', max_tokens := 4)"

@@ -108,8 +108,9 @@ def export_hf(model: LoadedModel, out_dir: str | Path, dtype: torch.dtype = torc
 
 def _window_keys(c: ModelConfig, family: str) -> dict:
     """A Llama-family model's sliding windows in the keys its config class reads (and
-    hf_dir._layer_windows reads back): Qwen2, Qwen3 and SmolLM3 name each layer's kind;
-    Mistral and Phi-3 slide every layer. One window for all, as every such config has."""
+    hf_dir._layer_windows reads back): Qwen2, Qwen3 and SmolLM3 name each layer's kind
+    (Qwen2 and Qwen3 also the first that slides: see _max_window_layers); Mistral and Phi-3
+    slide every layer. One window for all, as every such config has."""
     if not c.layer_windows:
         return {}
     windows = sorted(set(c.layer_windows) - {0})
@@ -117,15 +118,31 @@ def _window_keys(c: ModelConfig, family: str) -> dict:
         raise ValueError(f"export writes one sliding window, not one a layer "
                          f"({', '.join(map(str, windows))})")
     if family in ("qwen2", "qwen3", "smollm3"):
-        return {"use_sliding_window": True, "sliding_window": windows[0],
+        keys = {"use_sliding_window": True, "sliding_window": windows[0],
                 "layer_types": ["sliding_attention" if w else "full_attention"
                                 for w in c.layer_windows]}
+        if family != "smollm3":
+            keys["max_window_layers"] = _max_window_layers(c.layer_windows, family)
+        return keys
     if 0 in c.layer_windows:
         full = [i for i, w in enumerate(c.layer_windows) if w == 0]
         raise ValueError(f"export writes a {_HF_NAMES[family][0]}, whose config slides "
                          f"every layer's window: this model attends to the whole context in "
                          f"layers {full}")
     return {"sliding_window": windows[0]}
+
+
+def _max_window_layers(layer_windows: tuple[int, ...], family: str) -> int:
+    """Qwen2's and Qwen3's key for the layers that slide, those from this one on: older vLLM
+    reads it and not layer_types (as transformers does where layer_types is missing), and
+    its default, 28, slides the wrong layers (none of a shorter model)."""
+    first = next(i for i, w in enumerate(layer_windows) if w)
+    full = [i for i, w in enumerate(layer_windows) if i > first and w == 0]
+    if full:
+        raise ValueError(f"export writes a {_HF_NAMES[family][0]}, whose max_window_layers "
+                         f"slides every layer from the first that slides ({first}) on: this "
+                         f"model attends to the whole context in layers {full}")
+    return first
 
 
 def _gemma_keys(c: ModelConfig) -> dict:
