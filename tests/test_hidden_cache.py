@@ -503,6 +503,30 @@ def test_requests_only_hidden_states_fit_are_served(model_dirs, policy, priority
     assert eng.pool.num_free == eng.pool.num_blocks
 
 
+def test_apt_serves_prompts_on_a_shared_prefix_that_fit_only_as_hidden_states(model_dirs):
+    """Two prompts of 148 tokens share 100 (25 blocks): as K/V each takes 37 blocks of a pool
+    of 30, as hidden states 18.5. Counting the second's prefix as shared with the first
+    (12 blocks), apt picked it for the KV cache it could never fit, ahead of the first, and
+    then had no room for the first: nothing ran, for ever."""
+    path = model_dirs["tiny-opt"]
+    rng = random.Random(9)
+    shared = [rng.randrange(4, 280) for _ in range(100)]
+    prompts = [shared + [rng.randrange(4, 280) for _ in range(48)] for _ in range(2)]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    want = [r.token_ids for r in _engine(path, hidden_cache=False).generate(prompts, params)]
+    block_bytes = 2 * 3 * 64 * 4 * BLOCK  # K and V, 3 layers, hidden 64, fp32
+    eng = LLMEngine(str(path), device="cpu", dtype="float32", kv_cache_bytes=30 * block_bytes,
+                    block_size=BLOCK, policy="apt", max_num_batched_tokens=32)
+    ids = [eng.add_request(p, params) for p in prompts]
+    steps = 0
+    while eng.has_unfinished and steps < 100:
+        eng.step()
+        steps += 1
+    assert not eng.has_unfinished, f"unfinished after {steps} steps"
+    assert [eng.wait(i).token_ids for i in ids] == want
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
 @pytest.mark.parametrize("options", [{"policy": "sarathi"},
                                      {"policy": "apt", "hidden_cache": False}])
 def test_requests_only_hidden_states_fit_are_refused_without_them(model_dirs, options):

@@ -104,21 +104,28 @@ class AptPolicy(Policy):
         tokens = [len(r.prompt_ids) + len(r.output_ids) for r in queue]
         full = [(t + bs - 1) // bs for t in tokens]  # KV blocks, rounded up
         m = full
+        # Blocks of its prefix hit in use: shared whatever the request's form.
+        in_use = [s.prefix_blocks_in_use(r) for r in queue] if prefill_iter else []
         if prefill_iter and pool.enable_prefix_caching:
             # A shared prompt prefix takes the pool's memory once (a hit on blocks in use
             # adds to shared_refs), in either form: a hidden-cache request reads the prefix
             # cache's K/V where they are. Counted whole, shared prompts looked too large for
             # their K/V: apt kept them as hidden states and recomputed every prompt.
-            m = [b - shared for b, shared in zip(full, s.shared_prompt_blocks(queue),
-                                                  strict=True)]
+            # Blocks shared with an earlier waiting request are shared only if that one
+            # takes the KV cache too, and the two then hold at least this one's blocks less
+            # those in use: more than the budget, and no plan has it in KV form. (Counted as
+            # shared, it was picked for a KV cache it could never have, ahead of the other:
+            # two prompts on a prefix that fit only as hidden states waited for ever.)
+            m = [b - shared if b - u <= budget else b - u
+                 for b, shared, u in zip(full, s.shared_prompt_blocks(queue), in_use,
+                                         strict=True)]
         if s.hidden_ratio:
             ratio = s.hidden_ratio
             if prefill_iter:
                 # The same count of half blocks, less the prefix it would read from blocks in
                 # use (a hidden request publishes nothing, so blocks shared with another
                 # waiting request are shared only if that one takes the KV cache).
-                h = [(b - s.prefix_blocks_in_use(r)) * ratio
-                     for r, b in zip(queue, full, strict=True)]
+                h = [(b - u) * ratio for b, u in zip(full, in_use, strict=True)]
             else:  # a hidden request's KV prefix counts whole, as memory_held counts it
                 h = [r.num_kv_prefix + (b - r.num_kv_prefix) * ratio
                      for r, b in zip(queue, full, strict=True)]
