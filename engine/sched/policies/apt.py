@@ -126,9 +126,12 @@ class AptPolicy(Policy):
                 # use (a hidden request publishes nothing, so blocks shared with another
                 # waiting request are shared only if that one takes the KV cache).
                 h = [(b - u) * ratio for b, u in zip(full, in_use, strict=True)]
-            else:  # a hidden request's KV prefix counts whole, as memory_held counts it
-                h = [r.num_kv_prefix + (b - r.num_kv_prefix) * ratio
-                     for r, b in zip(queue, full, strict=True)]
+            else:
+                # A hidden request's KV prefix counts whole, as memory_held counts it. Where
+                # that exceeds the budget (the requests it shared the prefix with are gone),
+                # its hidden option is to be recomputed as hidden states alone (_fits).
+                h = [kept if (kept := r.num_kv_prefix + (b - r.num_kv_prefix) * ratio)
+                     <= budget else b * ratio for r, b in zip(queue, full, strict=True)]
         else:
             h = [b + 1 for b in m]  # h > m: no hidden option
         rho = (s.cost_model.rho if s.cost_model is not None else 0.0) * bs
@@ -226,7 +229,10 @@ def _fits(s: Scheduler, out: SchedulerOutput, r: Request, choice: str, n: int,
     can have it? A running KV request picked for the hidden cache is discarded to be
     recomputed as hidden states (Apt-Serve's switch; the prefill iteration that readmits it
     gives it the type) only when memory is short: evicted for another that needs its
-    blocks, or when its own next tokens do not fit. Otherwise it runs on its KV cache."""
+    blocks, or when its own next tokens do not fit. Otherwise it runs on its KV cache.
+    A hidden request whose KV prefix leaves its next tokens no room even were every other
+    request gone is discarded too, to be recomputed as hidden states alone (half the memory
+    for the prefix): kept, it waited for memory that would never come."""
     if choice == "hidden" and r.cache_type == "kv":  # (running: a decode iteration)
         victims.remove(r)  # it runs or goes now: no later request may evict it
         if s.fits(r, n):
@@ -235,9 +241,16 @@ def _fits(s: Scheduler, out: SchedulerOutput, r: Request, choice: str, n: int,
         return False
     while not s.fits(r, n):  # evict as few of the left-out requests as it takes
         if not victims:
+            if r.num_kv_prefix and not s.fits(r, n, _others(s, r)):
+                s.preempt(out, r)
             return False
         s.preempt(out, victims.pop())
     return True
+
+
+def _others(s: Scheduler, r: Request) -> list[Request]:
+    """Every request holding blocks but r (held ones too: they free theirs soon)."""
+    return [x for x in s.running if x is not r] + list(s.held.values())
 
 
 class FCFSHybridPolicy(FCFSPolicy):
