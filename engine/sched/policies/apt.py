@@ -140,10 +140,16 @@ class AptPolicy(Policy):
         if s.hidden_ratio:
             # K/V larger than the whole pool: hidden states are the request's only form, worth
             # its pending time. Valued p - N rho m, it was picked only once it had waited
-            # N rho m, and never once the SLO fallback had set p near zero.
+            # N rho m, and never once the SLO fallback had set p near zero. Its KV option is
+            # put past the budget, which blocks shared with others raise past the pool: it
+            # holds its blocks whoever shares them, and, offered, it was switched to K/V
+            # beside a request sharing its prefix, filled the pool and was evicted, over
+            # and over.
             nr = n_queue * rho
-            worth = [v + nr * b if b > pool.num_blocks else v
-                     for v, b in zip(values, full, strict=True)]
+            m = [max(k, budget + 1) if b > pool.num_blocks else k
+                 for k, b in zip(m, full, strict=True)]
+            worth = [v + nr * k if b > pool.num_blocks else v
+                     for v, k, b in zip(values, m, full, strict=True)]
         picked = select_columns(range(len(queue)), worth, m, h, budget, n_queue, rho).choice
         return queue, values, picked
 
