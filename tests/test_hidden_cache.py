@@ -503,6 +503,64 @@ def test_requests_only_hidden_states_fit_are_served(model_dirs, policy, priority
     assert eng.pool.num_free == eng.pool.num_blocks
 
 
+def test_apt_serves_prompts_on_a_shared_prefix_that_fit_only_as_hidden_states(model_dirs):
+    """Two prompts of 148 tokens share 100 (25 blocks): as K/V each takes 37 blocks of a pool
+    of 30, as hidden states 18.5. Counting the second's prefix as shared with the first
+    (12 blocks), apt picked it for the KV cache it could never fit, ahead of the first, and
+    then had no room for the first: nothing ran, for ever."""
+    path = model_dirs["tiny-opt"]
+    rng = random.Random(9)
+    shared = [rng.randrange(4, 280) for _ in range(100)]
+    prompts = [shared + [rng.randrange(4, 280) for _ in range(48)] for _ in range(2)]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    want = [r.token_ids for r in _engine(path, hidden_cache=False).generate(prompts, params)]
+    block_bytes = 2 * 3 * 64 * 4 * BLOCK  # K and V, 3 layers, hidden 64, fp32
+    eng = LLMEngine(str(path), device="cpu", dtype="float32", kv_cache_bytes=30 * block_bytes,
+                    block_size=BLOCK, policy="apt", max_num_batched_tokens=32)
+    ids = [eng.add_request(p, params) for p in prompts]
+    steps = 0
+    while eng.has_unfinished and steps < 100:
+        eng.step()
+        steps += 1
+    assert not eng.has_unfinished, f"unfinished after {steps} steps"
+    assert [eng.wait(i).token_ids for i in ids] == want
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_apt_serves_a_hidden_request_whose_kv_prefix_no_longer_fits(model_dirs):
+    """A pool of 30 blocks. A short KV request publishes 40 prompt tokens (10 blocks); a
+    request of 150 prompt tokens and 70 new ones, 55 blocks as K/V, is admitted as hidden
+    states reading those 10 blocks where they are. Once the first has finished it holds them
+    alone: whole blocks for 40 tokens, where hidden states take 5, so at 200 tokens it fills
+    the pool (10 + 40 halves) and cannot go on in its form. apt neither picked nor ran it,
+    for ever; it must recompute it as hidden states (220 tokens: 27.5 blocks)."""
+    path = model_dirs["tiny-opt"]
+    rng = random.Random(10)
+    prefix = [rng.randrange(4, 280) for _ in range(40)]
+    short = (prefix + [7, 8], SamplingParams(max_tokens=6, ignore_eos=True))
+    long = (prefix + [rng.randrange(4, 280) for _ in range(110)],
+            SamplingParams(max_tokens=70, ignore_eos=True))
+    big = _engine(path, hidden_cache=False)
+    want = [big.generate([p], sp)[0].token_ids for p, sp in (short, long)]
+    block_bytes = 2 * 3 * 64 * 4 * BLOCK  # K and V, 3 layers, hidden 64, fp32
+    eng = LLMEngine(str(path), device="cpu", dtype="float32", kv_cache_bytes=30 * block_bytes,
+                    block_size=BLOCK, policy="apt", max_num_batched_tokens=64)
+    prefixes = []
+    eng.scheduler.observers.append(lambda out: prefixes.extend(
+        r.num_kv_prefix for r, _ in out.scheduled if r.cache_type == "hidden"))
+    ids = [eng.add_request(*short)]
+    eng.step()  # its prompt: published
+    ids.append(eng.add_request(*long))
+    steps = 0
+    while eng.has_unfinished and steps < 300:
+        eng.step()
+        steps += 1
+    assert 10 in prefixes, "the long request did not read the prefix from the KV cache"
+    assert not eng.has_unfinished, f"unfinished after {steps} steps"
+    assert [eng.wait(i).token_ids for i in ids] == want
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
 @pytest.mark.parametrize("options", [{"policy": "sarathi"},
                                      {"policy": "apt", "hidden_cache": False}])
 def test_requests_only_hidden_states_fit_are_refused_without_them(model_dirs, options):

@@ -172,3 +172,19 @@ def test_rr_alternates_classes():
     _check_sim(result, specs)
     assert all(len(c) == 1 for c in classes)
     assert classes[0] != classes[1]
+
+
+def test_apt_never_switches_a_request_larger_than_the_pool_to_kv():
+    """A pool of 42 blocks of 2 tokens; a prompt of 85 tokens (43 blocks as K/V: only hidden
+    states fit) shares 52 of them (26 blocks) with a request of 61 running beside it. The
+    blocks shared raise apt's budget past the pool, and its KV option was picked: projected
+    to K/V on the shared prefix, it filled the pool and both were evicted (6 evictions,
+    156 steps). It holds its 43 blocks whoever shares them: it stays hidden states."""
+    shared = list(range(1000, 1052))
+    specs = [RequestSpec(0.0, 61, 20, "BE", "a", tuple(shared + list(range(9)))),
+             RequestSpec(0.0, 85, 4, "BE", "b", tuple(shared + list(range(100, 133))))]
+    cfg = SimConfig(num_blocks=42, block_size=2, max_num_batched_tokens=2,
+                    max_prefill_tokens=None, hidden_ratio=0.5, prefix_caching=True)
+    res = simulate(specs, "apt", preset("opt13b-a100"), cfg)
+    assert all(r.finished for r in res.requests)
+    assert res.evictions == 0

@@ -104,24 +104,34 @@ class AptPolicy(Policy):
         tokens = [len(r.prompt_ids) + len(r.output_ids) for r in queue]
         full = [(t + bs - 1) // bs for t in tokens]  # KV blocks, rounded up
         m = full
+        # Blocks of its prefix hit in use: shared whatever the request's form.
+        in_use = [s.prefix_blocks_in_use(r) for r in queue] if prefill_iter else []
         if prefill_iter and pool.enable_prefix_caching:
             # A shared prompt prefix takes the pool's memory once (a hit on blocks in use
             # adds to shared_refs), in either form: a hidden-cache request reads the prefix
             # cache's K/V where they are. Counted whole, shared prompts looked too large for
             # their K/V: apt kept them as hidden states and recomputed every prompt.
-            m = [b - shared for b, shared in zip(full, s.shared_prompt_blocks(queue),
-                                                  strict=True)]
+            # Blocks shared with an earlier waiting request are shared only if that one
+            # takes the KV cache too, and the two then hold at least this one's blocks less
+            # those in use: more than the budget, and no plan has it in KV form. (Counted as
+            # shared, it was picked for a KV cache it could never have, ahead of the other:
+            # two prompts on a prefix that fit only as hidden states waited for ever.)
+            m = [b - shared if b - u <= budget else b - u
+                 for b, shared, u in zip(full, s.shared_prompt_blocks(queue), in_use,
+                                         strict=True)]
         if s.hidden_ratio:
             ratio = s.hidden_ratio
             if prefill_iter:
                 # The same count of half blocks, less the prefix it would read from blocks in
                 # use (a hidden request publishes nothing, so blocks shared with another
                 # waiting request are shared only if that one takes the KV cache).
-                h = [(b - s.prefix_blocks_in_use(r)) * ratio
-                     for r, b in zip(queue, full, strict=True)]
-            else:  # a hidden request's KV prefix counts whole, as memory_held counts it
-                h = [r.num_kv_prefix + (b - r.num_kv_prefix) * ratio
-                     for r, b in zip(queue, full, strict=True)]
+                h = [(b - u) * ratio for b, u in zip(full, in_use, strict=True)]
+            else:
+                # A hidden request's KV prefix counts whole, as memory_held counts it. Where
+                # that exceeds the budget (the requests it shared the prefix with are gone),
+                # its hidden option is to be recomputed as hidden states alone (_fits).
+                h = [kept if (kept := r.num_kv_prefix + (b - r.num_kv_prefix) * ratio)
+                     <= budget else b * ratio for r, b in zip(queue, full, strict=True)]
         else:
             h = [b + 1 for b in m]  # h > m: no hidden option
         rho = (s.cost_model.rho if s.cost_model is not None else 0.0) * bs
@@ -130,10 +140,16 @@ class AptPolicy(Policy):
         if s.hidden_ratio:
             # K/V larger than the whole pool: hidden states are the request's only form, worth
             # its pending time. Valued p - N rho m, it was picked only once it had waited
-            # N rho m, and never once the SLO fallback had set p near zero.
+            # N rho m, and never once the SLO fallback had set p near zero. Its KV option is
+            # put past the budget, which blocks shared with others raise past the pool: it
+            # holds its blocks whoever shares them, and, offered, it was switched to K/V
+            # beside a request sharing its prefix, filled the pool and was evicted, over
+            # and over.
             nr = n_queue * rho
-            worth = [v + nr * b if b > pool.num_blocks else v
-                     for v, b in zip(values, full, strict=True)]
+            m = [max(k, budget + 1) if b > pool.num_blocks else k
+                 for k, b in zip(m, full, strict=True)]
+            worth = [v + nr * k if b > pool.num_blocks else v
+                     for v, k, b in zip(values, m, full, strict=True)]
         picked = select_columns(range(len(queue)), worth, m, h, budget, n_queue, rho).choice
         return queue, values, picked
 
@@ -219,7 +235,10 @@ def _fits(s: Scheduler, out: SchedulerOutput, r: Request, choice: str, n: int,
     can have it? A running KV request picked for the hidden cache is discarded to be
     recomputed as hidden states (Apt-Serve's switch; the prefill iteration that readmits it
     gives it the type) only when memory is short: evicted for another that needs its
-    blocks, or when its own next tokens do not fit. Otherwise it runs on its KV cache."""
+    blocks, or when its own next tokens do not fit. Otherwise it runs on its KV cache.
+    A hidden request whose KV prefix leaves its next tokens no room even were every other
+    request gone is discarded too, to be recomputed as hidden states alone (half the memory
+    for the prefix): kept, it waited for memory that would never come."""
     if choice == "hidden" and r.cache_type == "kv":  # (running: a decode iteration)
         victims.remove(r)  # it runs or goes now: no later request may evict it
         if s.fits(r, n):
@@ -228,9 +247,16 @@ def _fits(s: Scheduler, out: SchedulerOutput, r: Request, choice: str, n: int,
         return False
     while not s.fits(r, n):  # evict as few of the left-out requests as it takes
         if not victims:
+            if r.num_kv_prefix and not s.fits(r, n, _others(s, r)):
+                s.preempt(out, r)
             return False
         s.preempt(out, victims.pop())
     return True
+
+
+def _others(s: Scheduler, r: Request) -> list[Request]:
+    """Every request holding blocks but r (held ones too: they free theirs soon)."""
+    return [x for x in s.running if x is not r] + list(s.held.values())
 
 
 class FCFSHybridPolicy(FCFSPolicy):
