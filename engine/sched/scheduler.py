@@ -266,34 +266,28 @@ class Scheduler:
             self._hits[req.request_id] = self._cached_blocks(req)
         return self._hits[req.request_id]
 
-    def shared_prompt_blocks(self, reqs: Iterable[Request]) -> Iterator[int]:
-        """For each of these waiting requests in turn, how many of its full prompt blocks it
-        would not add to the pool: prefix hits on blocks running requests hold, and blocks an
-        earlier one of `reqs` has too (the earlier one counts those). 0 where prefix caching
-        is off."""
+    def prefix_sharing(self, reqs: Iterable[Request]) -> Iterator[tuple[int, int]]:
+        """For each of these waiting requests in turn: how many of its full prompt blocks it
+        would not add to the pool as K/V (prefix hits on blocks requests hold, and blocks an
+        earlier one of `reqs` has too: the earlier one counts those), and how many it would
+        read as a hidden-cache request (the leading hits on blocks in use: _cached_blocks).
+        (0, 0) where prefix caching is off."""
         ref, seen = self.pool.ref_count, set()
         for r in reqs:
             if not self.pool.enable_prefix_caching:
-                yield 0
+                yield 0, 0
                 continue
             hits = self.prefix_hit(r)
+            in_use = 0
+            while in_use < len(hits) and ref[hits[in_use]]:
+                in_use += 1
             n = self._prompt_blocks(r)
             shared = 0
             for i, h in enumerate(self._hashes(r, n)[:n]):
                 if h in seen or (i < len(hits) and ref[hits[i]]):
                     shared += 1
                 seen.add(h)
-            yield shared
-
-    def prefix_blocks_in_use(self, req: Request) -> int:
-        """The leading blocks of this waiting request's prefix hit that requests hold now:
-        those a hidden-cache request would read (_cached_blocks)."""
-        ref, n = self.pool.ref_count, 0
-        for b in self.prefix_hit(req):
-            if not ref[b]:
-                break
-            n += 1
-        return n
+            yield shared, in_use
 
     def set_cache_type(self, req: Request, kind: str) -> None:
         """The cache type a waiting request is to be admitted with (its prefix hit is looked up

@@ -105,7 +105,7 @@ class AptPolicy(Policy):
         full = [(t + bs - 1) // bs for t in tokens]  # KV blocks, rounded up
         m = full
         # Blocks of its prefix hit in use: shared whatever the request's form.
-        in_use = [s.prefix_blocks_in_use(r) for r in queue] if prefill_iter else []
+        in_use = [0] * len(queue)
         if prefill_iter and pool.enable_prefix_caching:
             # A shared prompt prefix takes the pool's memory once (a hit on blocks in use
             # adds to shared_refs), in either form: a hidden-cache request reads the prefix
@@ -116,9 +116,10 @@ class AptPolicy(Policy):
             # those in use: more than the budget, and no plan has it in KV form. (Counted as
             # shared, it was picked for a KV cache it could never have, ahead of the other:
             # two prompts on a prefix that fit only as hidden states waited for ever.)
-            m = [b - shared if b - u <= budget else b - u
-                 for b, shared, u in zip(full, s.shared_prompt_blocks(queue), in_use,
-                                         strict=True)]
+            sharing = list(s.prefix_sharing(queue))
+            in_use = [u for _, u in sharing]
+            m = [b - n if b - u <= budget else b - u
+                 for b, (n, u) in zip(full, sharing, strict=True)]
         if s.hidden_ratio:
             ratio = s.hidden_ratio
             if prefill_iter:
@@ -287,10 +288,10 @@ class FCFSHybridPolicy(FCFSPolicy):
         waiting = [r for r in s.waiting if not r.num_computed]  # (none holds blocks)
         for r in waiting:
             s.set_cache_type(r, "kv")
-        for r, shared in zip(waiting, s.shared_prompt_blocks(waiting), strict=True):
+        for r, (shared, in_use) in zip(waiting, s.prefix_sharing(waiting), strict=True):
             units = s.pool.blocks_for(r.num_tokens)  # KV blocks or as many hidden halves
             if free.take_blocks(units - shared):
                 continue
-            if not free.take_halves(units - s.prefix_blocks_in_use(r)):
+            if not free.take_halves(units - in_use):
                 break
             s.set_cache_type(r, "hidden")
