@@ -22,9 +22,10 @@ and the 99th percentile of its gaps after the first token are within them, over 
 `--output-scale S` and `--eos-mean N` shorten every output as an EOS before max_tokens would
 (workloads.early_eos; prompts kept, the reference length the cap): a sensitivity analysis of
 the paper's unstated output lengths, off by default (the traces generate the references).
-Each effective-throughput line also gives, at the 90% rate, the generated tokens/s (the
-preset's per-request term caps decode at 1 / (n_decode + tokens) = ~573 tokens/s) and the
-share of the cache in use, time-weighted: which of the two binds.
+Each effective-throughput line also gives, at the 90% rate and over the busy time, the
+generated tokens/s (the preset's per-request term caps decode at 1 / (n_decode + tokens) =
+~573 tokens/s), the share of step time in that term, and the share of the cache in use:
+which of the two binds.
 """
 
 from __future__ import annotations
@@ -95,29 +96,36 @@ def trace(workload: str, rate: float, cv: float, requests: int, seed: int,
 
 def attainment(variant: str, workload: str, rate: float, cv: float, requests: int,
                seed: int, eos: EarlyEos = REFERENCE) -> dict:
-    """One simulated trace: SLO attainment and its TTFT and P99 TBT parts, the generated
-    tokens/s and the time-weighted share of the cache in use."""
+    """One simulated trace: SLO attainment and its TTFT and P99 TBT parts; and, over the
+    time the engine is busy (a step's end to the next's while it holds blocks), the
+    generated tokens/s, the share of step time in the per-request term and the share of the
+    cache in use: which of the decode cap and memory binds."""
     policy, hybrid = VARIANTS[variant]
     cfg, _, (ttft, tbt) = setup(PRESET, workload)
     if not hybrid:
         cfg = replace(cfg, hidden_ratio=None)
-    res = simulate(trace(workload, rate, cv, requests, seed, eos), policy,
-                   load_cost_model(PRESET), cfg)
+    cm = load_cost_model(PRESET)
+    seqs = []  # requests in each step
+    res = simulate(trace(workload, rate, cv, requests, seed, eos), policy, cm, cfg,
+                   observe=lambda out: seqs.append(len(out.scheduled)))
     rs = res.requests
-    # Blocks held from one step's end to the next's (idle gaps hold none).
-    held = sum(blocks * (t1 - t0) for (t0, blocks), (t1, _) in itertools.pairwise(res.memory))
+    busy = [(t1 - t0, blocks) for (t0, blocks), (t1, _) in itertools.pairwise(res.memory)
+            if blocks]
+    busy_s = sum(dt for dt, _ in busy) or float("inf")
     return {"attainment": res.attainment(ttft, tbt),
             "ttft_ok": sum(r.ttft <= ttft for r in rs) / len(rs),
             "tbt_ok": sum(r.finished and r.p99_tbt <= tbt for r in rs) / len(rs),
-            "evictions": res.evictions, "tokens_per_s": res.throughput(),
-            "cache_used": held / (res.end_time * cfg.num_blocks) if res.end_time else 0.0}
+            "evictions": res.evictions,
+            "busy_tokens_per_s": sum(len(r.token_times) for r in rs) / busy_s,
+            "per_request_share": sum(seqs) * cm.coefficients["n_decode"] / busy_s,
+            "cache_used": sum(dt * b for dt, b in busy) / busy_s / cfg.num_blocks}
 
 
 def effective_rate(variant: str, workload: str, requests: int, seed: int,
                    bisect_steps: int, eos: EarlyEos = REFERENCE, start: float = 0.25) -> dict:
     """The highest rate with attainment >= 90%: double from `start` to bracket it, then
-    bisect. Returns the rate, the (rate, attainment) points seen, and the generated tokens/s
-    and cache in use at that rate."""
+    bisect. Returns the rate, the (rate, attainment) points seen, and what binds at that rate
+    (attainment's busy-time figures)."""
     seen = {}
     lo, hi = 0.0, start
     while hi < 1e3:
@@ -129,10 +137,10 @@ def effective_rate(variant: str, workload: str, requests: int, seed: int,
         mid = (lo + hi) / 2
         seen[mid] = attainment(variant, workload, mid, 1.0, requests, seed, eos)
         lo, hi = (mid, hi) if seen[mid]["attainment"] >= TARGET else (lo, mid)
-    at = seen.get(lo, {"tokens_per_s": 0.0, "cache_used": 0.0})
+    at = seen.get(lo, {})
     return {"variant": variant, "workload": workload, "rate_at_90": lo,
-            "tokens_per_s_at_90": round(at["tokens_per_s"], 1),
-            "cache_used_at_90": round(at["cache_used"], 3),
+            **{f"{k}_at_90": round(at.get(k, 0.0), 3)
+               for k in ("busy_tokens_per_s", "per_request_share", "cache_used")},
             "curve": [(round(r, 3), round(a["attainment"], 3)) for r, a in sorted(seen.items())]}
 
 
