@@ -47,7 +47,12 @@ from policies import setup  # noqa: E402
 
 from llmdb.engine.costmodel import load_cost_model  # noqa: E402
 from llmdb.engine.research.sim import simulate  # noqa: E402
-from llmdb.engine.research.workloads import EarlyEos, dataset, early_eos  # noqa: E402
+from llmdb.engine.research.workloads import (  # noqa: E402
+    EarlyEos,
+    RequestSpec,
+    dataset,
+    early_eos,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESET = "opt13b-a100"
@@ -88,7 +93,8 @@ REFERENCE = EarlyEos()  # outputs the datasets' reference lengths (the default)
 
 
 def trace(workload: str, rate: float, cv: float, requests: int, seed: int,
-          eos: EarlyEos) -> list:
+          eos: EarlyEos) -> list[RequestSpec]:
+    """The requests every variant runs at this rate: the dataset's, outputs shortened by eos."""
     _, context, _ = setup(PRESET, workload)
     specs = dataset(workload, requests, rate, cv=cv, context=context, seed=seed)
     return early_eos(specs, eos, seed)
@@ -117,6 +123,7 @@ def attainment(variant: str, workload: str, rate: float, cv: float, requests: in
             "tbt_ok": sum(r.finished and r.p99_tbt <= tbt for r in rs) / len(rs),
             "evictions": res.evictions,
             "busy_tokens_per_s": sum(len(r.token_times) for r in rs) / busy_s,
+            # n_decode and n_prefill carry the same per-request term in this preset
             "per_request_share": sum(seqs) * cm.coefficients["n_decode"] / busy_s,
             "cache_used": sum(dt * b for dt, b in busy) / busy_s / cfg.num_blocks}
 
@@ -233,7 +240,7 @@ def main() -> None:
               "bisect_steps": steps, "output_scale": eos.scale, "eos_mean": eos.eos_mean}
     for wl in DATASETS:  # the lengths every variant sees (the same at every rate)
         specs = trace(wl, 1.0, 1.0, requests, args.seed, eos)
-        ref = dataset(wl, requests, 1.0, context=setup(PRESET, wl)[1], seed=args.seed)
+        ref = trace(wl, 1.0, 1.0, requests, args.seed, REFERENCE)
         print(json.dumps({"name": "trace", "workload": wl,
                           "prompt_mean": round(sum(s.prompt_len for s in specs) / requests, 1),
                           "output_mean": round(sum(s.output_len for s in specs) / requests, 1),
