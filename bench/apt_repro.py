@@ -19,11 +19,19 @@ Attainment is counted as Apt-Serve's client counts it: a request meets its SLOs 
 and the 99th percentile of its gaps after the first token are within them, over all requests.
 
 `--quick` runs 300 requests and fewer bisection steps (a minute or so on two cores).
+`--output-scale S` and `--eos-mean N` shorten every output as an EOS before max_tokens would
+(workloads.early_eos; prompts kept, the reference length the cap): a sensitivity analysis of
+the paper's unstated output lengths, off by default (the traces generate the references).
+Each effective-throughput line also gives, at the 90% rate and over the busy time, the
+generated tokens/s (the preset's per-request term caps decode at 1 / (n_decode + tokens) =
+~573 tokens/s), the share of step time in that term, and the share of the cache in use:
+which of the two binds.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -39,7 +47,12 @@ from policies import setup  # noqa: E402
 
 from llmdb.engine.costmodel import load_cost_model  # noqa: E402
 from llmdb.engine.research.sim import simulate  # noqa: E402
-from llmdb.engine.research.workloads import dataset  # noqa: E402
+from llmdb.engine.research.workloads import (  # noqa: E402
+    EarlyEos,
+    RequestSpec,
+    dataset,
+    early_eos,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESET = "opt13b-a100"
@@ -76,43 +89,66 @@ PAPER_TABLE5 = {
 PAPER_RATES = {"sharegpt": (3.0, 6.0), "longbench": (1.5, 3.0)}
 CVS = (1, 5, 10)
 TARGET = 0.9
+REFERENCE = EarlyEos()  # outputs the datasets' reference lengths (the default)
+
+
+def trace(workload: str, rate: float, cv: float, requests: int, seed: int,
+          eos: EarlyEos) -> list[RequestSpec]:
+    """The requests every variant runs at this rate: the dataset's, outputs shortened by eos."""
+    _, context, _ = setup(PRESET, workload)
+    specs = dataset(workload, requests, rate, cv=cv, context=context, seed=seed)
+    return early_eos(specs, eos, seed)
 
 
 def attainment(variant: str, workload: str, rate: float, cv: float, requests: int,
-               seed: int) -> dict:
-    """One simulated trace: SLO attainment and its TTFT and P99 TBT parts."""
+               seed: int, eos: EarlyEos = REFERENCE) -> dict:
+    """One simulated trace: SLO attainment and its TTFT and P99 TBT parts; and, over the
+    time the engine is busy (a step's end to the next's while it holds blocks), the
+    generated tokens/s, the share of step time in the per-request term and the share of the
+    cache in use: which of the decode cap and memory binds."""
     policy, hybrid = VARIANTS[variant]
-    cfg, context, (ttft, tbt) = setup(PRESET, workload)
+    cfg, _, (ttft, tbt) = setup(PRESET, workload)
     if not hybrid:
         cfg = replace(cfg, hidden_ratio=None)
-    specs = dataset(workload, requests, rate, cv=cv, context=context, seed=seed)
-    res = simulate(specs, policy, load_cost_model(PRESET), cfg)
+    cm = load_cost_model(PRESET)
+    seqs = []  # requests in each step
+    res = simulate(trace(workload, rate, cv, requests, seed, eos), policy, cm, cfg,
+                   observe=lambda out: seqs.append(len(out.scheduled)))
     rs = res.requests
+    busy = [(t1 - t0, blocks) for (t0, blocks), (t1, _) in itertools.pairwise(res.memory)
+            if blocks]
+    busy_s = sum(dt for dt, _ in busy) or float("inf")
     return {"attainment": res.attainment(ttft, tbt),
             "ttft_ok": sum(r.ttft <= ttft for r in rs) / len(rs),
             "tbt_ok": sum(r.finished and r.p99_tbt <= tbt for r in rs) / len(rs),
-            "evictions": res.evictions}
+            "evictions": res.evictions,
+            "busy_tokens_per_s": sum(len(r.token_times) for r in rs) / busy_s,
+            # n_decode and n_prefill carry the same per-request term in this preset
+            "per_request_share": sum(seqs) * cm.coefficients["n_decode"] / busy_s,
+            "cache_used": sum(dt * b for dt, b in busy) / busy_s / cfg.num_blocks}
 
 
 def effective_rate(variant: str, workload: str, requests: int, seed: int,
-                   bisect_steps: int, start: float = 0.25) -> dict:
+                   bisect_steps: int, eos: EarlyEos = REFERENCE, start: float = 0.25) -> dict:
     """The highest rate with attainment >= 90%: double from `start` to bracket it, then
-    bisect. Returns the rate and the (rate, attainment) points seen."""
-    seen = []
+    bisect. Returns the rate, the (rate, attainment) points seen, and what binds at that rate
+    (attainment's busy-time figures)."""
+    seen = {}
     lo, hi = 0.0, start
     while hi < 1e3:
-        a = attainment(variant, workload, hi, 1.0, requests, seed)["attainment"]
-        seen.append((hi, a))
-        if a < TARGET:
+        seen[hi] = attainment(variant, workload, hi, 1.0, requests, seed, eos)
+        if seen[hi]["attainment"] < TARGET:
             break
         lo, hi = hi, hi * 2
     for _ in range(bisect_steps):
         mid = (lo + hi) / 2
-        a = attainment(variant, workload, mid, 1.0, requests, seed)["attainment"]
-        seen.append((mid, a))
-        lo, hi = (mid, hi) if a >= TARGET else (lo, mid)
+        seen[mid] = attainment(variant, workload, mid, 1.0, requests, seed, eos)
+        lo, hi = (mid, hi) if seen[mid]["attainment"] >= TARGET else (lo, mid)
+    at = seen.get(lo, {})
     return {"variant": variant, "workload": workload, "rate_at_90": lo,
-            "curve": [(round(r, 3), round(a, 3)) for r, a in sorted(seen)]}
+            **{f"{k}_at_90": round(at.get(k, 0.0), 3)
+               for k in ("busy_tokens_per_s", "per_request_share", "cache_used")},
+            "curve": [(round(r, 3), round(a["attainment"], 3)) for r, a in sorted(seen.items())]}
 
 
 def _call(job: tuple) -> dict:
@@ -128,7 +164,8 @@ def run_all(jobs: list[tuple], workers: int) -> list[dict]:
 
 
 def table_rows(kind: str, paper: dict, ours_rates: dict[str, tuple[float, float]],
-               variants: tuple[str, str], requests: int, seed: int, workers: int) -> list[dict]:
+               variants: tuple[str, str], requests: int, seed: int, workers: int,
+               eos: EarlyEos) -> list[dict]:
     """Attainment of two variants at the paper's (dataset, rate, CV) points and at our
     scaled rates (the same multiples of our vLLM's effective throughput)."""
     points = []
@@ -137,7 +174,7 @@ def table_rows(kind: str, paper: dict, ours_rates: dict[str, tuple[float, float]
         points.append((wl, rate, cv, "paper rate", ref))
         multiple = PAPER_RATES["sharegpt"][k] / PAPER_VLLM_SHAREGPT_RATE
         points.append((wl, ours_rates[wl][k], cv, f"scaled x{multiple:.2f}", ref))
-    jobs = [(attainment, (v, wl, rate, cv, requests, seed))
+    jobs = [(attainment, (v, wl, rate, cv, requests, seed, eos))
             for wl, rate, cv, _, _ in points for v in variants]
     results = iter(run_all(jobs, workers))
     rows = []
@@ -188,16 +225,29 @@ def main() -> None:
     ap.add_argument("--bisect-steps", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--output-scale", type=float, default=1.0,
+                    help="outputs max(1, round(reference x S)) (sensitivity; default 1)")
+    ap.add_argument("--eos-mean", type=float, default=None,
+                    help="each token is EOS with probability 1/N, capped at the reference")
     args = ap.parse_args()
+    eos = EarlyEos(args.output_scale, args.eos_mean)
     requests = args.requests or (300 if args.quick else 1000)
     steps = args.bisect_steps or (4 if args.quick else 6)
     t0 = time.perf_counter()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
                             capture_output=True).stdout.strip()
     config = {"commit": commit, "preset": PRESET, "requests": requests, "seed": args.seed,
-              "bisect_steps": steps}
+              "bisect_steps": steps, "output_scale": eos.scale, "eos_mean": eos.eos_mean}
+    for wl in DATASETS:  # the lengths every variant sees (the same at every rate)
+        specs = trace(wl, 1.0, 1.0, requests, args.seed, eos)
+        ref = trace(wl, 1.0, 1.0, requests, args.seed, REFERENCE)
+        print(json.dumps({"name": "trace", "workload": wl,
+                          "prompt_mean": round(sum(s.prompt_len for s in specs) / requests, 1),
+                          "output_mean": round(sum(s.output_len for s in specs) / requests, 1),
+                          "reference_mean": round(sum(s.output_len for s in ref) / requests, 1),
+                          "config": config}), flush=True)
 
-    jobs = [(effective_rate, (v, wl, requests, args.seed, steps))
+    jobs = [(effective_rate, (v, wl, requests, args.seed, steps, eos))
             for wl in DATASETS for v in VARIANTS]
     eff = {}
     for res in run_all(jobs, args.workers):
@@ -219,9 +269,9 @@ def main() -> None:
     ours_rates = {wl: tuple(eff[("vllm", wl)]["rate_at_90"] * s for s in scale)
                   for wl in PAPER_RATES}
     t4 = table_rows("table4", PAPER_TABLE4, ours_rates, ("apt-kv", "apt"), requests,
-                    args.seed, args.workers)
+                    args.seed, args.workers, eos)
     t5 = table_rows("table5", PAPER_TABLE5, ours_rates, ("fcfs-hybrid", "apt"), requests,
-                    args.seed, args.workers)
+                    args.seed, args.workers, eos)
     for row in t4 + t5:
         print(json.dumps(row), flush=True)
     print_tables(eff, t4, t5)

@@ -15,9 +15,11 @@ from llmdb.engine.research.sim import SimConfig, simulate
 from llmdb.engine.research.workloads import (
     LONGBENCH_DOC_WORDS,
     TOKENS_PER_WORD,
+    EarlyEos,
     RequestSpec,
     arrivals,
     dataset,
+    early_eos,
     humaneval_lengths,
 )
 from llmdb.engine.sched.policies import make_policy
@@ -55,6 +57,55 @@ def test_gamma_arrivals_have_the_requested_rate_and_burstiness(cv):
     gaps = np.diff(t)
     assert gaps.mean() == pytest.approx(0.5, rel=0.05)
     assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.1)
+
+
+def test_early_eos_keeps_prompts_and_arrivals_and_caps_outputs_at_the_reference():
+    ref = dataset("sharegpt", 500, rate=2.0, seed=3)
+    for eos in (EarlyEos(scale=0.25), EarlyEos(eos_mean=64), EarlyEos(0.5, 128)):
+        short = early_eos(ref, eos, seed=3)
+        assert [(s.arrival, s.prompt_len, s.request_id) for s in short] == \
+            [(s.arrival, s.prompt_len, s.request_id) for s in ref]
+        assert all(1 <= s.output_len <= r.output_len for s, r in zip(short, ref, strict=True))
+        assert sum(s.output_len for s in short) < 0.6 * sum(r.output_len for r in ref)
+    scaled = early_eos(ref, EarlyEos(scale=0.5))
+    assert [s.output_len for s in scaled] == [max(1, round(r.output_len * 0.5)) for r in ref]
+    assert early_eos(ref, EarlyEos()) == ref  # the default is the reference trace
+
+
+def test_early_eos_is_the_same_trace_for_every_rate_and_run():
+    """apt_repro builds each variant's trace afresh at each rate it tries: the shortened
+    lengths must not depend on the rate, the call or the other requests."""
+    eos = EarlyEos(eos_mean=64)
+    ref = dataset("longbench", 300, rate=0.5, seed=0)
+    a = early_eos(ref, eos)
+    b = early_eos(dataset("longbench", 300, rate=3.0, seed=0), eos)
+    assert [s.output_len for s in a] == [s.output_len for s in b]
+    assert early_eos(ref[:100], eos) == a[:100]
+    assert [s.output_len for s in a] != [s.output_len for s in early_eos(a, eos, seed=1)]
+    longer = early_eos(dataset("longbench", 300, rate=0.5, seed=0), EarlyEos(eos_mean=128))
+    assert all(s.output_len <= t.output_len for s, t in zip(a, longer, strict=True))
+
+
+@pytest.mark.parametrize("mean", [8.0, 64.0])
+def test_early_eos_lengths_are_geometric_with_the_given_mean(mean):
+    """Uncapped (references far longer than any draw): each token is EOS with probability
+    q = 1 / mean, so lengths have mean 1/q, variance (1 - q) / q^2 and P(1) = q."""
+    n, q = 40_000, 1 / mean
+    ref = [RequestSpec(0.0, 8, 10**9, request_id=f"r{i}") for i in range(n)]
+    lens = np.array([s.output_len for s in early_eos(ref, EarlyEos(eos_mean=mean))])
+    assert lens.min() == 1
+    assert lens.mean() == pytest.approx(mean, rel=0.03)
+    assert lens.var() == pytest.approx((1 - q) / q**2, rel=0.06)
+    assert (lens == 1).mean() == pytest.approx(q, rel=0.1)
+
+
+def test_simulator_generates_the_shortened_outputs():
+    ref = dataset("humaneval", 40, rate=5.0, seed=4)
+    short = early_eos(ref, EarlyEos(eos_mean=16))
+    cfg = SimConfig(num_blocks=915, max_num_batched_tokens=2048, max_prefill_tokens=2048)
+    res = simulate(short, "fcfs", preset("opt13b-a100"), cfg)
+    by_id = {m.request_id: len(m.token_times) for m in res.requests}
+    assert [by_id[s.request_id] for s in short] == [s.output_len for s in short]
 
 
 def _waiting(sched: Scheduler, lengths: list[int]) -> list[Request]:

@@ -4,7 +4,8 @@ Lengths are lognormal with the published mean and standard deviation (moments ma
 clipped to [1, context - 1] for prompts and so that prompt + output fits the context;
 HumanEval's are the real prompts and canonical solutions; arrivals are Poisson or Gamma with
 a given coefficient of variation (CV 1 = Poisson-like, 5 and 10 = bursty), as Apt-Serve's
-client draws them (gaps Gamma with shape 1/CV^2, mean 1/rate).
+client draws them (gaps Gamma with shape 1/CV^2, mean 1/rate). `early_eos` shortens a trace's
+outputs as a model's end-of-sequence token would, the reference length kept as the cap.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import functools
 import gzip
 import json
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -110,6 +112,51 @@ def dataset(name: str, n: int, rate: float, *, cv: float = 1.0, context: int = 2
         raise ValueError(f"unknown workload {name!r}")
     return [RequestSpec(float(t), p, o, priority, f"{priority.lower()}-{i}")
             for i, (t, (p, o)) in enumerate(zip(times, lens, strict=True))]
+
+
+@dataclass(frozen=True)
+class EarlyEos:
+    """How far outputs fall short of the dataset's reference lengths when the client sends
+    max_tokens = the reference but not ignore_eos (Apt-Serve's does), so the model may stop
+    at EOS first. An assumption to test sensitivity against, not a measured distribution:
+    the default (scale 1, no EOS) is the reference lengths themselves."""
+
+    scale: float = 1.0  # output = max(1, round(reference x scale))
+    # Each generated token is EOS with probability 1 / eos_mean (geometric lengths with that
+    # mean, then capped); None: no EOS.
+    eos_mean: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 < self.scale <= 1:
+            raise ValueError(f"output scale must be in (0, 1], got {self.scale}")
+        if self.eos_mean is not None and self.eos_mean <= 1:
+            raise ValueError(f"mean tokens before EOS must exceed 1, got {self.eos_mean}")
+
+    @property
+    def is_reference(self) -> bool:
+        return self.scale == 1 and self.eos_mean is None
+
+
+_EOS_STREAM = 0xE05  # keeps the EOS draws apart from the dataset's own draws under one seed
+
+
+def early_eos(specs: Sequence[RequestSpec], eos: EarlyEos, seed: int = 0) -> list[RequestSpec]:
+    """`specs` with outputs shortened by `eos`, prompts and arrivals unchanged, never longer
+    than the reference. The EOS draw of the i-th request comes from its own generator seeded
+    by (seed, i): every policy and every rate run on the same trace sees the same lengths, and
+    a smaller eos_mean shortens each request at least as much as a larger one (one uniform
+    per request, inverted through the geometric CDF)."""
+    if eos.is_reference:
+        return list(specs)
+    out = []
+    for i, spec in enumerate(specs):
+        n = max(1, round(spec.output_len * eos.scale))
+        if eos.eos_mean is not None:
+            u = 1.0 - np.random.default_rng((seed, _EOS_STREAM, i)).random()  # (0, 1]
+            # P(length >= k) = (1 - q)^(k - 1): the first EOS among tokens 1, 2, ...
+            n = min(n, 1 + math.floor(math.log(u) / math.log1p(-1.0 / eos.eos_mean)))
+        out.append(replace(spec, output_len=n))
+    return out
 
 
 def be_batch(n: int, arrival: float, *, seed: int = 0, batch_index: int = 0,
