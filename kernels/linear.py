@@ -36,9 +36,12 @@ _FP32_ROW_MULTIPLE = 4
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
+    """oneDNN packs bf16 only where the CPU has its bf16 path (AVX-512 or AVX-NE-CONVERT); on an
+    AVX2-only CPU `_reorder_linear_weight` raises, and F.linear converts as it goes."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
             and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 @dataclass(frozen=True)

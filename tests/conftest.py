@@ -1,6 +1,17 @@
 import os
+import sys
+from pathlib import Path
 
+import pytest
 import torch
+
+# The repository's kernels/ directory is llmdb.kernels. With the repository root on sys.path
+# (`python -m pytest` puts the working directory there) it is also a top-level `kernels`, which
+# shadows Hugging Face's package of that name: transformers imports it (5.2x: "cannot import
+# name 'CUDAProperties' from 'kernels'"). So the root leaves sys.path; pytest's importlib
+# mode (pyproject.toml) does not put it back, and llmdb comes from its installed package.
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _ROOT]
 
 # Triton reads TRITON_INTERPRET when a @triton.jit function is defined, so without a GPU the
 # interpreter (CPU tensors) must be chosen before any test module imports a kernel. Setting
@@ -11,9 +22,7 @@ if not torch.cuda.is_available():
 # machine; tests/gpu asks for device="cuda" explicitly.
 os.environ.setdefault("LLMDB_DEVICE", "cpu")
 
-import pytest
-
-from llmdb.engine.engine import LLMEngine
+from llmdb.engine.engine import LLMEngine  # noqa: E402 (after TRITON_INTERPRET is chosen)
 
 
 @pytest.fixture(scope="session")

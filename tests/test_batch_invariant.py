@@ -43,6 +43,31 @@ if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
 DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32]
 
 
+@pytest.fixture(autouse=True)
+def _row_by_row_interpreter_dot(monkeypatch):
+    """Under the interpreter tl.dot is numpy's matmul, i.e. the CPU's BLAS, whose result for a
+    row can depend on the row's place in the tile (OpenBLAS's AVX2 sgemm: rows 6-11 of a tile
+    sum in another order than rows 0-5; its AVX-512 kernels happened not to). A GPU's mma sums
+    a row the same wherever it sits, so here each row of a dot is computed alone: these tests
+    then check the kernels' order of summation, not the host BLAS's."""
+    if CUDA:
+        return
+    import numpy as np
+    from triton.runtime import interpreter
+
+    plain = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.primitive_bitwidth == 8:  # fp8 operands: the interpreter's own conversion
+            return plain(self, a, b, d, input_precision, max_num_imprecise_acc)
+        rows = [np.matmul(a.data[..., i:i + 1, :], b.data, dtype=d.data.dtype)
+                for i in range(a.data.shape[-2])]
+        return interpreter.TensorHandle(np.concatenate(rows, axis=-2) + d.data,
+                                        d.dtype.scalar)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
 def _rand(*shape: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=g).to(DEVICE, dtype)

@@ -31,6 +31,18 @@ from llmdb.engine.research import calibrate as cal
 from llmdb.engine.research import fit
 
 
+@pytest.fixture
+def native_bf16_cpu(monkeypatch):
+    """This machine as one that multiplies bf16 natively, where `LLMEngine()` runs bf16 and
+    its cost model is the built-in default (on an AVX2-only CPU the engine runs fp32, and
+    its default is that default scaled)."""
+    import torch
+
+    from llmdb.engine import hardware
+
+    monkeypatch.setattr(hardware, "default_dtype", lambda: torch.bfloat16)
+
+
 def test_features_of_hand_made_steps():
     assert features([]) == dict.fromkeys(FEATURES, 0.0)
     one = features([Chunk(100, 1, True)])
@@ -172,7 +184,8 @@ def test_fit_recovers_known_coefficients():
     assert all(v >= 0 for v in fitted.values())
 
 
-def test_load_falls_back_to_the_default_and_reads_a_calibrated_file(tmp_path, monkeypatch):
+def test_load_falls_back_to_the_default_and_reads_a_calibrated_file(tmp_path, monkeypatch,
+                                                                   native_bf16_cpu):
     monkeypatch.setenv("LLMDB_CACHE_DIR", str(tmp_path))
     path = cost_model_path()
     assert path == cost_model_path(default_cost_model_key())
@@ -305,7 +318,7 @@ def test_unkeyed_file_of_earlier_versions_serves_the_key_it_was_measured_for(
 
 
 def test_the_builtin_default_serves_the_default_model_in_bf16_on_any_cpu_thread_count(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, native_bf16_cpu):
     monkeypatch.setenv("LLMDB_CACHE_DIR", str(tmp_path))
     two = load_cost_model(key=cost_model_key("smollm2-135m", SMOL_FP, "bf16", "cpu", 2))
     eight = load_cost_model(key=cost_model_key("smollm2-135m", SMOL_FP, "bf16", "cpu", 8))
@@ -313,7 +326,8 @@ def test_the_builtin_default_serves_the_default_model_in_bf16_on_any_cpu_thread_
     assert "built-in default" in eight.source and "8" in eight.source
 
 
-def test_cpu_estimate_for_another_model_or_dtype_is_the_default_scaled(tmp_path, monkeypatch):
+def test_cpu_estimate_for_another_model_or_dtype_is_the_default_scaled(tmp_path, monkeypatch,
+                                                                     native_bf16_cpu):
     monkeypatch.setenv("LLMDB_CACHE_DIR", str(tmp_path))
     default = load_cost_model()
     fp32 = load_cost_model(key=cost_model_key("smollm2-135m", SMOL_FP, "fp32", "cpu", 2))

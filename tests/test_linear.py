@@ -2,9 +2,10 @@
 
 Proved: for bf16 weights of SmolLM2-like shapes, with and without bias, at row counts 0 to
 300, `linear(w, b)(x)` equals `F.linear(x, w, b)` exactly (`torch.equal`; one row padded to
-two) and the weight is held only in oneDNN's packed layout; for fp32 weights nothing is
-packed and the result is exactly F.linear's on rows padded to a multiple of 4; in both, a
-row's result is the same alone as among others (kernels/linear.py, SAME_BITS);
+two) and the weight is held only in oneDNN's packed layout (where the CPU has oneDNN's bf16
+path; elsewhere it stays dense, as fp32); for fp32 weights nothing is packed and the result
+is exactly F.linear's on rows padded to a multiple of 4; in both, a row's result is the
+same alone as among others (kernels/linear.py, SAME_BITS);
 `out_features` is the weight's row count either way.
 """
 
@@ -18,13 +19,16 @@ from llmdb.kernels.linear import linear
 
 SHAPES = [(960, 576), (3072, 576), (576, 1536)]  # [out, in]: qkv-, up- and down-like
 ROWS = [0, 1, 7, 64, 300]
-MKLDNN = torch.backends.mkldnn.is_available()
+# oneDNN packs bf16 where the CPU has its bf16 path (AVX-512 or AVX-NE-CONVERT); an AVX2-only
+# CPU keeps bf16 weights dense, as fp32 ones.
+PACKS_BF16 = (torch.backends.mkldnn.is_available()
+              and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _f_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """F.linear on x's rows padded with copies of the last: bf16 one row to two, fp32 to a
-    multiple of 4."""
-    pad = int(len(x) == 1) if w.dtype == torch.bfloat16 else -len(x) % 4
+    """F.linear on x's rows padded with copies of the last: packed bf16 one row to two,
+    unpacked weights to a multiple of 4."""
+    pad = int(len(x) == 1) if w.dtype == torch.bfloat16 and PACKS_BF16 else -len(x) % 4
     return F.linear(torch.cat([x, x[-1:].expand(pad, -1)]), w, b)[:len(x)]
 
 
@@ -42,8 +46,10 @@ def test_bf16_packed_is_bitwise_f_linear(shape, with_bias):
     w, b, g = _operands(out_f, in_f, torch.bfloat16, with_bias, seed=out_f + in_f)
     lin = linear(w, b)
     assert lin.out_features == out_f
-    if MKLDNN:
+    if PACKS_BF16:
         assert lin.packed is not None and lin.weight is None
+    else:
+        assert lin.packed is None and lin.weight is not None
     for rows in ROWS:
         x = torch.randn(rows, in_f, generator=g).to(torch.bfloat16)
         got, ref = lin(x), _f_linear(x, w, b)
