@@ -9,8 +9,10 @@ in the suite.
 from __future__ import annotations
 
 import multiprocessing
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -29,6 +31,7 @@ from .openai_stub import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
+ROOT = str(Path(__file__).resolve().parent.parent)
 KEY = "fuzz-key"
 MODEL = "smollm2-135m"
 # Small limits keep every generated request cheap; what they refuse is answered 4xx.
@@ -83,7 +86,13 @@ def test_no_operation_answers_5xx(server_url):
     # loading thread, where Hypothesis then refuses to generate floats.
     child = multiprocessing.get_context("spawn").Process(target=fuzz_server,
                                                          args=(server_url,))
-    child.start()
+    # The child imports this module by name, so it needs the repository root first on its
+    # path (spawn hands it this process's), which conftest.py took off ours.
+    sys.path.insert(0, ROOT)
+    try:
+        child.start()
+    finally:
+        sys.path.remove(ROOT)
     child.join(300)
     assert child.exitcode == 0, "the fuzz found a 5xx or failed (its traceback is above)"
 
