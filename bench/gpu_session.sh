@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What a session lent a GPU machine runs there, one step per device call (each call has at
-# most 10 minutes; a session has 30 minutes of device time in all, so the order is by value).
+# most 10 minutes; a session has 15 minutes of device time in all, starts included, so the
+# order is by value: tests, llama1b, llama7b, smollm2, then the rest in later sessions).
 # The recipe is ../shared/gpu/README.md's: wheels for what the device lacks in .whl/
 # (carried), random weights of real shapes built on the device. Results go to $OUT. The copy
 # there has no .git: pass the commit, as in `LLMDB_COMMIT=<hash> bash bench/gpu_session.sh tests`.

@@ -139,6 +139,24 @@ def _zero_weights(shape: random_model.Shape, dtype: torch.dtype):
     return read
 
 
+def skip_dense_linears() -> None:
+    """Linear layers outside the batch-invariant mode are torch's (cuBLAS on a GPU): no Triton
+    kernel, and with nothing launched their results are never read. Computed anyway, in bf16
+    on a CPU without native bf16, they took most of the run (a 7B or 13B layer's GEMMs and a
+    vocabulary projection a step), so they return an uninitialized tensor of their shape: the
+    layout a Triton kernel downstream sees is the same."""
+    from llmdb.kernels.linear import Linear
+
+    compute = Linear.__call__
+
+    def shaped_only(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self.invariant_matmul is not None:  # the Triton matmul: compiled, as the rest
+            return compute(self, x, out)
+        return out if out is not None else x.new_empty(x.shape[0], self.out_features)
+
+    Linear.__call__ = shaped_only
+
+
 def run_shape(name: str, layers: int, dtype: torch.dtype, arch: int, root: Path,
               batch_invariant: bool = False) -> None:
     """The engine's steps on one model: chunked prefills beside decodes, decode steps through
@@ -200,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     driver.set_active(CompileOnlyDriver(GPUTarget("cuda", args.arch, 32)))
     recorder = Recorder(args.arch)
     recorder.install()
+    skip_dense_linears()
     limit = ARCHS[args.arch]["max_shared"]
     failed = 0
     with tempfile.TemporaryDirectory() as tmp:
