@@ -1,12 +1,17 @@
-"""Linear layers whose bf16 weights are packed once into oneDNN's blocked layout.
+"""Linear layers whose weights are packed once into oneDNN's blocked layout.
 
 `F.linear` on a bf16 weight hands it to oneDNN, which reorders it into its blocked layout on
 every call. Packing once at load time (the op torch's own CPU compiler uses after freezing)
 skips that: measured here with SmolLM2's shapes, 5-10% faster at 1,024 rows and 20-50% at
 1-64 rows (decode steps), including the 49k-row vocabulary projection. The results are
 bitwise those of `F.linear` (the same oneDNN kernels; one row padded to two, see SAME_BITS).
-fp32 weights stay with `F.linear` (rows padded to a multiple of 4): it goes to MKL's sgemm
-there, and oneDNN's fp32 kernels differ in the last bits.
+
+fp32 weights are packed too where oneDNN computes a row the same alone and among others
+(checked once per process, _onednn_fp32_rows_independent): `F.linear` takes MKL's sgemm for
+fp32, which on an AVX2-only EPYC (Zen 3, where the engine runs fp32) ran decode-sized
+matmuls at 17-33 GFLOP/s against oneDNN's 75-120 (8-96 rows of 768 x 3,072). The bits differ
+from MKL's in the last places; a row's bits do not depend on the rows beside it either way.
+Elsewhere fp32 stays with `F.linear`, rows padded to a multiple of 4 (SAME_BITS).
 
 On a GPU a Linear is cuBLAS's (`F.linear`), or, made with batch_invariant=True, the Triton
 matmul of kernels/gpu/matmul.py, whose rows do not depend on the rows beside them.
@@ -14,6 +19,7 @@ matmul of kernels/gpu/matmul.py, whose rows do not depend on the rows beside the
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,13 +41,47 @@ _ROWS_HINT = 1024
 _FP32_ROW_MULTIPLE = 4
 
 
+def _onednn() -> bool:
+    return (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def _packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+                   ) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@functools.cache
+def _onednn_fp32_rows_independent() -> bool:
+    """Does oneDNN's packed fp32 give a row the same bits alone, among a few rows and in a
+    prefill-sized batch, on this CPU? It did on the AVX2-only EPYC at every count tried (1 to
+    4,096 rows; SmolLM2's and OPT-125m's layer shapes); kernels for other instruction sets are
+    not known to, so it is asked once, on layer-like shapes, before an fp32 weight is packed."""
+    if not _onednn():
+        return False
+    g = torch.Generator().manual_seed(0)
+    for out_f, in_f in ((192, 576), (96, 1536)):
+        w = torch.randn(out_f, in_f, generator=g)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, _ROWS_HINT)
+        x = torch.randn(1040, in_f, generator=g)
+        together = _packed_matmul(x, packed, None)
+        for start, rows in ((0, 1), (517, 1), (1039, 1), (3, 2), (11, 3), (20, 5), (30, 17),
+                            (64, 64), (100, 300)):
+            if not torch.equal(_packed_matmul(x[start:start + rows], packed, None),
+                               together[start:start + rows]):
+                return False
+    return True
+
+
 def _can_pack(weight: torch.Tensor) -> bool:
-    """oneDNN packs bf16 only where the CPU has its bf16 path (AVX-512 or AVX-NE-CONVERT); on an
-    AVX2-only CPU `_reorder_linear_weight` raises, and F.linear converts as it goes."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """bf16: where the CPU has oneDNN's bf16 path (AVX-512 or AVX-NE-CONVERT; on an AVX2-only
+    CPU `_reorder_linear_weight` raises, and F.linear converts as it goes). fp32: where
+    oneDNN's rows are independent of each other here (module docstring)."""
+    if weight.device.type != "cpu" or not _onednn():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return weight.dtype == torch.float32 and _onednn_fp32_rows_independent()
 
 
 @dataclass(frozen=True)
@@ -66,7 +106,7 @@ class Linear:
             y = self(torch.cat([x, x[-1:].expand(extra, -1)]))[:rows]
             return y if out is None else out.copy_(y)
         if self.packed is not None:
-            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            y = _packed_matmul(x, self.packed, self.bias)
             return y if out is None else out.copy_(y)
         if out is None:
             return F.linear(x, self.weight, self.bias)
@@ -77,7 +117,7 @@ class Linear:
     def _padding(self, rows: int) -> int:
         """Rows to add so that the CPU library computes these rows as it does among others."""
         if self.packed is not None:
-            return 1 if rows == 1 else 0
+            return 1 if rows == 1 and self.packed.dtype == torch.bfloat16 else 0
         return -rows % _FP32_ROW_MULTIPLE
 
 

@@ -1,11 +1,13 @@
-"""kernels/linear.py: the prepacked bf16 Linear is bitwise F.linear; fp32 stays unpacked.
+"""kernels/linear.py: the prepacked bf16 Linear is bitwise F.linear; fp32 is packed where
+oneDNN's rows are independent of each other on this CPU, else F.linear's bits.
 
 Proved: for bf16 weights of SmolLM2-like shapes, with and without bias, at row counts 0 to
 300, `linear(w, b)(x)` equals `F.linear(x, w, b)` exactly (`torch.equal`; one row padded to
 two) and the weight is held only in oneDNN's packed layout (where the CPU has oneDNN's bf16
-path; elsewhere it stays dense, as fp32); for fp32 weights nothing is packed and the result
-is exactly F.linear's on rows padded to a multiple of 4; in both, a row's result is the
-same alone as among others (kernels/linear.py, SAME_BITS);
+path; elsewhere it stays dense); fp32 weights are packed where the CPU's probe allows, and
+agree with F.linear to rounding, else kept dense with exactly F.linear's result on rows
+padded to a multiple of 4; in each, a row's result is the same alone as among others
+(kernels/linear.py, SAME_BITS);
 `out_features` is the weight's row count either way.
 """
 
@@ -15,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from llmdb.kernels import linear as linear_module
 from llmdb.kernels.linear import linear
 
 SHAPES = [(960, 576), (3072, 576), (576, 1536)]  # [out, in]: qkv-, up- and down-like
@@ -23,6 +26,8 @@ ROWS = [0, 1, 7, 64, 300]
 # CPU keeps bf16 weights dense, as fp32 ones.
 PACKS_BF16 = (torch.backends.mkldnn.is_available()
               and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+# fp32 is packed where oneDNN's rows are independent of each other on this CPU (a probe).
+PACKS_FP32 = linear_module._onednn_fp32_rows_independent()
 
 
 def _f_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -58,11 +63,21 @@ def test_bf16_packed_is_bitwise_f_linear(shape, with_bias):
         assert torch.equal(got, ref), f"{shape} bias={with_bias} rows={rows}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def _take(path: str, monkeypatch) -> None:
+    """as_probed: fp32 packed where this CPU's probe allows it; unpacked: fp32 by F.linear
+    (MKL), as on CPUs where it does not. Both paths run on every machine."""
+    if path == "unpacked":
+        monkeypatch.setattr(linear_module, "_onednn_fp32_rows_independent", lambda: False)
+
+
+@pytest.mark.parametrize("dtype,path", [(torch.float32, "as_probed"),
+                                        (torch.float32, "unpacked"),
+                                        (torch.bfloat16, "as_probed")])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_a_row_alone_equals_the_row_among_others(shape, dtype):
+def test_a_row_alone_equals_the_row_among_others(shape, dtype, path, monkeypatch):
     """oneDNN and MKL compute a few rows with kernels that sum in another order; a request
     decoding alone must get the bits it gets in a batch (kernels/linear.py, SAME_BITS)."""
+    _take(path, monkeypatch)
     out_f, in_f = shape
     w, b, g = _operands(out_f, in_f, dtype, True, seed=3)
     lin = linear(w, b)
@@ -84,20 +99,28 @@ def test_bf16_packed_takes_non_contiguous_weight():
     assert torch.equal(lin(x), _f_linear(x, w, None))
 
 
+@pytest.mark.parametrize("path", ["as_probed", "unpacked"])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_fp32_is_not_packed_and_is_exactly_f_linear(shape, with_bias):
+def test_fp32_packed_where_probed_else_exactly_f_linear(shape, with_bias, path, monkeypatch):
+    """Packed, fp32 agrees with F.linear to fp32's rounding (oneDNN sums in another order than
+    MKL); unpacked, it is F.linear's bits on rows padded to a multiple of 4."""
+    _take(path, monkeypatch)
     out_f, in_f = shape
     w, b, g = _operands(out_f, in_f, torch.float32, with_bias, seed=2 * out_f + in_f)
     lin = linear(w, b)
-    assert lin.packed is None
-    assert lin.weight is not None and torch.equal(lin.weight, w)
+    packed = path == "as_probed" and PACKS_FP32
+    assert (lin.packed is not None) == packed and (lin.weight is None) == packed
+    assert packed or torch.equal(lin.weight, w)
     assert lin.out_features == out_f
     for rows in ROWS:
         x = torch.randn(rows, in_f, generator=g)
         got = lin(x)
         assert got.shape == (rows, out_f)
-        assert torch.equal(got, _f_linear(x, w, b))
+        if packed:
+            torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(got, _f_linear(x, w, b))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -113,3 +136,21 @@ def test_out_is_written_in_place_with_the_same_result(dtype, with_bias):
     assert got.data_ptr() == buf.data_ptr()
     torch.testing.assert_close(buf[:7], lin(x), rtol=0, atol=1e-5)
     assert buf[7:].isnan().all()
+
+
+def test_the_probe_refuses_a_kernel_whose_tail_rows_sum_otherwise(monkeypatch):
+    """A kernel that computes the rows past a multiple of 4 differently (as MKL's sgemm does,
+    SAME_BITS) is not packed for: the probe sees a row alone differ from it among others."""
+    probe, real = linear_module._onednn_fp32_rows_independent, linear_module._packed_matmul
+
+    def tails_apart(x, packed, bias):
+        y = real(x, packed, bias)
+        y[len(y) - len(y) % 4:] *= 1 + 2**-20
+        return y
+
+    monkeypatch.setattr(linear_module, "_packed_matmul", tails_apart)
+    probe.cache_clear()
+    try:
+        assert probe() is False
+    finally:
+        probe.cache_clear()  # (the next caller probes the real kernel again)
