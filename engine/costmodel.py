@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -407,11 +406,11 @@ def calibrate_command(key: CostModelKey) -> str:
 
 def default_cost_model_key() -> CostModelKey:
     """The key of `LLMEngine()` on this machine's CPU: the default model, the dtype the
-    engine picks here, as many threads as cores (what the engine sets)."""
-    from .hardware import default_dtype
+    engine picks here, the threads it takes unless told."""
+    from .hardware import default_dtype, default_threads
 
     return cost_model_key(DEFAULT_MODEL, SMOLLM2_FINGERPRINT, default_dtype(), "cpu",
-                          os.cpu_count() or 1)
+                          default_threads())
 
 
 def _slug(text: str) -> str:

@@ -13,7 +13,6 @@ import itertools
 import logging
 import numbers
 import operator
-import os
 import queue
 import random
 import threading
@@ -32,6 +31,7 @@ from .cache.kv_cache import KVCache
 from .compute import run_on_compute_thread, run_on_device
 from .costmodel import engine_cost_model
 from .device import default_dtype, device_name, resolve_device
+from .hardware import default_threads
 from .models import ModelLoadError, load_model
 from .models.gemma import GemmaModel
 from .models.llama import KERNEL_SETS, LlamaModel
@@ -170,7 +170,8 @@ class LLMEngine:
     def _load(self, model: str, threads: int | None, kv_cache_bytes: int | None,
               block_size: int, max_context: int | None, hidden_cache: bool | None,
               batch_invariant: bool) -> int:
-        torch.set_num_threads(threads or os.cpu_count() or 1)
+        self.threads = threads or default_threads()
+        torch.set_num_threads(self.threads)
         loaded = load_model(resolve_model(model))
         self.config, self.tokenizer = loaded.config.serving(max_context), loaded.tokenizer
         if hidden_cache is False:  # (no re-projection weights: a copy of K/V's on the CPU)
@@ -212,6 +213,7 @@ class LLMEngine:
             "arch": c.arch,
             "layers": c.num_layers,
             "device": device_name(self.device),
+            "threads": self.threads,  # torch's, on the compute thread
             "dtype": str(self.dtype).removeprefix("torch."),
             "kernels": self.kernels,
             "cuda_graphs": sorted(graphs.graphs) if graphs is not None else [],

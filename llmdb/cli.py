@@ -116,7 +116,8 @@ def _print_table(table: pa.Table, max_rows: int, fmt: str) -> None:
 DEVICE_HELP = "auto (a CUDA GPU when there is one), cpu, cuda or cuda:N"
 DTYPES = ("auto", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
 DTYPE_HELP = "the engine's dtype (default: auto, the device's best)"
-THREADS_HELP = "CPU threads for the engine (default: all cores)"
+THREADS_HELP = ("CPU threads for the engine (default: OMP_NUM_THREADS where set, else the "
+                "cores this process may use)")
 BATCH_INVARIANT_HELP = ("a request's answer does not depend on the requests batched with it, "
                         "on a GPU too (slower there; the CPU's answers never do)")
 MAX_CONTEXT_HELP = ("the longest prompt plus output served, in tokens (default: the model's "

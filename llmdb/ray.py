@@ -165,6 +165,29 @@ def _dataset(table: pa.Table, rows_per_block: int) -> ray.data.Dataset:
                                 for i in range(0, n, rows_per_block)] or [table])
 
 
+def _spread(rows: ray.data.Dataset | pa.Table, num_workers: int,
+            batch_size: int) -> tuple[ray.data.Dataset, int]:
+    """The rows in blocks, and the batch size, that give every worker a share: Ray hands a
+    worker a whole block at a time, so 64 rows in one block kept one of two workers busy
+    and the other idle. Up to num_workers full batches of rows are cut into one batch a
+    worker, in a block each. A Dataset's row count is taken only where Ray knows it without
+    running anything (an in-memory table, Parquet metadata); otherwise, or where there are
+    more rows, its blocks are left as they are."""
+    if isinstance(rows, pa.Table):
+        count = rows.num_rows
+    else:  # _meta_count: Dataset.count() without its fallback of executing the plan
+        count = getattr(rows, "_meta_count", lambda: None)()
+    if count and count <= num_workers * batch_size:
+        batch_size = -(-count // num_workers)
+        if not isinstance(rows, pa.Table) and rows.num_blocks() < -(-count // batch_size):
+            # Re-blocked before the workers start: once they hold the CPUs, Ray may have
+            # none left for the repartition's tasks (on two CPUs and two workers it hung).
+            rows = rows.repartition(-(-count // batch_size)).materialize()
+    if isinstance(rows, pa.Table):
+        rows = _dataset(rows, batch_size)
+    return rows, batch_size
+
+
 def map_rows(rows: ray.data.Dataset | pa.Table, function: str, *args: Any,
              num_workers: int = 1, batch_size: int = 256, num_cpus: float | None = None,
              num_gpus: float | None = None, mapper: type[RowMapper] = RowMapper,
@@ -174,8 +197,10 @@ def map_rows(rows: ray.data.Dataset | pa.Table, function: str, *args: Any,
     function: "complete", "filter" or "classify", with the arguments and options of the
     DataFrame function of that name; options that are not a call's configure each worker's
     session (model, cache_path, engine options such as device or max_num_seqs). num_cpus
-    and num_gpus are each worker's Ray resources; mapper, a RowMapper subclass, adds work per
-    batch (logging, metrics). Lazy, like every Ray Dataset: the work runs
+    and num_gpus are each worker's Ray resources; on the CPU a worker's engine computes with
+    num_cpus threads (Ray's default: one), so give it the cores it should use. Fewer rows
+    than num_workers x batch_size are shared out evenly. mapper, a RowMapper subclass, adds
+    work per batch (logging, metrics). Lazy, like every Ray Dataset: the work runs
     when the result is consumed (written, iterated or converted); a wrong option, or a
     column the rows lack, raises here what the same call raises in one process.
 
@@ -187,13 +212,15 @@ def map_rows(rows: ray.data.Dataset | pa.Table, function: str, *args: Any,
     Options.from_kwargs(**_split_options(function, options)[1])  # fail here, not in a worker
     schema = rows.schema if isinstance(rows, pa.Table) else rows.schema(fetch_if_missing=False)
     _check_call(function, args, options, None if schema is None else list(schema.names))
-    if isinstance(rows, pa.Table):
-        rows = _dataset(rows, batch_size)
+    rows, batch_size = _spread(rows, num_workers, batch_size)
     resources = {k: v for k, v in (("num_cpus", num_cpus), ("num_gpus", num_gpus))
                  if v is not None}
+    # One batch in flight a worker: with Ray's default of four, the first worker whose
+    # engine had loaded was handed the batches meant for the others, which were still loading.
+    pool = ray.data.ActorPoolStrategy(size=num_workers, max_tasks_in_flight_per_actor=1)
     return rows.map_batches(mapper, fn_constructor_args=(function, args, options),
-                            batch_size=batch_size, batch_format="pyarrow",
-                            compute=ray.data.ActorPoolStrategy(size=num_workers), **resources)
+                            batch_size=batch_size, batch_format="pyarrow", compute=pool,
+                            **resources)
 
 
 def _check_call(function: str, args: tuple, options: dict[str, Any],

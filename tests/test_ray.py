@@ -18,11 +18,13 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+import torch
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'llmdb[ray]')")
 
 import llmdb  # noqa: E402
 import llmdb.ray  # noqa: E402
+from llmdb.engine.compute import run_on_compute_thread  # noqa: E402
 
 from .sql_support import isolated_cache_dir  # noqa: E402
 
@@ -42,8 +44,9 @@ def local_ray(tmp_path_factory):
     # the environment Ray's processes start in (not as a runtime_env, which costs each
     # worker pool 2-4 s to set up), and only while they start.
     with pytest.MonkeyPatch.context() as env:
-        for name, value in {"LLMDB_CACHE_DIR": str(cache), "LLMDB_DEVICE": "cpu",
-                            "OMP_NUM_THREADS": "1"}.items():
+        # (Not OMP_NUM_THREADS: Ray sets it to each worker's CPUs, one here, and the
+        # workers' engines are to take that.)
+        for name, value in {"LLMDB_CACHE_DIR": str(cache), "LLMDB_DEVICE": "cpu"}.items():
             env.setenv(name, value)
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     # The test's RowMapper subclass travels by value: workers cannot import tests/.
@@ -64,12 +67,37 @@ def _expected() -> dict[int, str]:
                     strict=True))
 
 
+class Records(llmdb.ray.RowMapper):
+    """Logs each batch to a file: its names, the rows the model computed and the cache
+    answered, the worker's process and its engine's compute threads."""
+
+    log_dir: str = ""
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        before = self.session.total.model_rows, self.session.total.cache_hits
+        out = super().__call__(batch)
+        names = batch.column("name").to_pylist()
+        self.log({"names": names, "model_rows": self.session.total.model_rows - before[0],
+                  "cache_hits": self.session.total.cache_hits - before[1], "pid": os.getpid(),
+                  "threads": run_on_compute_thread(torch.get_num_threads)}, names)
+        return out
+
+    def log(self, record: dict, names: list[str]) -> None:
+        with open(Path(self.log_dir) / "batches.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
 def test_map_rows_equals_the_in_process_call(local_ray, tmp_path):
+    Records.log_dir = str(tmp_path)
+    # The default batch of 256 rows: the six are shared out, three a worker.
     out = llmdb.ray.map_rows(_rows(), "complete", "Write a one-line greeting for {name}.",
-                             num_workers=2, batch_size=BATCH,
-                             cache_path=str(tmp_path / "r.sqlite"),
-                             **OPTIONS)
+                             num_workers=2, cache_path=str(tmp_path / "r.sqlite"),
+                             mapper=Records, **OPTIONS)
     table = llmdb.ray.to_arrow(out)
+    batches = [json.loads(line) for line in open(tmp_path / "batches.jsonl")]
+    assert sorted(len(b["names"]) for b in batches) == [BATCH, BATCH]
+    assert len({b["pid"] for b in batches}) == 2, batches  # each worker took one
+    assert {b["threads"] for b in batches} == {1}  # the one CPU Ray gave each worker
     assert table.column_names == ["id", "name", "completion"]  # no error column unless asked
     got = dict(zip(table.column("id").to_pylist(), table.column("completion").to_pylist(),
                    strict=True))
@@ -81,27 +109,18 @@ def test_map_rows_equals_the_in_process_call(local_ray, tmp_path):
     con.close()
 
 
-class DiesOnce(llmdb.ray.RowMapper):
-    """Logs each batch's counters to a file; the worker that computes the batch holding
-    "Donald" dies (SIGKILL-like os._exit) the first time, after its rows are computed and
-    cached and before Ray gets them."""
+class DiesOnce(Records):
+    """Records each batch; the worker that computes the batch holding "Donald" dies
+    (SIGKILL-like os._exit) the first time, after its rows are computed and cached and
+    before Ray gets them."""
 
-    log_dir: str = ""
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        before = self.session.total.model_rows, self.session.total.cache_hits
-        out = super().__call__(batch)
-        names = batch.column("name").to_pylist()
-        record = {"names": names, "model_rows": self.session.total.model_rows - before[0],
-                  "cache_hits": self.session.total.cache_hits - before[1], "pid": os.getpid()}
+    def log(self, record: dict, names: list[str]) -> None:
         marker = Path(self.log_dir) / "died"
-        with open(Path(self.log_dir) / "batches.jsonl", "a") as f:
-            f.write(json.dumps({**record, "died": "Donald" in names and not marker.exists()})
-                    + "\n")
-        if "Donald" in names and not marker.exists():
+        dies = "Donald" in names and not marker.exists()
+        super().log({**record, "died": dies}, names)
+        if dies:
             marker.touch()
             os._exit(1)
-        return out
 
 
 def test_a_killed_worker_loses_no_row_and_recomputes_nothing(local_ray, tmp_path):
@@ -286,3 +305,23 @@ def test_a_failed_row_under_raise_is_llmdbs_error_on_the_driver(local_ray, tmp_p
     assert isinstance(ray_own.value, ray.exceptions.RayTaskError)
     assert isinstance(ray_own.value, ray.exceptions.UserCodeException)
     assert str(in_process.value) in str(ray_own.value)
+
+
+def test_few_rows_are_shared_out_one_block_a_worker(local_ray):
+    def spread(rows, workers=2, batch=256):
+        dataset, batch = llmdb.ray._spread(rows, workers, batch)
+        return dataset.num_blocks(), batch
+
+    table = pa.table({"n": list(range(64))})
+    assert spread(table) == (2, 32)
+    assert spread(table, workers=3) == (3, 22)
+    # from_query's one block of 64 rows (Ray knows its count) is cut before the workers start.
+    con = llmdb.connect(cache=False)
+    con.register("t", table)
+    assert spread(llmdb.ray.from_query(con, "SELECT n FROM t")) == (2, 32)
+    # Enough rows for full batches: as given.
+    assert spread(pa.table({"n": list(range(600))})) == (3, 256)
+    # A dataset whose count Ray would have to compute: its blocks as given.
+    lazy = ray.data.from_arrow(table).map_batches(lambda b: b, batch_format="pyarrow")
+    dataset, batch = llmdb.ray._spread(lazy, 2, 256)
+    assert dataset is lazy and batch == 256
