@@ -20,7 +20,7 @@ def default_dtype() -> torch.dtype:
 def default_threads() -> int:
     """The compute threads an engine takes unless told: OMP_NUM_THREADS where it is set
     (Ray sets it to an actor's CPUs: two engine workers on two cores then take one thread
-    each, where taking every core each made a job 1.5x slower), else the CPUs this process
+    each, where taking every core each made a job 1.4x slower), else the CPUs this process
     may run on (a taskset or a container's cpuset, where os.cpu_count() counts the machine)."""
     omp = os.environ.get("OMP_NUM_THREADS", "")
     if omp.isdigit() and int(omp) > 0:
