@@ -69,10 +69,14 @@ def load_library() -> ctypes.CDLL | None:
     for name in ("llmdb_row_attention_f32", "llmdb_row_attention_bf16"):
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = None
-    lib.llmdb_rms_norm_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [
-        ctypes.c_float, ctypes.c_int]
-    lib.llmdb_silu_mul_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [
-        ctypes.c_int]
+    for name in ("llmdb_rms_norm_bf16", "llmdb_rms_norm_f32"):
+        getattr(lib, name).argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [
+            ctypes.c_float, ctypes.c_int]
+        getattr(lib, name).restype = None
+    for name in ("llmdb_silu_mul_bf16", "llmdb_silu_mul_f32"):
+        getattr(lib, name).argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [
+            ctypes.c_int]
+        getattr(lib, name).restype = None
     for name in ("llmdb_gumbel_argmax_bf16", "llmdb_gumbel_argmax_f32"):
         getattr(lib, name).argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [
             ctypes.c_void_p] * 6 + [ctypes.c_float] * 2 + [ctypes.c_void_p, ctypes.c_int]
@@ -125,22 +129,27 @@ def row_attention(
        scale, window, softcap, torch.get_num_threads(), out.data_ptr())
 
 
-def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Contiguous bf16 x [rows, dim] -> bf16 [rows, dim]; see csrc/elementwise.cpp."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Contiguous bf16 or fp32 x [rows, dim] -> [rows, dim] of its dtype, weight of the same
+    dtype; see csrc/elementwise.cpp."""
     _check_cpu(x, weight)
+    lib = load_library()
+    fn = {torch.float32: lib.llmdb_rms_norm_f32, torch.bfloat16: lib.llmdb_rms_norm_bf16}[x.dtype]
     out = torch.empty_like(x)
-    load_library().llmdb_rms_norm_bf16(x.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                                       x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    fn(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
+       torch.get_num_threads())
     return out
 
 
-def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:
-    """Contiguous bf16 [rows, 2 * ffn] -> bf16 silu(gate) * up [rows, ffn]."""
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Contiguous bf16 or fp32 [rows, 2 * ffn] -> silu(gate) * up [rows, ffn] of its dtype."""
     _check_cpu(gate_up)
+    lib = load_library()
+    fn = {torch.float32: lib.llmdb_silu_mul_f32,
+          torch.bfloat16: lib.llmdb_silu_mul_bf16}[gate_up.dtype]
     rows, ffn = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, ffn, dtype=gate_up.dtype)
-    load_library().llmdb_silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), rows, ffn,
-                                       torch.get_num_threads())
+    fn(gate_up.data_ptr(), out.data_ptr(), rows, ffn, torch.get_num_threads())
     return out
 
 

@@ -1,12 +1,13 @@
 """RMSNorm and gated MLP activations (SwiGLU's silu(gate) * up, GeGLU's gelu(gate) * up):
-torch references and fused bf16 fast paths."""
+torch references and fused C++ fast paths for bf16 and fp32 on the CPU."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from .cpu_ext import load_library, rms_norm_bf16, silu_mul_bf16
+from . import cpu_ext
+from .cpu_ext import load_library
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -37,14 +38,18 @@ def gelu_tanh_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 def _fast(*tensors: torch.Tensor) -> bool:
     # A CUDA tensor must never reach the C++ kernels, which read raw host pointers.
-    return (all(t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.is_contiguous()
-                for t in tensors)
+    dtype = tensors[0].dtype
+    return (dtype in (torch.bfloat16, torch.float32)
+            and all(t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
+                    for t in tensors)
             and tensors[0].dim() == 2 and load_library() is not None)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return rms_norm_bf16(x, weight, eps) if _fast(x, weight) else rms_norm_reference(x, weight, eps)
+    if _fast(x, weight):
+        return cpu_ext.rms_norm(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    return silu_mul_bf16(gate_up) if _fast(gate_up) else silu_mul_reference(gate_up)
+    return cpu_ext.silu_mul(gate_up) if _fast(gate_up) else silu_mul_reference(gate_up)
