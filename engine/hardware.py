@@ -22,9 +22,13 @@ def default_threads() -> int:
     (Ray sets it to an actor's CPUs: two engine workers on two cores then take one thread
     each, where taking every core each made a job 1.4x slower), else the CPUs this process
     may run on (a taskset or a container's cpuset, where os.cpu_count() counts the machine)."""
-    omp = os.environ.get("OMP_NUM_THREADS", "")
-    if omp.isdigit() and int(omp) > 0:
-        return int(omp)
+    # OpenMP reads "4,2" (nested levels) as 4 threads at the outer level, as here.
+    try:
+        omp = int(os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip())
+    except ValueError:
+        omp = 0
+    if omp > 0:
+        return omp
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1

@@ -37,7 +37,8 @@ _ROWS_HINT = 1024
 # tokens than in a batch: 8 of 24 greedy bf16 answers differed. So one bf16 row is computed
 # as two, and fp32 rows in multiples of 4 (the extra rows copies of the last): a row's
 # answer does not depend on the rows beside it. (bf16 pads only the one row: padding every
-# step's rows would copy each matmul's input, ~5% of a 400-row decode step here.)
+# step's rows would copy each matmul's input, ~5% of a 400-row decode step here.) Packed
+# fp32 is not padded: it is packed only where its rows proved independent (the probe).
 _FP32_ROW_MULTIPLE = 4
 
 

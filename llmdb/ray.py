@@ -179,10 +179,11 @@ def _spread(rows: ray.data.Dataset | pa.Table, num_workers: int,
         count = getattr(rows, "_meta_count", lambda: None)()
     if count and count <= num_workers * batch_size:
         batch_size = -(-count // num_workers)
-        if not isinstance(rows, pa.Table) and rows.num_blocks() < -(-count // batch_size):
+        batches = -(-count // batch_size)
+        if not isinstance(rows, pa.Table) and rows.num_blocks() < batches:
             # Re-blocked before the workers start: once they hold the CPUs, Ray may have
             # none left for the repartition's tasks (on two CPUs and two workers it hung).
-            rows = rows.repartition(-(-count // batch_size)).materialize()
+            rows = rows.repartition(batches).materialize()
     if isinstance(rows, pa.Table):
         rows = _dataset(rows, batch_size)
     return rows, batch_size
@@ -198,11 +199,13 @@ def map_rows(rows: ray.data.Dataset | pa.Table, function: str, *args: Any,
     DataFrame function of that name; options that are not a call's configure each worker's
     session (model, cache_path, engine options such as device or max_num_seqs). num_cpus
     and num_gpus are each worker's Ray resources; on the CPU a worker's engine computes with
-    num_cpus threads (Ray's default: one), so give it the cores it should use. Fewer rows
-    than num_workers x batch_size are shared out evenly. mapper, a RowMapper subclass, adds
-    work per batch (logging, metrics). Lazy, like every Ray Dataset: the work runs
-    when the result is consumed (written, iterated or converted); a wrong option, or a
-    column the rows lack, raises here what the same call raises in one process.
+    num_cpus threads (Ray's default: one; Ray gives a worker OMP_NUM_THREADS = its CPUs unless
+    it was set where Ray started, and then that), so give it the cores it should use. Fewer
+    rows than num_workers x batch_size are shared out evenly (a Dataset whose row count Ray
+    knows is then re-blocked here, which reads it). mapper, a RowMapper subclass, adds work
+    per batch (logging, metrics). Lazy, like every Ray Dataset: the model's work runs when the
+    result is consumed (written, iterated or converted); a wrong option, or a column the
+    rows lack, raises here what the same call raises in one process.
 
     error_column="error" (an option of the DataFrame functions) adds a column with the error
     of each row that failed under on_error='null', NULL for the others: the only way the

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmdb.kernels import elementwise
+from llmdb.kernels import cpu_ext, elementwise
 from llmdb.kernels.elementwise import (
     rms_norm,
     rms_norm_reference,
@@ -55,6 +55,18 @@ def test_silu_mul_fp32(rows, ffn):
     gate_up = torch.randn(rows, 2 * ffn) * 4
     torch.testing.assert_close(silu_mul(gate_up), silu_mul_reference(gate_up),
                                atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_both_dtypes_take_the_cpp_kernels(monkeypatch, dtype):
+    calls = []
+    for name in ("rms_norm", "silu_mul"):
+        real = getattr(cpu_ext, name)
+        monkeypatch.setattr(cpu_ext, name,
+                            lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    rms_norm(torch.randn(3, 64).to(dtype), torch.randn(64).to(dtype), 1e-5)
+    silu_mul(torch.randn(3, 128).to(dtype))
+    assert calls == ["rms_norm", "silu_mul"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -13,12 +13,15 @@ def test_omp_num_threads_where_set(monkeypatch):
     assert default_threads() == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert default_threads() == 3
+    for outer_four in ("4,2", " 4"):  # as OpenMP reads them: nested levels, spaces
+        monkeypatch.setenv("OMP_NUM_THREADS", outer_four)
+        assert default_threads() == 4
 
 
 def test_else_the_cpus_this_process_may_run_on(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert default_threads() == len(os.sched_getaffinity(0))
-    for unusable in ("", "0", "two", "4,2"):  # (libgomp's nested list is not a count)
+    for unusable in ("", "0", "-1", "two", "\u00b2"):  # ("²": a digit int() refuses)
         monkeypatch.setenv("OMP_NUM_THREADS", unusable)
         assert default_threads() == len(os.sched_getaffinity(0))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # a taskset of one CPU

@@ -138,6 +138,7 @@ def test_out_is_written_in_place_with_the_same_result(dtype, with_bias):
     assert buf[7:].isnan().all()
 
 
+@pytest.mark.skipif(not linear_module._onednn(), reason="torch has no oneDNN here")
 def test_the_probe_refuses_a_kernel_whose_tail_rows_sum_otherwise(monkeypatch):
     """A kernel that computes the rows past a multiple of 4 differently (as MKL's sgemm does,
     SAME_BITS) is not packed for: the probe sees a row alone differ from it among others."""

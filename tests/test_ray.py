@@ -44,10 +44,11 @@ def local_ray(tmp_path_factory):
     # the environment Ray's processes start in (not as a runtime_env, which costs each
     # worker pool 2-4 s to set up), and only while they start.
     with pytest.MonkeyPatch.context() as env:
-        # (Not OMP_NUM_THREADS: Ray sets it to each worker's CPUs, one here, and the
-        # workers' engines are to take that.)
         for name, value in {"LLMDB_CACHE_DIR": str(cache), "LLMDB_DEVICE": "cpu"}.items():
             env.setenv(name, value)
+        # Ray sets OMP_NUM_THREADS to each worker's CPUs, one here, only where the driver has
+        # not set it; the workers' engines are to take that.
+        env.delenv("OMP_NUM_THREADS", raising=False)
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     # The test's RowMapper subclass travels by value: workers cannot import tests/.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
