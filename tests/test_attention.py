@@ -47,7 +47,14 @@ def _random_batch(seed: int, heads: int, kv_heads: int, dim: int, dtype: torch.d
     return q, k_cache, v_cache, batch
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32), (8, 1, 16)])
+# The kernel's compiled shapes (head dim 64 or 128 with groups of 1 to 8 query heads a K/V
+# head: SmolLM2, Llama-3.2-1B, Llama-2-7B, Qwen) and generic ones.
+KERNEL_SHAPES = [(9, 3, 64), (4, 4, 64), (4, 2, 64), (8, 2, 64), (16, 2, 64), (8, 8, 128),
+                 (32, 8, 128), (16, 2, 128)]
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim",
+                         [*KERNEL_SHAPES, (4, 4, 32), (8, 1, 16), (6, 2, 40)])
 @pytest.mark.parametrize("cpp", [True, False])
 def test_fast_path_equals_reference_fp32(monkeypatch, heads, kv_heads, dim, cpp):
     _take_path(monkeypatch, cpp, heads, kv_heads, dim)
@@ -56,6 +63,25 @@ def test_fast_path_equals_reference_fp32(monkeypatch, heads, kv_heads, dim, cpp)
         ref = paged_attention_reference(q, k, v, batch, dim**-0.5)
         fast = paged_attention(q, k, v, batch, dim**-0.5)
         torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_alone_equals_it_among_others(monkeypatch, heads, kv_heads, dim, dtype):
+    """The C++ kernel computes each query row on its own: a decode, or one position of a
+    prefill chunk, gives the same bits alone as among the step's other rows."""
+    _take_path(monkeypatch, True, heads, kv_heads, dim)
+    q, k, v, batch = _random_batch(4, heads, kv_heads, dim, dtype)
+    together = paged_attention(q, k, v, batch, dim**-0.5)
+    starts = batch.query_start_loc.tolist()
+    for i in range(len(starts) - 1):
+        ctx = int(batch.seq_lens[i])
+        table = batch.block_tables[i].tolist()[: -(-ctx // BLOCK)]
+        for row in sorted({starts[i], starts[i + 1] - 1}):
+            row_ctx = ctx - (starts[i + 1] - 1 - row)  # causal: its own visible keys
+            one = AttentionBatch.build([1], [row_ctx], [table], BLOCK)
+            alone = paged_attention(q[row : row + 1], k, v, one, dim**-0.5)
+            assert torch.equal(alone, together[row : row + 1]), (i, row)
 
 
 def test_fast_path_close_to_reference_bf16():
