@@ -14,11 +14,6 @@
 
 namespace {
 
-inline float load(float x) { return x; }
-inline float load(uint16_t x) { return bf16_to_float(x); }
-inline void store(float x, float* out) { *out = x; }
-inline void store(float x, uint16_t* out) { *out = float_to_bf16(x); }
-
 // One head of `dim` values: its first 2 * half rotate (rotate-half layout), the rest pass.
 template <typename T>
 inline void rotate_head(const T* src, const float* cos, const float* sin, int64_t half,

@@ -18,10 +18,17 @@
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t x) { return bf16_to_float(x); }
-inline void from_float(float x, float* out) { *out = x; }
-inline void from_float(float x, uint16_t* out) { *out = float_to_bf16(x); }
+
+#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
+// Four keys' scores written, and the running maximum taken over them.
+inline void store_scores(__m128 dots, float* dst, float& mx) {
+  _mm_storeu_ps(dst, dots);
+  __m128 m = _mm_max_ps(dots, _mm_movehl_ps(dots, dots));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  const float best = _mm_cvtss_f32(m);
+  mx = best > mx ? best : mx;
+}
+#endif
 
 #if defined(__AVX512BF16__)
 // [sum(a), sum(b), sum(c), sum(d)] of four 16-lane vectors: pairs interleaved and added
@@ -82,7 +89,7 @@ void attend_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
   float mx[kMaxGroup];
   for (int64_t g = 0; g < group; ++g) {
     const T* qs = q + (h * group + g) * dim;
-    for (int64_t d = 0; d < dim; ++d) qf[g][d] = to_float(qs[d]) * scale;
+    for (int64_t d = 0; d < dim; ++d) qf[g][d] = load(qs[d]) * scale;
     for (int64_t d = 0; d < dim; ++d) acc[g][d] = 0.f;
     mx[g] = -INFINITY;
   }
@@ -117,12 +124,8 @@ void attend_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
             acc[i] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], k[i][0]);
             acc[i] = _mm512_dpbf16_ps(acc[i], qv[g][1], k[i][1]);
           }
-          const __m128 dots = _mm_mul_ps(sum4(acc[0], acc[1], acc[2], acc[3]), scale4);
-          _mm_storeu_ps(scores + g * ctx + start + o, dots);
-          __m128 m = _mm_max_ps(dots, _mm_movehl_ps(dots, dots));
-          m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-          const float best = _mm_cvtss_f32(m);
-          mx[g] = best > mx[g] ? best : mx[g];
+          store_scores(_mm_mul_ps(sum4(acc[0], acc[1], acc[2], acc[3]), scale4),
+                       scores + g * ctx + start + o, mx[g]);
         }
       }
       for (; o < n; ++o) {
@@ -160,12 +163,7 @@ void attend_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
             a2 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k0 + 2 * stride + 8 * c), a2);
             a3 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k0 + 3 * stride + 8 * c), a3);
           }
-          const __m128 dots = sum4(a0, a1, a2, a3);
-          _mm_storeu_ps(scores + g * ctx + start + o, dots);
-          __m128 m = _mm_max_ps(dots, _mm_movehl_ps(dots, dots));
-          m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-          const float best = _mm_cvtss_f32(m);
-          mx[g] = best > mx[g] ? best : mx[g];
+          store_scores(sum4(a0, a1, a2, a3), scores + g * ctx + start + o, mx[g]);
         }
       }
       for (; o < n; ++o) {
@@ -189,7 +187,7 @@ void attend_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
       const T* kb = k_cache + (table[blk] * block_size * kv_heads + h) * dim;
       for (int64_t o = 0; o < n; ++o) {
         const T* kr = kb + o * stride;
-        for (int64_t d = 0; d < dim; ++d) row[d] = to_float(kr[d]);
+        for (int64_t d = 0; d < dim; ++d) row[d] = load(kr[d]);
         for (int64_t g = 0; g < group; ++g) {
           float dot = 0.f;
           for (int64_t d = 0; d < dim; ++d) dot += qf[g][d] * row[d];
@@ -260,7 +258,7 @@ void attend_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
     const T* vb = v_cache + (table[blk] * block_size * kv_heads + h) * dim;
     for (int64_t o = 0; o < n; ++o) {
       const T* vr = vb + o * stride;
-      for (int64_t d = 0; d < dim; ++d) row[d] = to_float(vr[d]);
+      for (int64_t d = 0; d < dim; ++d) row[d] = load(vr[d]);
       for (int64_t g = 0; g < group; ++g) {
         const float p = scores[g * ctx + start + o];
         for (int64_t d = 0; d < dim; ++d) acc[g][d] += p * row[d];
@@ -269,7 +267,7 @@ void attend_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
   }
   for (int64_t g = 0; g < group; ++g) {
     T* o = out + (h * group + g) * dim;
-    for (int64_t d = 0; d < dim; ++d) from_float(acc[g][d] * inv[g], &o[d]);
+    for (int64_t d = 0; d < dim; ++d) store(acc[g][d] * inv[g], &o[d]);
   }
 }
 
