@@ -53,15 +53,21 @@ def load_library() -> ctypes.CDLL | None:
             # Compiled with -ffast-math, linked without it: at link time GCC adds
             # crtfastmath.o, whose constructor turns on flush-to-zero in the thread that
             # loads the library, the user's (their subnormal floats would become 0).
-            cmds = [[compiler, *COMPILE_FLAGS, *(["-fno-fast-math"] if s.name in EXACT_SOURCES
-                                                 else []), "-c", str(s), "-o", o]
-                    for s, o in zip(SOURCES, objects, strict=True)]
-            cmds.append([compiler, "-shared", "-fopenmp", *objects, "-o", str(out)])
-            try:
-                for cmd in cmds:
-                    subprocess.run(cmd, check=True, capture_output=True, text=True)
-            except subprocess.CalledProcessError as e:
-                raise RuntimeError(f"building the C++ kernels failed:\n{e.stderr}") from e
+            compiles = [[compiler, *COMPILE_FLAGS, *(["-fno-fast-math"]
+                                                    if s.name in EXACT_SOURCES else []),
+                         "-c", str(s), "-o", o] for s, o in zip(SOURCES, objects, strict=True)]
+            # The sources compile side by side (the attention kernel's fixed shapes take
+            # most of the build), then link.
+            procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True) for cmd in compiles]
+            stderr = [p.communicate()[1] for p in procs]
+            errors = [err for p, err in zip(procs, stderr, strict=True) if p.returncode]
+            if not errors:
+                link = subprocess.run([compiler, "-shared", "-fopenmp", *objects, "-o", str(out)],
+                                      capture_output=True, text=True)
+                errors = [link.stderr] if link.returncode else []
+            if errors:
+                raise RuntimeError("building the C++ kernels failed:\n" + "\n".join(errors))
             os.replace(out, lib_path)  # atomic: concurrent builders never see half a file
     lib = ctypes.CDLL(str(lib_path))
     args = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [

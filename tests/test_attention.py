@@ -47,10 +47,12 @@ def _random_batch(seed: int, heads: int, kv_heads: int, dim: int, dtype: torch.d
     return q, k_cache, v_cache, batch
 
 
-# The kernel's compiled shapes (head dim 64 or 128 with groups of 1 to 8 query heads a K/V
-# head: SmolLM2, Llama-3.2-1B, Llama-2-7B, Qwen) and generic ones.
-KERNEL_SHAPES = [(9, 3, 64), (4, 4, 64), (4, 2, 64), (8, 2, 64), (16, 2, 64), (8, 8, 128),
-                 (32, 8, 128), (16, 2, 128)]
+# Shapes the kernel compiles (query heads, K/V heads, head dim; csrc/row_attention.cpp's
+# pick): SmolLM2, Llama-3.2-1B, Qwen2.5-0.5B, Phi-3, Llama-2-7B, Llama-3-8B, Qwen2.5-1.5B and
+# -7B, Gemma 2, and groups of 1, 2, 5 and 8.
+KERNEL_SHAPES = [(9, 3, 64), (8, 2, 64), (14, 2, 64), (4, 4, 96), (8, 8, 128), (32, 8, 128),
+                 (12, 2, 128), (14, 2, 128), (8, 4, 256), (16, 2, 256), (4, 4, 64), (4, 2, 64),
+                 (10, 2, 64), (16, 2, 64), (16, 2, 128)]
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim",

@@ -18,7 +18,6 @@
 
 namespace {
 
-
 #if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
 // Four keys' scores written, and the running maximum taken over them.
 inline void store_scores(__m128 dots, float* dst, float& mx) {
@@ -59,12 +58,38 @@ template <typename T, int DIM, int GROUP>
 constexpr bool kAvx2F32 = std::is_same_v<T, float> && DIM > 0 && DIM % 8 == 0 &&
                           GROUP > 0 && GROUP <= 12;
 
-// Accumulator vectors per query head in one pass of P x V: the group's accumulators and a
-// V chunk fit AVX2's 16 registers, and the pass covers a whole number of the head's chunks.
-constexpr int pv_width(int chunks, int group) {
-  int w = chunks;
-  while (w > 1 && (group * w > 12 || chunks % w != 0)) --w;
-  return w;
+// Vectors of 8 per query head in one pass of P x V: the group's accumulators (group x w)
+// stay within AVX2's 16 registers beside the broadcast weight and a V vector.
+constexpr int pv_width(int group) { return 12 / group; }
+
+// out[:, d0 : d0 + 8W] of the group's heads = sum over keys t of p[g][t] V[t, d0 : d0 + 8W],
+// times inv[g]: the accumulators stay in registers over every key, and each output element
+// sums its keys in order.
+template <int GROUP, int W>
+void pv_slice(const float* v_cache, const int64_t* table, int64_t ctx, int64_t block_size,
+              int64_t kv_heads, int64_t h, int64_t dim, int64_t d0, const float* scores,
+              const float* inv, float* out) {
+  const int64_t stride = kv_heads * dim;
+  __m256 sum[GROUP][W];
+  for (int g = 0; g < GROUP; ++g)
+    for (int w = 0; w < W; ++w) sum[g][w] = _mm256_setzero_ps();
+  for (int64_t start = 0, blk = 0; start < ctx; start += block_size, ++blk) {
+    const int64_t n = ctx - start < block_size ? ctx - start : block_size;
+    const float* vb = v_cache + (table[blk] * block_size * kv_heads + h) * dim + d0;
+    for (int64_t o = 0; o < n; ++o) {
+      __m256 v[W];
+      for (int w = 0; w < W; ++w) v[w] = _mm256_loadu_ps(vb + o * stride + 8 * w);
+      for (int g = 0; g < GROUP; ++g) {
+        const __m256 p = _mm256_broadcast_ss(scores + g * ctx + start + o);
+        for (int w = 0; w < W; ++w) sum[g][w] = _mm256_fmadd_ps(p, v[w], sum[g][w]);
+      }
+    }
+  }
+  for (int g = 0; g < GROUP; ++g) {
+    float* o = out + (h * GROUP + g) * dim + d0;
+    const __m256 scale_g = _mm256_set1_ps(inv[g]);
+    for (int w = 0; w < W; ++w) _mm256_storeu_ps(o + 8 * w, _mm256_mul_ps(sum[g][w], scale_g));
+  }
 }
 #endif
 
@@ -224,32 +249,15 @@ void attend_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
   }
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (kAvx2F32<T, DIM, GROUP>) {
-    // P x V a slice of the head at a time, the group's accumulators held in registers over
-    // every key (each output element sums its keys in order, as below).
-    constexpr int C = DIM / 8, W = pv_width(C, GROUP);
-    for (int c0 = 0; c0 < C; c0 += W) {
-      __m256 sum[GROUP][W];
-      for (int g = 0; g < GROUP; ++g)
-        for (int w = 0; w < W; ++w) sum[g][w] = _mm256_setzero_ps();
-      for (int64_t start = 0, blk = 0; start < ctx; start += block_size, ++blk) {
-        const int64_t n = ctx - start < block_size ? ctx - start : block_size;
-        const float* vb = reinterpret_cast<const float*>(v_cache) +
-                          (table[blk] * block_size * kv_heads + h) * DIM + 8 * c0;
-        for (int64_t o = 0; o < n; ++o) {
-          __m256 v[W];
-          for (int w = 0; w < W; ++w) v[w] = _mm256_loadu_ps(vb + o * stride + 8 * w);
-          for (int g = 0; g < GROUP; ++g) {
-            const __m256 p = _mm256_broadcast_ss(scores + g * ctx + start + o);
-            for (int w = 0; w < W; ++w) sum[g][w] = _mm256_fmadd_ps(p, v[w], sum[g][w]);
-          }
-        }
-      }
-      for (int g = 0; g < GROUP; ++g) {
-        float* o = reinterpret_cast<float*>(out) + (h * GROUP + g) * DIM + 8 * c0;
-        const __m256 scale_g = _mm256_set1_ps(inv[g]);
-        for (int w = 0; w < W; ++w) _mm256_storeu_ps(o + 8 * w, _mm256_mul_ps(sum[g][w], scale_g));
-      }
-    }
+    // P x V a slice of W chunks of 8 at a time (the last slice the chunks left over).
+    constexpr int C = DIM / 8, W = pv_width(GROUP);
+    for (int c0 = 0; c0 + W <= C; c0 += W)
+      pv_slice<GROUP, W>(reinterpret_cast<const float*>(v_cache), table, ctx, block_size,
+                         kv_heads, h, DIM, 8 * c0, scores, inv, reinterpret_cast<float*>(out));
+    if constexpr (C % W != 0)
+      pv_slice<GROUP, C % W>(reinterpret_cast<const float*>(v_cache), table, ctx, block_size,
+                             kv_heads, h, DIM, 8 * (C - C % W), scores, inv,
+                             reinterpret_cast<float*>(out));
     return;
   }
 #endif
@@ -275,25 +283,31 @@ template <typename T>
 using AttendFn = void (*)(const T*, const T*, const T*, const int64_t*, int64_t, int64_t,
                           int64_t, int64_t, int64_t, int64_t, int64_t, float, float, T*, float*);
 
+// The kernel compiled for fixed shapes (query heads per K/V head, head dim): for fp32, the
+// AVX2 path's, every shape of the models this engine loads (SmolLM2 3/64, Llama-3.2-1B
+// 4/64, Qwen2.5-0.5B 7/64, Phi-3 1/96, Llama-2-7B 1/128, Llama-3-8B and Mistral 4/128,
+// Qwen2.5-1.5B 6/128 and -7B 7/128, Gemma 2 2/256 and 8/256); for bf16 the common ones
+// (each shape adds about half a second to the first build). Others take the generic loops.
+template <typename T, int DIM, int... GROUPS>
+AttendFn<T> pick_group(int64_t group) {
+  AttendFn<T> fn = nullptr;
+  ((group == GROUPS ? (fn = attend_one<T, DIM, GROUPS>, 0) : 0), ...);
+  return fn;
+}
+
 template <typename T>
 AttendFn<T> pick(int64_t dim, int64_t group) {
-  if (dim == 64) {
-    switch (group) {
-      case 1: return attend_one<T, 64, 1>;
-      case 2: return attend_one<T, 64, 2>;
-      case 3: return attend_one<T, 64, 3>;
-      case 4: return attend_one<T, 64, 4>;
-      case 8: return attend_one<T, 64, 8>;
-    }
+  AttendFn<T> fn = nullptr;
+  if constexpr (std::is_same_v<T, float>) {
+    if (dim == 64) fn = pick_group<T, 64, 1, 2, 3, 4, 5, 6, 7, 8>(group);
+    if (dim == 96) fn = pick_group<T, 96, 1>(group);
+    if (dim == 128) fn = pick_group<T, 128, 1, 2, 4, 6, 7, 8>(group);
+    if (dim == 256) fn = pick_group<T, 256, 2, 8>(group);
+  } else {
+    if (dim == 64) fn = pick_group<T, 64, 1, 2, 3, 4, 8>(group);
+    if (dim == 128) fn = pick_group<T, 128, 1, 4, 8>(group);
   }
-  if (dim == 128) {
-    switch (group) {
-      case 1: return attend_one<T, 128, 1>;
-      case 4: return attend_one<T, 128, 4>;
-      case 8: return attend_one<T, 128, 8>;
-    }
-  }
-  return attend_one<T, 0, 0>;
+  return fn ? fn : attend_one<T, 0, 0>;
 }
 
 template <typename T>
