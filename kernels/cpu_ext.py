@@ -58,7 +58,7 @@ def load_library() -> ctypes.CDLL | None:
                          "-c", str(s), "-o", o] for s, o in zip(SOURCES, objects, strict=True)]
             # The sources compile side by side (the attention kernel's fixed shapes take
             # most of the build), then link.
-            procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                       text=True) for cmd in compiles]
             stderr = [p.communicate()[1] for p in procs]
             errors = [err for p, err in zip(procs, stderr, strict=True) if p.returncode]

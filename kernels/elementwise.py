@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_ext
-from .cpu_ext import load_library
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,13 +41,12 @@ def _fast(*tensors: torch.Tensor) -> bool:
     return (dtype in (torch.bfloat16, torch.float32)
             and all(t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
                     for t in tensors)
-            and tensors[0].dim() == 2 and load_library() is not None)
+            and tensors[0].dim() == 2 and cpu_ext.load_library() is not None)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if _fast(x, weight):
-        return cpu_ext.rms_norm(x, weight, eps)
-    return rms_norm_reference(x, weight, eps)
+    return cpu_ext.rms_norm(x, weight, eps) if _fast(x, weight) else rms_norm_reference(
+        x, weight, eps)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

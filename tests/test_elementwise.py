@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmdb.kernels import cpu_ext, elementwise
+from llmdb.kernels import cpu_ext
 from llmdb.kernels.elementwise import (
     rms_norm,
     rms_norm_reference,
@@ -14,7 +14,7 @@ from llmdb.kernels.elementwise import (
     silu_mul_reference,
 )
 
-pytestmark = pytest.mark.skipif(elementwise.load_library() is None, reason="no C++ compiler")
+pytestmark = pytest.mark.skipif(cpu_ext.load_library() is None, reason="no C++ compiler")
 
 
 def _assert_bf16_close(fast: torch.Tensor, ref: torch.Tensor) -> None:

@@ -287,7 +287,7 @@ using AttendFn = void (*)(const T*, const T*, const T*, const int64_t*, int64_t,
 // AVX2 path's, every shape of the models this engine loads (SmolLM2 3/64, Llama-3.2-1B
 // 4/64, Qwen2.5-0.5B 7/64, Phi-3 1/96, Llama-2-7B 1/128, Llama-3-8B and Mistral 4/128,
 // Qwen2.5-1.5B 6/128 and -7B 7/128, Gemma 2 2/256 and 8/256); for bf16 the common ones
-// (each shape adds about half a second to the first build). Others take the generic loops.
+// (each shape adds compile time to the first build). Others take the generic loops.
 template <typename T, int DIM, int... GROUPS>
 AttendFn<T> pick_group(int64_t group) {
   AttendFn<T> fn = nullptr;
